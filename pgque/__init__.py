@@ -1,0 +1,60 @@
+"""pgque: Kafka's partition model inside PostgreSQL.
+
+Producers append events to an immutable log with :meth:`Client.send`; each
+consumer reads the whole log through its own cursor, in batches cut by
+ticks. See the README and docs/ for the guarantees.
+"""
+
+from pgque.client import Client, connect, open_connection
+from pgque.errors import (
+    BatchNotActive,
+    ConnectError,
+    ConsumerNotFound,
+    DeadLetterNotFound,
+    EventNotInBatch,
+    InvalidArgument,
+    InvalidConfig,
+    InvalidName,
+    NotReadCommitted,
+    PartitionKeyTooLong,
+    PayloadError,
+    PgqueError,
+    QueueExists,
+    QueueInUse,
+    QueueNotFound,
+    SlotSubscriptionError,
+)
+from pgque.schema import install, install_script, uninstall
+from pgque.types import Batch, DeadLetter, Event, Message
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "BatchNotActive",
+    "Client",
+    "ConnectError",
+    "ConsumerNotFound",
+    "DeadLetter",
+    "DeadLetterNotFound",
+    "Event",
+    "EventNotInBatch",
+    "InvalidArgument",
+    "InvalidConfig",
+    "InvalidName",
+    "Message",
+    "NotReadCommitted",
+    "PartitionKeyTooLong",
+    "PayloadError",
+    "PgqueError",
+    "QueueExists",
+    "QueueInUse",
+    "QueueNotFound",
+    "SlotSubscriptionError",
+    "__version__",
+    "connect",
+    "install",
+    "install_script",
+    "open_connection",
+    "uninstall",
+]

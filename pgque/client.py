@@ -1,0 +1,342 @@
+"""The pgque client: producers' and consumers' calls, each one round trip.
+
+A :class:`Client` wraps a psycopg connection. Made with :func:`connect`, it owns
+an autocommit connection (every call is its own transaction) and, for
+``send`` from many threads, a small pool opened on first use. Made as
+``Client(conn)`` over the caller's connection, it runs every call in whatever
+transaction that connection is in: the caller commits.
+
+All correctness lives in the SQL functions; this module encodes arguments,
+decodes rows and maps the engine's SQLSTATEs to :mod:`pgque.errors`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar, overload
+
+import msgspec
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from pgque import schema
+from pgque.codec import encode_payload
+from pgque.errors import ConnectError, translated
+from pgque.types import Batch, DeadLetter, Event, Message
+
+__all__ = ["Client", "connect"]
+
+T = TypeVar("T")
+EventLike = Event | tuple[str, Any] | tuple[str, Any, "str | None"]
+Conn = psycopg.Connection[Any]
+
+# SQLSTATEs worth waiting for while a server starts: cannot connect now,
+# the database system is starting up / shutting down, too many connections.
+_TRANSIENT_STATES = {None, "57P03", "57P01", "53300", "08001", "08006"}
+
+
+def _seconds(value: float | timedelta) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def open_connection(dsn: str, *, timeout: float = 30.0, **kwargs: Any) -> Conn:
+    """Open an autocommit psycopg connection, retrying while the server starts.
+
+    Retries with capped exponential backoff for up to ``timeout`` seconds when
+    the server refuses connections or says it is starting; fails at once on a
+    malformed DSN, bad credentials or a missing database. Raises ConnectError.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    kwargs.setdefault("autocommit", True)
+    while True:
+        try:
+            return psycopg.connect(dsn, **kwargs)
+        except psycopg.ProgrammingError as exc:  # malformed DSN
+            raise ConnectError(f"invalid DSN: {exc}") from exc
+        except psycopg.OperationalError as exc:
+            if exc.sqlstate not in _TRANSIENT_STATES or time.monotonic() + delay > deadline:
+                raise ConnectError(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def connect(dsn: str, *, timeout: float = 30.0, pool_size: int = 4, **kwargs: Any) -> Client:
+    """Connect to the database at ``dsn`` and return a :class:`Client` that owns the connection.
+
+    Waits up to ``timeout`` seconds for a server that is starting. ``pool_size``
+    bounds the producer pool that ``send``/``send_batch`` use when called from
+    several threads (0: send on the client's own connection). Extra keyword
+    arguments go to ``psycopg.connect``.
+    """
+    conn = open_connection(dsn, timeout=timeout, **kwargs)
+    return Client(conn, dsn=dsn, pool_size=pool_size, owns_connection=True)
+
+
+class Client:
+    """pgque's calls over one psycopg connection. See the module docstring."""
+
+    def __init__(
+        self,
+        conn: Conn,
+        *,
+        dsn: str | None = None,
+        pool_size: int = 0,
+        owns_connection: bool = False,
+    ) -> None:
+        self.conn = conn
+        self._dsn = dsn
+        self._pool_size = pool_size if dsn is not None else 0
+        self._pool: ConnectionPool[Conn] | None = None
+        self._owns_connection = owns_connection
+
+    # -- lifecycle -------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the pool and, if this client opened it, the connection."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._owns_connection:
+            self.conn.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rows(self, sql: str, params: Sequence[Any] = (), conn: Conn | None = None) -> list[Any]:
+        with translated(), (conn or self.conn).cursor() as cur:
+            cur.execute(sql.encode(), params)
+            return cur.fetchall()
+
+    def _value(self, sql: str, params: Sequence[Any] = (), conn: Conn | None = None) -> Any:
+        rows = self._rows(sql, params, conn)
+        return rows[0][0]
+
+    @contextmanager
+    def _producer(self, conn: Conn | None) -> Iterator[Conn]:
+        if conn is not None:
+            yield conn
+        elif self._pool_size > 0:
+            if self._pool is None:
+                assert self._dsn is not None
+                self._pool = ConnectionPool(
+                    self._dsn, min_size=1, max_size=self._pool_size,
+                    kwargs={"autocommit": True}, open=True, name="pgque-producers")
+            with self._pool.connection() as pooled:
+                yield pooled
+        else:
+            yield self.conn
+
+    # -- schema and queues -----------------------------------------------
+
+    def install(self) -> str:
+        """Install or upgrade the engine (idempotent); returns the installed version."""
+        schema.install(self.conn)
+        return str(self._value("select pgque.version()"))
+
+    def uninstall(self) -> None:
+        """Drop the engine with every queue in it."""
+        schema.uninstall(self.conn)
+
+    def create_queue(self, name: str, *, exist_ok: bool = False,
+                     **config: float | timedelta | str) -> int:
+        """Create a queue and return its id.
+
+        Settings: ``ticker_max_count``, ``ticker_max_lag``, ``ticker_idle_period``,
+        ``rotation_period``, ``max_retries``, ``event_tables``; durations as
+        seconds or timedeltas. Raises QueueExists unless ``exist_ok``.
+        """
+        return int(self._value("select pgque.create_queue(%s, %s::jsonb, %s)",
+                               (name, _config_json(config), exist_ok)))
+
+    def set_queue_config(self, name: str, **config: float | timedelta | str) -> dict[str, Any]:
+        """Change settings of a queue; returns its whole configuration."""
+        result: dict[str, Any] = self._value("select pgque.set_queue_config(%s, %s::jsonb)",
+                                             (name, _config_json(config)))
+        return result
+
+    def queue_config(self, name: str) -> dict[str, Any]:
+        """The queue's settings (durations in seconds)."""
+        result: dict[str, Any] = self._value("select pgque.queue_config(%s)", (name,))
+        return result
+
+    def drop_queue(self, name: str, *, force: bool = False) -> None:
+        """Drop a queue with all its events. Raises QueueInUse while it has consumers,
+        unless ``force``."""
+        self._rows("select pgque.drop_queue(%s, %s)", (name, force))
+
+    def subscribe(self, queue: str, consumer: str) -> bool:
+        """Subscribe a consumer; it receives events committed from now on.
+
+        Returns False if it was already subscribed.
+        """
+        return bool(self._value("select pgque.subscribe(%s, %s)", (queue, consumer)))
+
+    def unsubscribe(self, queue: str, consumer: str) -> bool:
+        """Remove a subscription (its cursor, open batch and pending retries)."""
+        return bool(self._value("select pgque.unsubscribe(%s, %s)", (queue, consumer)))
+
+    # -- producing -------------------------------------------------------
+
+    def send(self, queue: str, type: str, payload: Any = None,
+             partition_key: str | None = None, *, conn: Conn | None = None) -> int:
+        """Append one event and return its id.
+
+        With ``conn``, the event is written in that connection's current
+        transaction and exists only if it commits.
+        """
+        data = encode_payload(payload)
+        with self._producer(conn) as target:
+            return int(self._value("select pgque.send(%s, %s, %s::text, %s)",
+                                   (queue, type, data, partition_key), target))
+
+    def send_batch(self, queue: str, events: Iterable[EventLike], *,
+                   conn: Conn | None = None) -> list[int]:
+        """Append several events in one round trip; returns their ids in order.
+
+        Each event is a :class:`~pgque.Event` or a ``(type, payload[, partition_key])``
+        tuple. Nothing is written if any of them is invalid.
+        """
+        types: list[str] = []
+        payloads: list[str] = []
+        keys: list[str | None] = []
+        for event in events:
+            if isinstance(event, Event):
+                etype, payload, key = event.type, event.payload, event.partition_key
+            else:
+                etype, payload, key = (*event, None)[:3]
+            types.append(etype)
+            payloads.append(encode_payload(payload))
+            keys.append(key)
+        if not types:
+            return []
+        with self._producer(conn) as target:
+            ids = self._value("select pgque.send_batch(%s, %s::text[], %s::text[], %s::text[])",
+                              (queue, types, payloads, keys), target)
+        return [int(i) for i in ids]
+
+    # -- ticks and maintenance -------------------------------------------
+
+    def tick(self, queue: str) -> int:
+        """Force a tick of one queue now; returns the tick id."""
+        return int(self._value("select pgque.tick(%s)", (queue,)))
+
+    def ticker(self) -> int:
+        """Tick every queue whose thresholds ask for it; returns how many ticked."""
+        return int(self._value("select pgque.ticker()"))
+
+    def maintenance(self, queue: str | None = None) -> list[tuple[str, str, int]]:
+        """Run rotation, retry re-insertion and tick cleanup; returns what was done
+        as (queue, step, amount) rows."""
+        return [(q, s, int(n)) for q, s, n in self._rows("select * from pgque.maint(%s)", (queue,))]
+
+    # -- consuming -------------------------------------------------------
+
+    @overload
+    def receive(self, queue: str, consumer: str, *, max_events: int | None = None,
+                payload_type: None = None) -> Batch[Any] | None: ...
+
+    @overload
+    def receive(self, queue: str, consumer: str, *, max_events: int | None = None,
+                payload_type: type[T]) -> Batch[T] | None: ...
+
+    def receive(self, queue: str, consumer: str, *, max_events: int | None = None,
+                payload_type: type[T] | None = None) -> Batch[Any] | None:
+        """The consumer's open batch (or its next one), or None when none is ready.
+
+        With ``max_events`` the batch comes in pieces: each ``ack`` acks the
+        piece handed out, and the next ``receive`` continues the same batch.
+        A batch may have no messages (a tick with no events); ack it all the same.
+        """
+        rows = self._rows("select * from pgque.receive(%s, %s, %s)",
+                          (queue, consumer, max_events))
+        return _batch(queue, consumer, rows, payload_type)
+
+    def ack(self, batch: Batch[Any]) -> bool:
+        """Ack the batch piece; True when that finished the whole batch."""
+        return bool(self._value("select pgque.ack(%s, %s, %s)",
+                                (batch.queue, batch.consumer, batch.batch_id)))
+
+    def nack(self, batch: Batch[Any], messages: Message[Any] | int | Iterable[Message[Any] | int],
+             *, retry_after: float | timedelta = 0.0, reason: str | None = None) -> int:
+        """Send messages of the batch to retry after ``retry_after`` (or to dead
+        letters once retried max_retries times), in one round trip.
+
+        Returns how many went to dead letters. Ack the batch afterwards as usual.
+        """
+        ids = _message_ids(messages)
+        return int(self._value(
+            "select pgque.nack(%s, %s, %s, %s::bigint[], make_interval(secs => %s), %s)",
+            (batch.queue, batch.consumer, batch.batch_id, ids, _seconds(retry_after), reason)))
+
+    # -- dead letters ----------------------------------------------------
+
+    def dead_letters(self, queue: str, consumer: str | None = None, *, limit: int = 100,
+                     after_id: int = 0) -> list[DeadLetter]:
+        """Dead letters of a queue (of one consumer), oldest first."""
+        rows = self._rows("select * from pgque.dead_letters(%s, %s, %s, %s)",
+                          (queue, consumer, limit, after_id))
+        return [DeadLetter(id=r[0], consumer=r[1], failed_at=r[2], reason=r[3], event_id=r[4],
+                           created_at=r[5], retry_count=r[6], type=r[7], data=r[8],
+                           partition_key=r[9]) for r in rows]
+
+    def replay_dead_letter(self, queue: str, dead_letter_id: int) -> int:
+        """Put a dead letter back into the log for its consumer; returns the event id."""
+        return int(self._value("select pgque.replay_dead_letter(%s, %s)", (queue, dead_letter_id)))
+
+    def purge_dead_letters(self, queue: str, consumer: str | None = None,
+                           ids: Sequence[int] | None = None) -> int:
+        """Delete dead letters (the given ids, or all of the queue or consumer)."""
+        return int(self._value("select pgque.purge_dead_letters(%s, %s, %s::bigint[])",
+                               (queue, consumer, None if ids is None else list(ids))))
+
+    # -- information -----------------------------------------------------
+
+    def queue_info(self) -> list[dict[str, Any]]:
+        """One dict per queue: settings, newest tick, events since that tick."""
+        return self._dicts("select * from pgque.queue_info order by queue_name")
+
+    def consumer_info(self, queue: str | None = None) -> list[dict[str, Any]]:
+        """One dict per subscription: cursor, lag, open batch, oldest unconsumed age."""
+        return self._dicts("select * from pgque.consumer_info where %s::text is null "
+                           "or queue_name = %s order by queue_name, consumer_name",
+                           (queue, queue))
+
+    def _dicts(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        with translated(), self.conn.cursor() as cur:
+            cur.execute(sql.encode(), params)
+            names = [d.name for d in cur.description or ()]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def _config_json(config: dict[str, float | timedelta | str]) -> str:
+    return msgspec.json.encode(
+        {k: v.total_seconds() if isinstance(v, timedelta) else v for k, v in config.items()}
+    ).decode()
+
+
+def _message_ids(messages: Message[Any] | int | Iterable[Message[Any] | int]) -> list[int]:
+    if isinstance(messages, (Message, int)):
+        messages = [messages]
+    return [m.id if isinstance(m, Message) else int(m) for m in messages]
+
+
+def _batch(queue: str, consumer: str, rows: list[Any], payload_type: type[T] | None,
+           slot: int | None = None, slots: int | None = None) -> Batch[Any] | None:
+    """Build a Batch from receive rows (batch_id, ev_id, ev_time, ev_retry,
+    ev_type, ev_data, ev_extra1..4); None when there are no rows."""
+    if not rows:
+        return None
+    messages = [
+        Message(id=r[1], type=r[4], data=r[5], partition_key=r[6], retry_count=r[3],
+                created_at=r[2], extra=(r[7], r[8], r[9]), payload_type=payload_type)
+        for r in rows if r[1] is not None
+    ]
+    return Batch(queue=queue, consumer=consumer, batch_id=rows[0][0], messages=messages,
+                 slot=slot, slots=slots)

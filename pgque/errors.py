@@ -1,0 +1,172 @@
+"""Exceptions raised by pgque.
+
+Every error the engine raises carries a SQLSTATE of class ``PQ``; the client
+maps it to one of the classes below by that code, never by message text.
+Errors from PostgreSQL that are not pgque's own (a lost connection, a
+permission error) propagate as psycopg exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+
+__all__ = [
+    "BatchNotActive",
+    "ConnectError",
+    "ConsumerNotFound",
+    "DeadLetterNotFound",
+    "EventNotInBatch",
+    "InvalidArgument",
+    "InvalidConfig",
+    "InvalidName",
+    "NotReadCommitted",
+    "PartitionKeyTooLong",
+    "PayloadError",
+    "PgqueError",
+    "QueueExists",
+    "QueueInUse",
+    "QueueNotFound",
+    "SlotSubscriptionError",
+]
+
+
+class PgqueError(Exception):
+    """Base class of every pgque error.
+
+    ``sqlstate`` is the SQLSTATE the server raised, or None for errors found
+    in the client (a payload that cannot be encoded, a bad DSN).
+    """
+
+    sqlstate: str | None = None
+
+
+class ConnectError(PgqueError):
+    """The database could not be reached (bad DSN, or not up within the timeout)."""
+
+
+class QueueNotFound(PgqueError):
+    """The queue does not exist (PQ001)."""
+
+    sqlstate = "PQ001"
+
+
+class ConsumerNotFound(PgqueError):
+    """The consumer is not subscribed to the queue (PQ002)."""
+
+    sqlstate = "PQ002"
+
+
+class BatchNotActive(PgqueError):
+    """The batch is not the consumer's open batch: already acked, or never opened (PQ003)."""
+
+    sqlstate = "PQ003"
+
+
+class InvalidName(PgqueError, ValueError):
+    """A queue or consumer name is not allowed (PQ004)."""
+
+    sqlstate = "PQ004"
+
+
+class PayloadError(PgqueError, ValueError):
+    """A payload is not JSON, cannot be encoded, or does not fit the requested type (PQ005)."""
+
+    sqlstate = "PQ005"
+
+
+class QueueExists(PgqueError):
+    """A queue of that name already exists (PQ006)."""
+
+    sqlstate = "PQ006"
+
+
+class InvalidConfig(PgqueError, ValueError):
+    """A queue setting is unknown or out of range (PQ007)."""
+
+    sqlstate = "PQ007"
+
+
+class NotReadCommitted(PgqueError):
+    """Ticks must be made in a READ COMMITTED transaction (PQ008)."""
+
+    sqlstate = "PQ008"
+
+
+class DeadLetterNotFound(PgqueError):
+    """No dead letter with that id in the queue (PQ009)."""
+
+    sqlstate = "PQ009"
+
+
+class EventNotInBatch(PgqueError):
+    """A nacked event id is not among the events handed out of the batch (PQ010)."""
+
+    sqlstate = "PQ010"
+
+
+class QueueInUse(PgqueError):
+    """The queue still has consumers; unsubscribe them or drop with force (PQ011)."""
+
+    sqlstate = "PQ011"
+
+
+class PartitionKeyTooLong(PgqueError, ValueError):
+    """A partition key is longer than 512 bytes (PQ012)."""
+
+    sqlstate = "PQ012"
+
+
+class SlotSubscriptionError(PgqueError):
+    """A slot subscription was used through the plain receive/ack/nack (PQ021)."""
+
+    sqlstate = "PQ021"
+
+
+class InvalidArgument(PgqueError, ValueError):
+    """An argument is out of range, e.g. max_events < 1 (SQLSTATE 22023)."""
+
+    sqlstate = "22023"
+
+
+_BY_SQLSTATE: dict[str, type[PgqueError]] = {
+    cls.sqlstate: cls
+    for cls in (
+        QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
+        QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
+        QueueInUse, PartitionKeyTooLong, SlotSubscriptionError, InvalidArgument,
+    )
+    if cls.sqlstate is not None
+}
+
+
+def register(cls: type[PgqueError]) -> type[PgqueError]:
+    """Map ``cls.sqlstate`` to ``cls`` (used by modules that add error codes)."""
+    assert cls.sqlstate is not None
+    _BY_SQLSTATE[cls.sqlstate] = cls
+    return cls
+
+
+def from_psycopg(exc: psycopg.Error) -> PgqueError | None:
+    """The pgque exception for a psycopg error, or None if it is not one of ours."""
+    cls = _BY_SQLSTATE.get(exc.sqlstate or "")
+    if cls is None:
+        return None
+    message = exc.diag.message_primary or str(exc)
+    error = cls(message)
+    error.sqlstate = exc.sqlstate
+    return error
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Re-raise pgque's server errors as their PgqueError classes."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        mapped = from_psycopg(exc)
+        if mapped is None:
+            raise
+        raise mapped from exc

@@ -1,0 +1,110 @@
+"""The values pgque hands to and from applications: Event, Message, Batch, DeadLetter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from pgque.codec import decode_payload
+
+__all__ = ["Batch", "DeadLetter", "Event", "Message"]
+
+T = TypeVar("T")
+
+
+class Event(msgspec.Struct, frozen=True):
+    """An event to send: its type, its payload and, optionally, its partition key."""
+
+    type: str
+    payload: Any = None
+    partition_key: str | None = None
+
+
+class Message(Generic[T]):
+    """One event as a consumer receives it.
+
+    ``payload`` is decoded from JSON on first access (into ``payload_type``
+    when the receive call gave one), so an event whose payload does not fit
+    the type reaches the handler as a :class:`~pgque.PayloadError` that it
+    can nack, instead of failing the whole batch. ``data`` is the raw JSON.
+    """
+
+    __slots__ = ("_decoded", "_payload_type", "created_at", "data", "extra", "id",
+                 "partition_key", "retry_count", "type")
+
+    def __init__(
+        self,
+        id: int,
+        type: str,
+        data: str | None,
+        partition_key: str | None,
+        retry_count: int,
+        created_at: datetime,
+        extra: tuple[str | None, str | None, str | None] = (None, None, None),
+        payload_type: type[T] | None = None,
+    ) -> None:
+        self.id = id
+        self.type = type
+        self.data = data
+        self.partition_key = partition_key
+        self.retry_count = retry_count
+        self.created_at = created_at
+        self.extra = extra
+        self._payload_type = payload_type
+        self._decoded: tuple[T] | None = None
+
+    @property
+    def payload(self) -> T:
+        """The payload, decoded (and cached) on first access."""
+        if self._decoded is None:
+            self._decoded = (decode_payload(self.data, self._payload_type),)
+        return self._decoded[0]
+
+    def __repr__(self) -> str:
+        return (f"Message(id={self.id}, type={self.type!r}, partition_key={self.partition_key!r}, "
+                f"retry_count={self.retry_count}, data={self.data!r})")
+
+
+@dataclass(frozen=True)
+class Batch(Generic[T]):
+    """A piece of a consumer's open batch: the messages to handle, then ack.
+
+    ``slot`` and ``slots`` are set for batches of a partitioned consumer.
+    """
+
+    queue: str
+    consumer: str
+    batch_id: int
+    messages: list[Message[T]] = field(default_factory=list)
+    slot: int | None = None
+    slots: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __iter__(self) -> Iterator[Message[T]]:
+        return iter(self.messages)
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """An event that failed more often than its queue allows, with the reason."""
+
+    id: int
+    consumer: str
+    failed_at: datetime
+    reason: str | None
+    event_id: int
+    created_at: datetime
+    retry_count: int
+    type: str
+    data: str | None
+    partition_key: str | None
+
+    @property
+    def payload(self) -> Any:
+        """The payload decoded from JSON."""
+        return decode_payload(self.data, None)

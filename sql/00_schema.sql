@@ -1,0 +1,136 @@
+-- pgque: schema, roles and tables.
+--
+-- Everything lives in schema pgque. Event rows live in per-queue tables that
+-- create_queue() makes (pgque.event_<queue_id> and its children
+-- pgque.event_<queue_id>_<n>); the tables below hold the metadata around them.
+-- Every statement here is idempotent: running the install twice changes nothing.
+
+create schema if not exists pgque;
+revoke all on schema pgque from public;
+
+-- Roles are cluster-wide. Create them when the installer may; otherwise the
+-- grants at the end of the install apply to whichever of them already exist.
+do $roles$
+declare
+    v_role text;
+    v_can_create boolean := (select rolsuper or rolcreaterole
+                               from pg_catalog.pg_roles where rolname = current_user);
+begin
+    foreach v_role in array array['pgque_reader', 'pgque_writer', 'pgque_admin'] loop
+        if not exists (select 1 from pg_catalog.pg_roles where rolname = v_role) then
+            if v_can_create then
+                execute format('create role %I nologin', v_role);
+            else
+                raise notice 'pgque: role % does not exist and % may not create it; skipping its grants',
+                    v_role, current_user;
+            end if;
+        end if;
+    end loop;
+end
+$roles$;
+
+-- One row per queue, with its configuration and rotation state.
+create table if not exists pgque.queue (
+    queue_id                 integer generated always as identity primary key,
+    queue_name               text not null unique,
+    queue_event_seq          regclass not null,
+    queue_ntables            integer not null default 3,
+    queue_cur_table          integer not null default 0,
+    queue_rotation_period    interval not null default '2 hours',
+    queue_switch_time        timestamptz not null default now(),
+    queue_ticker_max_count   integer not null default 500,
+    queue_ticker_max_lag     interval not null default '3 seconds',
+    queue_ticker_idle_period interval not null default '1 minute',
+    queue_max_retries        integer not null default 5,
+    queue_created            timestamptz not null default now()
+);
+
+-- A tick records a snapshot of the database: the events of a batch are those
+-- committed as of one tick's snapshot and not as of the previous one.
+create table if not exists pgque.tick (
+    tick_queue     integer not null references pgque.queue on delete cascade,
+    tick_id        bigint not null,
+    tick_time      timestamptz not null default now(),
+    tick_snapshot  pg_snapshot not null,
+    tick_event_seq bigint not null,
+    primary key (tick_queue, tick_id)
+);
+
+create sequence if not exists pgque.tick_id_seq;
+create sequence if not exists pgque.batch_id_seq;
+
+-- A subscription is a consumer's cursor over one queue. Its row is updated on
+-- every receive and ack, so no indexed column ever changes (updates stay HOT)
+-- and the table leaves room on each page for the new row versions.
+create table if not exists pgque.subscription (
+    sub_id           integer generated always as identity primary key,
+    sub_queue        integer not null references pgque.queue on delete cascade,
+    sub_consumer     text not null,
+    sub_last_tick    bigint not null,     -- last tick whose batch is finished
+    sub_batch        bigint,              -- id of the open batch, null when none
+    sub_next_tick    bigint,              -- tick that closes the open batch
+    sub_batch_pos    bigint,              -- highest ev_id acked inside the open batch
+    sub_batch_handed bigint,              -- highest ev_id handed out by the latest receive
+    sub_batch_last   bigint,              -- highest ev_id of the open batch, once a receive saw its end (0: none)
+    sub_active       timestamptz not null default now(),
+    sub_created      timestamptz not null default now(),
+    unique (sub_queue, sub_consumer)
+) with (fillfactor = 30);
+
+-- Nacked events wait here until their retry time; maintenance moves them back
+-- into the log, visible only to the subscription that nacked them.
+create table if not exists pgque.retry_queue (
+    ev_retry_after timestamptz not null,
+    ev_queue       integer not null,
+    ev_owner       integer not null references pgque.subscription on delete cascade,
+    ev_id          bigint not null,
+    ev_time        timestamptz not null,
+    ev_retry       integer not null,
+    ev_type        text,
+    ev_data        text,
+    ev_extra1      text,
+    ev_extra2      text,
+    ev_extra3      text,
+    ev_extra4      text
+);
+create index if not exists retry_queue_due_idx on pgque.retry_queue (ev_queue, ev_retry_after);
+create index if not exists retry_queue_owner_idx on pgque.retry_queue (ev_owner);
+
+-- Events that failed more often than the queue allows, with the reason.
+create table if not exists pgque.dead_letter (
+    dl_id       bigint generated always as identity primary key,
+    dl_queue    integer not null references pgque.queue on delete cascade,
+    dl_consumer text not null,
+    dl_time     timestamptz not null default now(),
+    dl_reason   text,
+    ev_id       bigint not null,
+    ev_time     timestamptz not null,
+    ev_txid     xid8,
+    ev_retry    integer not null,
+    ev_type     text,
+    ev_data     text,
+    ev_extra1   text,
+    ev_extra2   text,
+    ev_extra3   text,
+    ev_extra4   text
+);
+create index if not exists dead_letter_queue_idx on pgque.dead_letter (dl_queue, dl_consumer, dl_id);
+
+-- The shape of an event row. Never holds rows: each queue's event tables are
+-- made "like" it, and its row type is what receive() hands back.
+create table if not exists pgque.event_template (
+    ev_id     bigint not null,
+    ev_time   timestamptz not null,
+    ev_txid   xid8 not null,
+    ev_owner  integer,
+    ev_retry  integer not null default 0,
+    ev_type   text,
+    ev_data   text,
+    ev_extra1 text,
+    ev_extra2 text,
+    ev_extra3 text,
+    ev_extra4 text
+);
+
+revoke all on all tables in schema pgque from public;
+revoke all on all sequences in schema pgque from public;

@@ -1,0 +1,100 @@
+-- pgque: small internal helpers shared by the rest of the engine.
+--
+-- Errors carry SQLSTATEs of class PQ so that clients map them by code, never
+-- by message text:
+--   PQ001 queue not found           PQ002 consumer not found
+--   PQ003 batch not active          PQ004 invalid name
+--   PQ005 payload is not JSON       PQ006 queue already exists
+--   PQ007 invalid configuration     PQ008 tick outside READ COMMITTED
+--   PQ009 dead letter not found     PQ010 event not in the batch
+--   PQ011 queue still has consumers PQ012 partition key too long
+-- The partition layer adds PQ02x (see its file).
+
+-- pgque.version(): the version of the installed engine.
+create or replace function pgque.version()
+returns text
+language sql immutable
+as $$ select '0.1.0'::text $$;
+
+-- pgque._check_name(kind, name): raises PQ004 unless name is 1..100 characters
+-- of letters, digits and _ . : - (starting with a letter or digit). '#' is
+-- reserved for slot subscriptions, so caller text can never forge one.
+create or replace function pgque._check_name(p_kind text, p_name text)
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_name is null or p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$' then
+        raise exception using
+            errcode = 'PQ004',
+            message = format('invalid %s name %L', p_kind, p_name),
+            hint = 'Use 1 to 100 letters, digits, "_", ".", ":" or "-", starting with a letter or digit.';
+    end if;
+end
+$$;
+
+-- pgque._queue(name): the queue row, or PQ001.
+create or replace function pgque._queue(p_queue text)
+returns pgque.queue
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue;
+begin
+    select * into v_queue from pgque.queue where queue_name = p_queue;
+    if not found then
+        raise exception using errcode = 'PQ001', message = format('queue %L does not exist', p_queue);
+    end if;
+    return v_queue;
+end
+$$;
+
+-- pgque._event_table(queue_id, n): the name (without schema) of event table n
+-- of a queue, or of the queue's parent table when n is null. Built from
+-- integers only, so nothing a caller types reaches dynamic SQL.
+create or replace function pgque._event_table(p_queue_id integer, p_n integer default null)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when p_n is null then 'event_' || p_queue_id::text
+                else 'event_' || p_queue_id::text || '_' || p_n::text end
+$$;
+
+-- pgque._subscription(queue, consumer, lock): the queue and subscription rows;
+-- PQ001 or PQ002 when either is missing. With lock, the subscription row is
+-- taken FOR UPDATE: this is the receive lock that serializes a consumer.
+create or replace function pgque._subscription(
+    p_queue text, p_consumer text, p_lock boolean,
+    out queue pgque.queue, out sub pgque.subscription)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    queue := pgque._queue(p_queue);
+    if p_lock then
+        select * into sub from pgque.subscription s
+         where s.sub_queue = queue.queue_id and s.sub_consumer = p_consumer
+           for update;
+    else
+        select * into sub from pgque.subscription s
+         where s.sub_queue = queue.queue_id and s.sub_consumer = p_consumer;
+    end if;
+    if not found then
+        raise exception using
+            errcode = 'PQ002',
+            message = format('consumer %L is not subscribed to queue %L', p_consumer, p_queue);
+    end if;
+end
+$$;
+
+-- pgque._tick_snapshot(queue_id, tick_id): the snapshot stored by a tick.
+create or replace function pgque._tick_snapshot(p_queue_id integer, p_tick_id bigint)
+returns pg_snapshot
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select tick_snapshot from pgque.tick where tick_queue = p_queue_id and tick_id = p_tick_id
+$$;

@@ -1,0 +1,232 @@
+-- pgque: creating, configuring and dropping queues.
+
+-- pgque._interval(key, value): a configuration value as an interval. Numbers
+-- are seconds; strings are PostgreSQL interval literals. PQ007 otherwise.
+create or replace function pgque._interval(p_key text, p_value jsonb)
+returns interval
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_result interval;
+begin
+    begin
+        if jsonb_typeof(p_value) = 'number' then
+            v_result := make_interval(secs => (p_value #>> '{}')::double precision);
+        elsif jsonb_typeof(p_value) = 'string' then
+            v_result := (p_value #>> '{}')::interval;
+        end if;
+    exception when others then
+        v_result := null;
+    end;
+    if v_result is null or v_result < interval '0' then
+        raise exception using errcode = 'PQ007',
+            message = format('%s must be a non-negative interval (seconds or an interval literal), not %s',
+                             p_key, p_value);
+    end if;
+    return v_result;
+end
+$$;
+
+-- pgque._integer(key, value, min, max): a configuration value as an integer
+-- within [min, max]. PQ007 otherwise.
+create or replace function pgque._integer(p_key text, p_value jsonb, p_min integer, p_max integer)
+returns integer
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_result integer;
+begin
+    if jsonb_typeof(p_value) = 'number' and (p_value #>> '{}') ~ '^[0-9]+$'
+       and length(p_value #>> '{}') <= 9 then
+        v_result := (p_value #>> '{}')::integer;
+    end if;
+    if v_result is null or v_result < p_min or v_result > p_max then
+        raise exception using errcode = 'PQ007',
+            message = format('%s must be an integer from %s to %s, not %s', p_key, p_min, p_max, p_value);
+    end if;
+    return v_result;
+end
+$$;
+
+-- pgque._configure(queue, config, creating): the queue row with the settings
+-- of config applied. Known keys: ticker_max_count, ticker_max_lag,
+-- ticker_idle_period, rotation_period, max_retries, and (only when creating)
+-- event_tables. Unknown keys and bad values raise PQ007.
+create or replace function pgque._configure(p_queue pgque.queue, p_config jsonb, p_creating boolean)
+returns pgque.queue
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key text;
+    v_value jsonb;
+begin
+    if p_config is null or jsonb_typeof(p_config) <> 'object' then
+        raise exception using errcode = 'PQ007', message = 'queue configuration must be a JSON object';
+    end if;
+    for v_key, v_value in select * from jsonb_each(p_config) loop
+        case v_key
+        when 'ticker_max_count' then
+            p_queue.queue_ticker_max_count := pgque._integer(v_key, v_value, 1, 100000000);
+        when 'ticker_max_lag' then
+            p_queue.queue_ticker_max_lag := pgque._interval(v_key, v_value);
+        when 'ticker_idle_period' then
+            p_queue.queue_ticker_idle_period := pgque._interval(v_key, v_value);
+        when 'rotation_period' then
+            p_queue.queue_rotation_period := pgque._interval(v_key, v_value);
+        when 'max_retries' then
+            p_queue.queue_max_retries := pgque._integer(v_key, v_value, 0, 1000000);
+        when 'event_tables' then
+            if not p_creating then
+                raise exception using errcode = 'PQ007',
+                    message = 'event_tables can only be set when the queue is created';
+            end if;
+            p_queue.queue_ntables := pgque._integer(v_key, v_value, 2, 64);
+        else
+            raise exception using errcode = 'PQ007',
+                message = format('unknown queue setting %L', v_key),
+                hint = 'Known settings: ticker_max_count, ticker_max_lag, ticker_idle_period, '
+                       'rotation_period, max_retries, event_tables.';
+        end case;
+    end loop;
+    return p_queue;
+end
+$$;
+
+-- pgque._store_config(queue): writes a queue row's settings back to its row.
+create or replace function pgque._store_config(p_queue pgque.queue)
+returns void
+language sql
+set search_path = pg_catalog, pg_temp
+as $$
+    update pgque.queue
+       set queue_event_seq = p_queue.queue_event_seq,
+           queue_ntables = p_queue.queue_ntables,
+           queue_rotation_period = p_queue.queue_rotation_period,
+           queue_ticker_max_count = p_queue.queue_ticker_max_count,
+           queue_ticker_max_lag = p_queue.queue_ticker_max_lag,
+           queue_ticker_idle_period = p_queue.queue_ticker_idle_period,
+           queue_max_retries = p_queue.queue_max_retries
+     where queue_id = p_queue.queue_id
+$$;
+
+-- pgque.create_queue(queue, config, exist_ok): creates a queue with its event
+-- tables, sequence and first tick; returns the queue id. An existing queue
+-- raises PQ006 unless exist_ok, in which case its id is returned unchanged.
+create or replace function pgque.create_queue(
+    p_queue text, p_config jsonb default '{}', p_exist_ok boolean default false)
+returns integer
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue;
+    v_parent text;
+    v_child text;
+    v_seq text;
+    n integer;
+begin
+    perform pgque._check_name('queue', p_queue);
+    -- Serialize creators of the same name so exist_ok is race-free.
+    perform pg_advisory_xact_lock(hashtext('pgque.create_queue'), hashtext(p_queue));
+    select * into v_queue from pgque.queue where queue_name = p_queue;
+    if found then
+        if p_exist_ok then
+            return v_queue.queue_id;
+        end if;
+        raise exception using errcode = 'PQ006', message = format('queue %L already exists', p_queue);
+    end if;
+
+    -- Insert with the table's defaults first, then apply the caller's settings.
+    insert into pgque.queue (queue_name, queue_event_seq)
+    values (p_queue, 'pgque.tick_id_seq'::regclass)
+    returning * into v_queue;
+    v_queue := pgque._configure(v_queue, p_config, true);
+
+    v_parent := pgque._event_table(v_queue.queue_id);
+    v_seq := v_parent || '_id_seq';
+    execute format('create sequence pgque.%I', v_seq);
+    execute format('create table pgque.%I (like pgque.event_template including defaults)', v_parent);
+    execute format('alter table pgque.%I alter column ev_id set default nextval(%L), '
+                   'alter column ev_time set default now(), '
+                   'alter column ev_txid set default pg_current_xact_id()',
+                   v_parent, 'pgque.' || v_seq);
+    for n in 0 .. v_queue.queue_ntables - 1 loop
+        v_child := pgque._event_table(v_queue.queue_id, n);
+        execute format('create table pgque.%I () inherits (pgque.%I)', v_child, v_parent);
+        execute format('create index %I on pgque.%I (ev_txid)', v_child || '_txid_idx', v_child);
+    end loop;
+    execute format('revoke all on pgque.%I, pgque.%I from public', v_parent, v_seq);
+
+    v_queue.queue_event_seq := ('pgque.' || v_seq)::regclass;
+    perform pgque._store_config(v_queue);
+
+    perform pgque._tick(v_queue);
+    return v_queue.queue_id;
+end
+$$;
+
+-- pgque.set_queue_config(queue, config): changes settings of an existing
+-- queue (see _configure for the keys); returns the new configuration.
+create or replace function pgque.set_queue_config(p_queue text, p_config jsonb)
+returns jsonb
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue(p_queue);
+begin
+    perform pgque._store_config(pgque._configure(v_queue, p_config, false));
+    return pgque.queue_config(p_queue);
+end
+$$;
+
+-- pgque.queue_config(queue): the queue's settings as a JSON object (intervals
+-- in seconds), in the shape create_queue and set_queue_config accept.
+create or replace function pgque.queue_config(p_queue text)
+returns jsonb
+language plpgsql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue(p_queue);
+begin
+    return jsonb_build_object(
+        'ticker_max_count', v_queue.queue_ticker_max_count,
+        'ticker_max_lag', extract(epoch from v_queue.queue_ticker_max_lag),
+        'ticker_idle_period', extract(epoch from v_queue.queue_ticker_idle_period),
+        'rotation_period', extract(epoch from v_queue.queue_rotation_period),
+        'max_retries', v_queue.queue_max_retries,
+        'event_tables', v_queue.queue_ntables);
+end
+$$;
+
+-- pgque.drop_queue(queue, force): drops a queue with its events, ticks,
+-- retries and dead letters. Refuses (PQ011) while consumers are subscribed,
+-- unless force.
+create or replace function pgque.drop_queue(p_queue text, p_force boolean default false)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue(p_queue);
+    v_parent text := pgque._event_table(v_queue.queue_id);
+begin
+    if not p_force and exists (select 1 from pgque.subscription where sub_queue = v_queue.queue_id) then
+        raise exception using errcode = 'PQ011',
+            message = format('queue %L still has consumers', p_queue),
+            hint = 'Unsubscribe them first, or drop with force.';
+    end if;
+    delete from pgque.retry_queue where ev_queue = v_queue.queue_id;
+    delete from pgque.queue where queue_id = v_queue.queue_id;
+    execute format('drop table pgque.%I cascade', v_parent);
+    execute format('drop sequence pgque.%I', v_parent || '_id_seq');
+end
+$$;

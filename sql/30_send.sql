@@ -1,0 +1,132 @@
+-- pgque: producing events.
+--
+-- Events are only ever INSERTed, into the queue's current event table, in the
+-- caller's transaction: an event exists for consumers only if that
+-- transaction commits. The partition key is stored in ev_extra1.
+
+-- pgque._check_payloads(payloads): raises PQ005 unless every element is JSON
+-- text (SQL NULL is allowed and means "no payload"). Validates without
+-- writing, so the exception block costs no subtransaction id.
+create or replace function pgque._check_payloads(p_payloads text[])
+returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_i integer;
+begin
+    begin
+        perform p::json from unnest(p_payloads) p;
+    exception when invalid_text_representation then
+        -- Find the culprit for the message; this is the slow, rare path.
+        for v_i in 1 .. coalesce(cardinality(p_payloads), 0) loop
+            begin
+                perform p_payloads[v_i]::json;
+            exception when invalid_text_representation then
+                raise exception using errcode = 'PQ005',
+                    message = format('payload %s is not valid JSON: %s', v_i, sqlerrm);
+            end;
+        end loop;
+    end;
+end
+$$;
+
+-- pgque._check_keys(keys): raises PQ012 if a partition key is longer than
+-- 512 bytes (a key is an identifier, not data).
+create or replace function pgque._check_keys(p_keys text[])
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_too_long integer;
+begin
+    select i into v_too_long
+      from unnest(p_keys) with ordinality as k(key, i)
+     where octet_length(k.key) > 512
+     limit 1;
+    if v_too_long is not null then
+        raise exception using errcode = 'PQ012',
+            message = format('partition key %s is longer than 512 bytes', v_too_long);
+    end if;
+end
+$$;
+
+-- pgque.send(queue, type, payload, partition_key): appends one event to the
+-- queue's log in the caller's transaction and returns its ev_id.
+-- Raises PQ001 (unknown queue), PQ005 (payload not JSON), PQ012 (key too long).
+create or replace function pgque.send(
+    p_queue text, p_type text, p_payload text, p_partition_key text default null)
+returns bigint
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue(p_queue);
+    v_id bigint;
+begin
+    perform pgque._check_payloads(array[p_payload]);
+    if octet_length(p_partition_key) > 512 then
+        perform pgque._check_keys(array[p_partition_key]);
+    end if;
+    execute format('insert into pgque.%I (ev_type, ev_data, ev_extra1) values ($1, $2, $3) returning ev_id',
+                   pgque._event_table(v_queue.queue_id, v_queue.queue_cur_table))
+       into v_id
+      using p_type, p_payload, p_partition_key;
+    return v_id;
+end
+$$;
+
+-- pgque.send(queue, type, payload jsonb, partition_key): the same for a jsonb
+-- payload.
+create or replace function pgque.send(
+    p_queue text, p_type text, p_payload jsonb, p_partition_key text default null)
+returns bigint
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgque.send(p_queue, p_type, p_payload::text, p_partition_key) $$;
+
+-- pgque.send_batch(queue, types, payloads, partition_keys): appends several
+-- events in one statement, in array order, and returns their ev_ids in the
+-- same order. The arrays must have equal lengths; partition_keys may be null
+-- (no keys). Nothing is inserted if any element is invalid.
+create or replace function pgque.send_batch(
+    p_queue text, p_types text[], p_payloads text[], p_partition_keys text[] default null)
+returns bigint[]
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue(p_queue);
+    v_ids bigint[];
+begin
+    if coalesce(cardinality(p_types), 0) <> coalesce(cardinality(p_payloads), 0)
+       or (p_partition_keys is not null
+           and cardinality(p_partition_keys) <> coalesce(cardinality(p_types), 0)) then
+        raise exception using errcode = '22023',
+            message = 'send_batch: types, payloads and partition keys must have the same length';
+    end if;
+    if coalesce(cardinality(p_types), 0) = 0 then
+        return '{}';
+    end if;
+    perform pgque._check_payloads(p_payloads);
+    perform pgque._check_keys(p_partition_keys);
+    -- nextval is taken in array order (ORDER BY the ordinal), so ev_ids follow it.
+    execute format(
+        'with ins as ('
+        '  insert into pgque.%I (ev_id, ev_type, ev_data, ev_extra1)'
+        '  select nextval(%L), t, d, k'
+        '    from unnest($1, $2, $3) with ordinality as e(t, d, k, i) order by i'
+        '  returning ev_id)'
+        ' select array_agg(ev_id order by ev_id) from ins',
+        pgque._event_table(v_queue.queue_id, v_queue.queue_cur_table),
+        v_queue.queue_event_seq::text)
+       into v_ids
+      using p_types, p_payloads,
+            coalesce(p_partition_keys, array_fill(null::text, array[cardinality(p_types)]));
+    return coalesce(v_ids, '{}');
+end
+$$;

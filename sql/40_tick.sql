@@ -1,0 +1,121 @@
+-- pgque: ticks.
+--
+-- A tick stores pg_current_snapshot() and the position of the queue's event
+-- sequence. Consecutive ticks of a queue must be taken in snapshot order, or
+-- a batch could miss events: ticks of one queue are serialized by an advisory
+-- transaction lock, and each snapshot is taken after that lock is granted,
+-- which in READ COMMITTED means after the previous tick committed.
+
+-- pgque._tick_lock_class(): the first key of the two-integer advisory locks
+-- pgque takes for ticking ('pgqt'), so they cannot meet other applications'
+-- locks that use the same space unless those chose the same constant.
+create or replace function pgque._tick_lock_class()
+returns integer
+language sql immutable
+as $$ select 1885827444 $$;
+
+-- pgque._tick(queue): makes a tick for the queue now, unconditionally, and
+-- returns its id. Raises PQ008 outside READ COMMITTED, where the snapshot
+-- would be the transaction's and could predate the previous tick.
+create or replace function pgque._tick(p_queue pgque.queue)
+returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_tick_id bigint;
+begin
+    if current_setting('transaction_isolation') <> 'read committed' then
+        raise exception using errcode = 'PQ008',
+            message = 'pgque ticks must be made in a READ COMMITTED transaction';
+    end if;
+    perform pg_advisory_xact_lock(pgque._tick_lock_class(), p_queue.queue_id);
+    -- A new statement, hence a snapshot taken after the lock was granted.
+    insert into pgque.tick (tick_queue, tick_id, tick_snapshot, tick_event_seq)
+    values (p_queue.queue_id, nextval('pgque.tick_id_seq'), pg_current_snapshot(),
+            coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0))
+    returning tick_id into v_tick_id;
+    return v_tick_id;
+end
+$$;
+
+-- pgque.tick(queue): forces a tick of one queue now; returns its id.
+create or replace function pgque.tick(p_queue text)
+returns bigint
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return pgque._tick(pgque._queue(p_queue));
+end
+$$;
+
+-- pgque._last_tick(queue_id): the newest tick of a queue.
+create or replace function pgque._last_tick(p_queue_id integer)
+returns pgque.tick
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select * from pgque.tick where tick_queue = p_queue_id order by tick_id desc limit 1
+$$;
+
+-- pgque._tick_due(queue, last_tick): whether the queue's thresholds ask for a
+-- tick now: enough events pending (ticker_max_count), or some pending for
+-- longer than ticker_max_lag, or none for ticker_idle_period.
+create or replace function pgque._tick_due(p_queue pgque.queue, p_last pgque.tick)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_pending bigint := coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0)
+                        - coalesce(p_last.tick_event_seq, 0);
+    v_age interval := now() - p_last.tick_time;
+begin
+    return p_last.tick_id is null
+        or v_pending >= p_queue.queue_ticker_max_count
+        or (v_pending > 0 and v_age >= p_queue.queue_ticker_max_lag)
+        or v_age >= p_queue.queue_ticker_idle_period;
+end
+$$;
+
+-- pgque.ticker(queue): ticks the queue if its thresholds ask for it; returns
+-- the new tick id, or null when no tick was due.
+create or replace function pgque.ticker(p_queue text)
+returns bigint
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue(p_queue);
+begin
+    if pgque._tick_due(v_queue, pgque._last_tick(v_queue.queue_id)) then
+        return pgque._tick(v_queue);
+    end if;
+    return null;
+end
+$$;
+
+-- pgque.ticker(): ticks every queue whose thresholds ask for it; returns how
+-- many ticks were made.
+create or replace function pgque.ticker()
+returns integer
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue;
+    v_count integer := 0;
+begin
+    for v_queue in select * from pgque.queue order by queue_id loop
+        if pgque._tick_due(v_queue, pgque._last_tick(v_queue.queue_id)) then
+            perform pgque._tick(v_queue);
+            v_count := v_count + 1;
+        end if;
+    end loop;
+    return v_count;
+end
+$$;

@@ -1,0 +1,295 @@
+-- pgque: batches (receive, ack, nack).
+--
+-- A batch of a subscription is the set of events committed as of its next
+-- tick's snapshot and not as of its last finished tick's snapshot. It is
+-- fixed once opened, may be handed out in pieces (max_events), and is
+-- finished by ack() only when every event in it was handed out.
+
+-- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
+--                     slot, slots):
+-- the events of a batch, in ev_id order: those of transactions visible in
+-- snapshot next but not in snapshot prev, that are not retries meant for
+-- another subscription, with after < ev_id <= upto (upto null: no bound),
+-- at most max of them (null: all), only ids when given, and only the hash
+-- class slot of slots when slots is given.
+--
+-- The "dual filter": transactions not visible in prev are those at or above
+-- its xmax plus those in progress when it was taken (its xip list), so the
+-- ev_txid index is read for one range and a short list of ids instead of
+-- whole tables. Every value reaches the statement as a parameter; the only
+-- text spliced in is a table name built from the queue id.
+create or replace function pgque._batch_events(
+    p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
+    p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
+    p_slot integer default null, p_slots integer default null)
+returns pgque.event_template[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_events pgque.event_template[];
+begin
+    execute format(
+        'select array(select row(e.*)::pgque.event_template'
+        '  from pgque.%I e'
+        ' where ((e.ev_txid >= $1 and e.ev_txid < $2) or e.ev_txid = any($3))'
+        '   and pg_visible_in_snapshot(e.ev_txid, $4)'
+        '   and (e.ev_owner is null or e.ev_owner = $5)'
+        '   and e.ev_id > $6'
+        '   and ($7::bigint is null or e.ev_id <= $7)'
+        '   and ($8::bigint[] is null or e.ev_id = any($8))'
+        '   and ($10::integer is null'
+        '        or (case when e.ev_extra1 is null then 0'
+        '                 else (hashtextextended(e.ev_extra1, 0) %% $10 + $10) %% $10 end) = $9)'
+        ' order by e.ev_id'
+        ' limit $11)',
+        pgque._event_table(p_queue_id))
+       into v_events
+      using pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
+            array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, p_after, p_upto,
+            p_ids, p_slot::bigint, p_slots::bigint, p_max;
+    return v_events;
+end
+$$;
+
+-- pgque._receive(queue, sub, max_events, slot, slots): opens the next batch of
+-- the locked subscription row sub, or continues its open one, and returns up
+-- to max_events of its events not yet acked, as rows (batch_id, event...).
+-- An open batch with nothing left yields one row whose ev_id is null; no
+-- rows means there is no batch (no tick after the subscription's last one).
+create or replace function pgque._receive(
+    p_queue pgque.queue, p_sub pgque.subscription, p_max_events integer,
+    p_slot integer default null, p_slots integer default null)
+returns table (batch_id bigint, ev_id bigint, ev_time timestamptz, ev_retry integer,
+               ev_type text, ev_data text, ev_extra1 text, ev_extra2 text,
+               ev_extra3 text, ev_extra4 text)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    v_next_tick bigint := p_sub.sub_next_tick;
+    v_events pgque.event_template[];
+    v_count integer;
+    v_last bigint := p_sub.sub_batch_last;
+    v_pos bigint := coalesce(p_sub.sub_batch_pos, 0);
+begin
+    if p_max_events is not null and p_max_events < 1 then
+        raise exception using errcode = '22023', message = 'max_events must be at least 1';
+    end if;
+    if p_sub.sub_batch is null then
+        select t.tick_id into v_next_tick
+          from pgque.tick t
+         where t.tick_queue = p_queue.queue_id and t.tick_id > p_sub.sub_last_tick
+         order by t.tick_id
+         limit 1;
+        if v_next_tick is null then
+            return;
+        end if;
+        p_sub.sub_batch := nextval('pgque.batch_id_seq');
+        v_pos := 0;
+        v_last := null;
+    end if;
+
+    -- Ask for one more than max_events: that tells whether the batch goes on.
+    v_events := pgque._batch_events(
+        p_queue.queue_id, p_sub.sub_id,
+        pgque._tick_snapshot(p_queue.queue_id, p_sub.sub_last_tick),
+        pgque._tick_snapshot(p_queue.queue_id, v_next_tick),
+        v_pos, null, p_max_events + 1, null, p_slot, p_slots);
+    v_count := coalesce(cardinality(v_events), 0);
+    if p_max_events is not null and v_count > p_max_events then
+        v_events := v_events[1:p_max_events];
+        v_count := p_max_events;
+    else
+        v_last := coalesce(v_events[v_count].ev_id, v_pos);
+    end if;
+
+    update pgque.subscription
+       set sub_batch = p_sub.sub_batch,
+           sub_next_tick = v_next_tick,
+           sub_batch_pos = v_pos,
+           sub_batch_handed = coalesce(v_events[v_count].ev_id, v_pos),
+           sub_batch_last = v_last,
+           sub_active = now()
+     where sub_id = p_sub.sub_id;
+
+    if v_count = 0 then
+        return query select p_sub.sub_batch, null::bigint, null::timestamptz, null::integer,
+                            null::text, null::text, null::text, null::text, null::text, null::text;
+    else
+        return query select p_sub.sub_batch, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
+                            e.ev_extra1, e.ev_extra2, e.ev_extra3, e.ev_extra4
+                       from unnest(v_events) e;
+    end if;
+end
+$$;
+
+-- pgque._ack(sub, batch_id): acks what the latest receive handed out of the
+-- open batch of the locked subscription row sub. When that reached the end of
+-- the batch the batch is finished and the cursor moves to its tick (returns
+-- true); otherwise the position inside the batch advances (returns false).
+-- Raises PQ003 if batch_id is not the open batch.
+create or replace function pgque._ack(p_sub pgque.subscription, p_batch_id bigint)
+returns boolean
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_batch_id is null or p_sub.sub_batch is distinct from p_batch_id then
+        raise exception using errcode = 'PQ003',
+            message = format('batch %s is not the open batch of consumer %L', p_batch_id,
+                             p_sub.sub_consumer);
+    end if;
+    if p_sub.sub_batch_last is not null and p_sub.sub_batch_handed >= p_sub.sub_batch_last then
+        update pgque.subscription
+           set sub_last_tick = sub_next_tick, sub_batch = null, sub_next_tick = null,
+               sub_batch_pos = null, sub_batch_handed = null, sub_batch_last = null,
+               sub_active = now()
+         where sub_id = p_sub.sub_id;
+        return true;
+    end if;
+    update pgque.subscription
+       set sub_batch_pos = sub_batch_handed, sub_active = now()
+     where sub_id = p_sub.sub_id;
+    return false;
+end
+$$;
+
+-- pgque._nack(queue, sub, batch_id, ev_ids, retry_after, reason, slot, slots):
+-- sends events that the latest receive handed out of the open batch to the
+-- retry queue, due after retry_after, or to dead letters with reason once
+-- they were retried max_retries times. Returns how many went to dead letters.
+-- The batch stays open: ack it as usual. Raises PQ003 if batch_id is not the
+-- open batch, PQ010 if an id is not among the events handed out.
+create or replace function pgque._nack(
+    p_queue pgque.queue, p_sub pgque.subscription, p_batch_id bigint, p_ev_ids bigint[],
+    p_retry_after interval, p_reason text, p_slot integer default null,
+    p_slots integer default null)
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_events pgque.event_template[];
+    v_dead integer;
+begin
+    if p_batch_id is null or p_sub.sub_batch is distinct from p_batch_id then
+        raise exception using errcode = 'PQ003',
+            message = format('batch %s is not the open batch of consumer %L', p_batch_id,
+                             p_sub.sub_consumer);
+    end if;
+    if p_retry_after is null or p_retry_after < interval '0' then
+        raise exception using errcode = '22023', message = 'retry_after must not be negative';
+    end if;
+    if coalesce(cardinality(p_ev_ids), 0) = 0 then
+        return 0;
+    end if;
+    v_events := pgque._batch_events(
+        p_queue.queue_id, p_sub.sub_id,
+        pgque._tick_snapshot(p_queue.queue_id, p_sub.sub_last_tick),
+        pgque._tick_snapshot(p_queue.queue_id, p_sub.sub_next_tick),
+        coalesce(p_sub.sub_batch_pos, 0), p_sub.sub_batch_handed, null, p_ev_ids,
+        p_slot, p_slots);
+    if coalesce(cardinality(v_events), 0) <> (select count(distinct i) from unnest(p_ev_ids) i) then
+        raise exception using errcode = 'PQ010',
+            message = format('nack: some of events %s are not among those handed out of batch %s',
+                             p_ev_ids, p_batch_id);
+    end if;
+
+    insert into pgque.dead_letter (dl_queue, dl_consumer, dl_reason, ev_id, ev_time, ev_txid,
+                                   ev_retry, ev_type, ev_data, ev_extra1, ev_extra2, ev_extra3,
+                                   ev_extra4)
+    select p_queue.queue_id, p_sub.sub_consumer, p_reason, e.ev_id, e.ev_time, e.ev_txid,
+           e.ev_retry, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3, e.ev_extra4
+      from unnest(v_events) e
+     where e.ev_retry >= p_queue.queue_max_retries;
+    get diagnostics v_dead = row_count;
+
+    insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time, ev_retry,
+                                   ev_type, ev_data, ev_extra1, ev_extra2, ev_extra3, ev_extra4)
+    select now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
+           e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3,
+           e.ev_extra4
+      from unnest(v_events) e
+     where e.ev_retry < p_queue.queue_max_retries;
+    return v_dead;
+end
+$$;
+
+-- pgque._refuse_slot(sub): plain receive/ack/nack refuse slot subscriptions
+-- (their consumer name holds '#'); raises PQ021. Slots go through the
+-- partition layer, which checks ownership.
+create or replace function pgque._refuse_slot(p_sub pgque.subscription)
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if position('#' in p_sub.sub_consumer) > 0 then
+        raise exception using errcode = 'PQ021',
+            message = format('%L is a slot subscription; use receive_partitioned and its ack',
+                             p_sub.sub_consumer);
+    end if;
+end
+$$;
+
+-- pgque.receive(queue, consumer, max_events): the consumer's open batch, or
+-- its next one, as rows (batch_id, ev_id, ev_time, ev_retry, ev_type,
+-- ev_data, ev_extra1..4), at most max_events of them (null: the whole batch).
+-- Blocks while another session holds the same subscription's receive lock,
+-- then returns the same open batch. An open batch with no events left yields
+-- one row with a null ev_id; no rows means no batch is ready.
+create or replace function pgque.receive(p_queue text, p_consumer text, p_max_events integer default null)
+returns table (batch_id bigint, ev_id bigint, ev_time timestamptz, ev_retry integer,
+               ev_type text, ev_data text, ev_extra1 text, ev_extra2 text,
+               ev_extra3 text, ev_extra4 text)
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    select * into v from pgque._subscription(p_queue, p_consumer, true);
+    perform pgque._refuse_slot(v.sub);
+    return query select * from pgque._receive(v.queue, v.sub, p_max_events);
+end
+$$;
+
+-- pgque.ack(queue, consumer, batch_id): acks what the latest receive handed
+-- out; true when that finished the batch, false when more of it remains.
+create or replace function pgque.ack(p_queue text, p_consumer text, p_batch_id bigint)
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    select * into v from pgque._subscription(p_queue, p_consumer, true);
+    perform pgque._refuse_slot(v.sub);
+    return pgque._ack(v.sub, p_batch_id);
+end
+$$;
+
+-- pgque.nack(queue, consumer, batch_id, ev_ids, retry_after, reason): sends
+-- handed-out events of the open batch to retry (or dead letters); returns
+-- how many went to dead letters. Ack the batch afterwards as usual.
+create or replace function pgque.nack(
+    p_queue text, p_consumer text, p_batch_id bigint, p_ev_ids bigint[],
+    p_retry_after interval default '0', p_reason text default null)
+returns integer
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    select * into v from pgque._subscription(p_queue, p_consumer, true);
+    perform pgque._refuse_slot(v.sub);
+    return pgque._nack(v.queue, v.sub, p_batch_id, p_ev_ids, p_retry_after, p_reason);
+end
+$$;

@@ -1,0 +1,150 @@
+-- pgque: maintenance (rotation, retry re-insertion, tick cleanup).
+--
+-- Each step is safe to run concurrently and repeatedly: steps of one queue
+-- are serialized by an advisory transaction lock, and a second caller simply
+-- skips the queue.
+
+-- pgque._maint_lock_class(): first key of maintenance advisory locks ('pgqm').
+create or replace function pgque._maint_lock_class()
+returns integer
+language sql immutable
+as $$ select 1885827437 $$;
+
+-- pgque._consumed_floor(queue_id): a transaction id below which every event
+-- of the queue has been consumed by every subscription: the lowest xmin of the
+-- subscriptions' last finished ticks (with no subscription, of the newest
+-- tick). Null when unknown.
+create or replace function pgque._consumed_floor(p_queue_id integer)
+returns xid8
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when exists (select 1 from pgque.subscription where sub_queue = p_queue_id)
+           then (select min(pg_snapshot_xmin(t.tick_snapshot))
+                   from pgque.subscription s
+                   join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick
+                  where s.sub_queue = p_queue_id)
+           else pg_snapshot_xmin((pgque._last_tick(p_queue_id)).tick_snapshot)
+           end
+$$;
+
+-- pgque._maint_rotate(queue): truncates every event table other than the
+-- current one whose events all subscriptions have consumed, then switches
+-- the current table when rotation_period has passed and the next table is
+-- empty. Returns the number of tables truncated plus one if it switched.
+--
+-- A producer that read the old current table just before a switch may still
+-- be inserting into it. The table is therefore locked before it is judged:
+-- the lock waits for such writers to finish, and only then is its newest
+-- ev_txid compared with the consumed floor. The lock wait is bounded so a
+-- long transaction stalls rotation, never consumers.
+create or replace function pgque._maint_rotate(p_queue pgque.queue)
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_floor xid8 := pgque._consumed_floor(p_queue.queue_id);
+    v_lock_timeout text := current_setting('lock_timeout');
+    v_table text;
+    v_nonempty boolean;
+    v_max xid8;
+    v_done integer := 0;
+    n integer;
+begin
+    for n in 0 .. p_queue.queue_ntables - 1 loop
+        continue when n = p_queue.queue_cur_table or v_floor is null;
+        v_table := pgque._event_table(p_queue.queue_id, n);
+        execute format('select exists (select 1 from pgque.%I)', v_table) into v_nonempty;
+        continue when not v_nonempty;
+        begin
+            perform set_config('lock_timeout', '50ms', true);
+            execute format('lock table pgque.%I in access exclusive mode', v_table);
+            perform set_config('lock_timeout', v_lock_timeout, true);
+            execute format('select max(ev_txid) from pgque.%I', v_table) into v_max;
+            if v_max is null or v_max < v_floor then
+                execute format('truncate pgque.%I', v_table);
+                v_done := v_done + 1;
+            end if;
+        exception when lock_not_available then
+            null;  -- busy: try again at the next maintenance pass
+        end;
+    end loop;
+
+    if now() - p_queue.queue_switch_time >= p_queue.queue_rotation_period then
+        n := (p_queue.queue_cur_table + 1) % p_queue.queue_ntables;
+        execute format('select exists (select 1 from pgque.%I)',
+                       pgque._event_table(p_queue.queue_id, n))
+           into v_nonempty;
+        if not v_nonempty then
+            update pgque.queue set queue_cur_table = n, queue_switch_time = now()
+             where queue_id = p_queue.queue_id;
+            v_done := v_done + 1;
+        end if;
+    end if;
+    return v_done;
+end
+$$;
+
+-- pgque._maint_ticks(queue): deletes, in one statement, the ticks no
+-- subscription needs any more (all before the oldest last tick; with no
+-- subscription, all but the newest). Returns how many.
+create or replace function pgque._maint_ticks(p_queue pgque.queue)
+returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_keep bigint;
+    v_count bigint;
+begin
+    select coalesce((select min(sub_last_tick) from pgque.subscription
+                      where sub_queue = p_queue.queue_id),
+                    (pgque._last_tick(p_queue.queue_id)).tick_id)
+      into v_keep;
+    delete from pgque.tick where tick_queue = p_queue.queue_id and tick_id < v_keep;
+    get diagnostics v_count = row_count;
+    return v_count;
+end
+$$;
+
+-- pgque.maint(queue): runs every maintenance step for one queue (all queues
+-- when null) and reports what it did as rows (queue_name, step, amount).
+-- A queue whose maintenance is already running elsewhere is skipped.
+create or replace function pgque.maint(p_queue text default null)
+returns table (queue_name text, step text, amount bigint)
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    v_queue pgque.queue;
+    v_amount bigint;
+begin
+    if p_queue is not null then
+        perform pgque._queue(p_queue);
+    end if;
+    for v_queue in select * from pgque.queue q
+                    where p_queue is null or q.queue_name = p_queue
+                    order by q.queue_id loop
+        continue when not pg_try_advisory_xact_lock(pgque._maint_lock_class(), v_queue.queue_id);
+        v_amount := pgque._maint_rotate(v_queue);
+        if v_amount > 0 then
+            queue_name := v_queue.queue_name; step := 'rotate'; amount := v_amount;
+            return next;
+            select * into v_queue from pgque.queue q where q.queue_id = v_queue.queue_id;
+        end if;
+        v_amount := pgque._maint_retry(v_queue);
+        if v_amount > 0 then
+            queue_name := v_queue.queue_name; step := 'retry'; amount := v_amount;
+            return next;
+        end if;
+        v_amount := pgque._maint_ticks(v_queue);
+        if v_amount > 0 then
+            queue_name := v_queue.queue_name; step := 'ticks'; amount := v_amount;
+            return next;
+        end if;
+    end loop;
+end
+$$;

@@ -1,0 +1,75 @@
+-- pgque: what operators look at (queues and consumers).
+
+-- pgque._oldest_unconsumed(queue_id, sub_id, snapshot): ev_time of the
+-- earliest-written event the subscription has not consumed yet (not visible
+-- in the snapshot of its last finished tick), or null. Reads the ev_txid
+-- index upward from the snapshot's xmin and stops at the first such event.
+create or replace function pgque._oldest_unconsumed(
+    p_queue_id integer, p_sub_id integer, p_snapshot pg_snapshot)
+returns timestamptz
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_time timestamptz;
+begin
+    execute format(
+        'select e.ev_time from pgque.%I e'
+        ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
+        '   and (e.ev_owner is null or e.ev_owner = $3)'
+        ' order by e.ev_txid limit 1',
+        pgque._event_table(p_queue_id))
+       into v_time
+      using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id;
+    return v_time;
+end
+$$;
+
+-- pgque.queue_info: one row per queue with its settings, its newest tick and
+-- how many events were sent since that tick.
+create or replace view pgque.queue_info as
+select q.queue_name,
+       q.queue_id,
+       q.queue_ntables as event_tables,
+       q.queue_cur_table as current_table,
+       q.queue_rotation_period as rotation_period,
+       q.queue_switch_time as last_rotation,
+       q.queue_ticker_max_count as ticker_max_count,
+       q.queue_ticker_max_lag as ticker_max_lag,
+       q.queue_ticker_idle_period as ticker_idle_period,
+       q.queue_max_retries as max_retries,
+       t.tick_id as last_tick_id,
+       t.tick_time as last_tick_time,
+       now() - t.tick_time as last_tick_age,
+       coalesce(pg_sequence_last_value(q.queue_event_seq), 0) as event_seq,
+       greatest(coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
+                - coalesce(t.tick_event_seq, 0), 0) as events_since_last_tick,
+       (select count(*) from pgque.subscription s where s.sub_queue = q.queue_id) as consumers
+  from pgque.queue q
+  left join lateral (select * from pgque.tick t where t.tick_queue = q.queue_id
+                      order by t.tick_id desc limit 1) t on true;
+
+-- pgque.consumer_info: one row per subscription: where its cursor is, how far
+-- behind it is (ticks, events by sequence position, time), its open batch and
+-- the age of its oldest unconsumed event.
+create or replace view pgque.consumer_info as
+select q.queue_name,
+       s.sub_consumer as consumer_name,
+       s.sub_id,
+       s.sub_last_tick as last_tick_id,
+       t.tick_time as last_tick_time,
+       now() - t.tick_time as lag,
+       (select count(*) from pgque.tick n
+         where n.tick_queue = q.queue_id and n.tick_id > s.sub_last_tick) as ticks_behind,
+       greatest(coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
+                - coalesce(t.tick_event_seq, 0), 0) as pending_events,
+       s.sub_batch as open_batch_id,
+       s.sub_active as last_active,
+       now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
+           as oldest_unconsumed_age,
+       (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
+       (select count(*) from pgque.dead_letter d
+         where d.dl_queue = q.queue_id and d.dl_consumer = s.sub_consumer) as dead_letters
+  from pgque.subscription s
+  join pgque.queue q on q.queue_id = s.sub_queue
+  left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;

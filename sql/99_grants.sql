@@ -1,0 +1,48 @@
+-- pgque: privileges.
+--
+-- Callers never touch pgque's tables: they call functions that run as the
+-- installer (SECURITY DEFINER, with search_path pinned to pg_catalog), and
+-- read the info views. Execution is revoked from PUBLIC and granted by role:
+--   pgque_writer  send events
+--   pgque_reader  subscribe, receive, ack, nack, read the info views
+--   pgque_admin   everything, including queue management and maintenance
+
+revoke all on all functions in schema pgque from public;
+
+do $grants$
+declare
+    v_writer text[] := array[
+        'send(text,text,text,text)', 'send(text,text,jsonb,text)',
+        'send_batch(text,text[],text[],text[])', 'version()'];
+    v_reader text[] := array[
+        'subscribe(text,text)', 'unsubscribe(text,text)', 'receive(text,text,integer)',
+        'ack(text,text,bigint)', 'nack(text,text,bigint,bigint[],interval,text)',
+        'queue_config(text)', 'dead_letters(text,text,integer,bigint)', 'version()'];
+    v_fn text;
+begin
+    if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then
+        execute 'grant usage on schema pgque to pgque_writer';
+        foreach v_fn in array v_writer loop
+            execute format('grant execute on function pgque.%s to pgque_writer', v_fn);
+        end loop;
+    end if;
+    if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_reader') then
+        execute 'grant usage on schema pgque to pgque_reader';
+        foreach v_fn in array v_reader loop
+            execute format('grant execute on function pgque.%s to pgque_reader', v_fn);
+        end loop;
+        execute 'grant select on pgque.queue_info, pgque.consumer_info to pgque_reader';
+    end if;
+    if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_admin') then
+        execute 'grant usage on schema pgque to pgque_admin';
+        -- Every public function; the internal ones (leading underscore) are
+        -- reached only through them.
+        for v_fn in select p.oid::regprocedure::text
+                      from pg_catalog.pg_proc p
+                     where p.pronamespace = 'pgque'::regnamespace and p.proname !~ '^_' loop
+            execute format('grant execute on function %s to pgque_admin', v_fn);
+        end loop;
+        execute 'grant select on pgque.queue_info, pgque.consumer_info to pgque_admin';
+    end if;
+end
+$grants$;
