@@ -131,6 +131,3 @@ create table if not exists pgque.event_template (
     ev_extra3 text,
     ev_extra4 text
 );
-
-revoke all on all tables in schema pgque from public;
-revoke all on all sequences in schema pgque from public;

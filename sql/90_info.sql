@@ -25,9 +25,9 @@ begin
 end
 $$;
 
--- pgque.queue_info: one row per queue with its settings, its newest tick and
+-- pgque._queue_info: one row per queue with its settings, its newest tick and
 -- how many events were sent since that tick.
-create or replace view pgque.queue_info as
+create or replace view pgque._queue_info as
 select q.queue_name,
        q.queue_id,
        q.queue_ntables as event_tables,
@@ -49,10 +49,10 @@ select q.queue_name,
   left join lateral (select * from pgque.tick t where t.tick_queue = q.queue_id
                       order by t.tick_id desc limit 1) t on true;
 
--- pgque.consumer_info: one row per subscription: where its cursor is, how far
+-- pgque._consumer_info: one row per subscription: where its cursor is, how far
 -- behind it is (ticks, events by sequence position, time), its open batch and
 -- the age of its oldest unconsumed event.
-create or replace view pgque.consumer_info as
+create or replace view pgque._consumer_info as
 select q.queue_name,
        s.sub_consumer as consumer_name,
        s.sub_id,
@@ -73,3 +73,26 @@ select q.queue_name,
   from pgque.subscription s
   join pgque.queue q on q.queue_id = s.sub_queue
   left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
+
+-- The info views read event tables and sequences that callers have no
+-- privileges on, so they are reached through SECURITY DEFINER functions.
+
+-- pgque.get_queue_info(): the rows of pgque.queue_info.
+create or replace function pgque.get_queue_info()
+returns setof pgque._queue_info
+language sql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select * from pgque._queue_info $$;
+
+-- pgque.get_consumer_info(): the rows of pgque.consumer_info.
+create or replace function pgque.get_consumer_info()
+returns setof pgque._consumer_info
+language sql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select * from pgque._consumer_info $$;
+
+-- pgque.queue_info / pgque.consumer_info: what operators query.
+create or replace view pgque.queue_info as select * from pgque.get_queue_info();
+create or replace view pgque.consumer_info as select * from pgque.get_consumer_info();

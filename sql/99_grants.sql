@@ -8,6 +8,8 @@
 --   pgque_admin   everything, including queue management and maintenance
 
 revoke all on all functions in schema pgque from public;
+revoke all on all tables in schema pgque from public;
+revoke all on all sequences in schema pgque from public;
 
 do $grants$
 declare
@@ -17,7 +19,8 @@ declare
     v_reader text[] := array[
         'subscribe(text,text)', 'unsubscribe(text,text)', 'receive(text,text,integer)',
         'ack(text,text,bigint)', 'nack(text,text,bigint,bigint[],interval,text)',
-        'queue_config(text)', 'dead_letters(text,text,integer,bigint)', 'version()'];
+        'queue_config(text)', 'dead_letters(text,text,integer,bigint)', 'version()',
+        'get_queue_info()', 'get_consumer_info()'];
     v_fn text;
 begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then

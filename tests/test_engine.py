@@ -1,0 +1,207 @@
+"""The log engine end to end: send, tick, receive, ack, fan-out, pieces, the receive lock."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import drain, scalar
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pgque
+
+_example = itertools.count()  # unique queue names across hypothesis examples
+
+
+@pytest.fixture
+def client(dsn: str) -> Any:
+    with pgque.connect(dsn) as c:
+        yield c
+
+
+def test_send_receive_ack_roundtrip(client: pgque.Client) -> None:
+    client.create_queue("orders")
+    client.subscribe("orders", "billing")
+    first = client.send("orders", "OrderCreated", {"id": 1, "total": 9.5}, partition_key="tenant-1")
+    ids = client.send_batch("orders", [pgque.Event("OrderPaid", {"id": 1}, "tenant-1"),
+                                       ("OrderShipped", [1, 2]), ("Note", "text", "t2")])
+    assert ids == [first + 1, first + 2, first + 3]
+
+    client.tick("orders")
+    batch = client.receive("orders", "billing")
+    assert batch is not None
+    assert [m.id for m in batch] == [first, *ids]
+    assert [m.type for m in batch] == ["OrderCreated", "OrderPaid", "OrderShipped", "Note"]
+    assert [m.payload for m in batch] == [{"id": 1, "total": 9.5}, {"id": 1}, [1, 2], "text"]
+    assert [m.partition_key for m in batch] == ["tenant-1", "tenant-1", None, "t2"]
+    assert all(m.retry_count == 0 for m in batch)
+    assert client.ack(batch) is True
+    # Nothing new: no batch until the next tick, then an empty one.
+    assert client.receive("orders", "billing") is None
+    client.tick("orders")
+    empty = client.receive("orders", "billing")
+    assert empty is not None and len(empty) == 0
+    assert client.ack(empty) is True
+
+
+def test_payload_type_decodes_into_struct(client: pgque.Client) -> None:
+    import msgspec
+
+    class FileCreated(msgspec.Struct):
+        path: str
+        size: int
+
+    client.create_queue("files")
+    client.subscribe("files", "indexer")
+    client.send("files", "FileCreated", FileCreated("/a", 3))
+    client.send("files", "FileCreated", {"path": "/b"})  # missing size
+    client.tick("files")
+    batch = client.receive("files", "indexer", payload_type=FileCreated)
+    assert batch is not None
+    assert batch.messages[0].payload == FileCreated("/a", 3)
+    with pytest.raises(pgque.PayloadError):
+        _ = batch.messages[1].payload
+
+
+def test_event_exists_only_if_callers_transaction_commits(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    with psycopg.connect(dsn) as conn:  # not autocommit: the caller's transaction
+        kept = client.send("q", "kept", 1, conn=conn)
+        conn.commit()
+        client.send("q", "dropped", 2, conn=conn)
+        client.send_batch("q", [("dropped", 3)], conn=conn)
+        conn.rollback()
+    assert [m.id for m in drain(client, "q", "c")] == [kept]
+
+
+def test_fan_out_each_consumer_sees_every_event(client: pgque.Client) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "a")
+    client.subscribe("q", "b")
+    ids = client.send_batch("q", [("e", i) for i in range(50)])
+    got_a = drain(client, "q", "a")
+    got_b = drain(client, "q", "b")
+    assert [m.id for m in got_a] == ids
+    assert [m.id for m in got_b] == ids
+
+
+def test_late_subscriber_starts_at_current_tick(client: pgque.Client) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "early")
+    client.send("q", "before", 1)
+    client.tick("q")
+    assert client.subscribe("q", "late") is True
+    assert client.subscribe("q", "late") is False  # idempotent
+    after = client.send("q", "after", 2)
+    assert [m.id for m in drain(client, "q", "late")] == [after]
+    assert len(drain(client, "q", "early")) == 2
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+       max_events=st.one_of(st.none(), st.integers(1, 15)))
+def test_pieces_never_lose_events(client: pgque.Client, sizes: list[int],
+                                  max_events: int | None) -> None:
+    """Receiving with max_events hands a batch out in pieces; acking a piece never
+    drops the rest of the batch (a known bug of the PgQ family)."""
+    queue = f"pieces{next(_example)}"
+    client.create_queue(queue)
+    client.subscribe(queue, "c")
+    sent: list[int] = []
+    for size in sizes:
+        sent += client.send_batch(queue, [("e", i) for i in range(size)])
+        client.tick(queue)
+    got = drain(client, queue, "c", max_events=max_events, tick=False)
+    assert [m.id for m in got] == sent
+
+
+def test_receive_again_before_ack_returns_same_piece(client: pgque.Client) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    ids = client.send_batch("q", [("e", i) for i in range(5)])
+    client.tick("q")
+    first = client.receive("q", "c", max_events=2)
+    again = client.receive("q", "c", max_events=2)
+    assert first is not None and again is not None
+    assert first.batch_id == again.batch_id
+    assert [m.id for m in again] == ids[:2]
+    assert client.ack(again) is False  # more remains
+    rest = client.receive("q", "c", max_events=10)
+    assert rest is not None and [m.id for m in rest] == ids[2:]
+    assert client.ack(rest) is True
+
+
+def test_concurrent_receive_blocks_then_gets_same_batch(client: pgque.Client, dsn: str) -> None:
+    """The receive lock: a second receive on the same subscription waits for the
+    first one's transaction and then gets the same open batch, never another."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    client.send_batch("q", [("e", i) for i in range(3)])
+    client.tick("q")
+    client.send("q", "later", 0)
+    client.tick("q")  # a second batch is ready too
+
+    holder = psycopg.connect(dsn)  # in a transaction: holds the lock until commit
+    waiter = pgque.connect(dsn)
+    try:
+        first = pgque.Client(holder).receive("q", "c")
+        assert first is not None
+        result: dict[str, Any] = {}
+        started = threading.Event()
+
+        def second_receive() -> None:
+            started.set()
+            result["batch"] = waiter.receive("q", "c")
+
+        thread = threading.Thread(target=second_receive)
+        thread.start()
+        started.wait()
+        # The waiter is blocked on the subscription row lock: observe it in pg_locks.
+        waiter_pid = waiter.conn.info.backend_pid
+        observer = psycopg.connect(dsn, autocommit=True)
+        deadline = 100
+        while deadline and not scalar(
+                observer, "select count(*) > 0 from pg_stat_activity "
+                          "where pid = %s and wait_event_type = 'Lock'", (waiter_pid,)):
+            threading.Event().wait(0.05)
+            deadline -= 1
+        assert deadline, "second receive never blocked on the receive lock"
+        assert thread.is_alive()
+        holder.commit()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert result["batch"].batch_id == first.batch_id
+        assert [m.id for m in result["batch"]] == [m.id for m in first]
+        observer.close()
+    finally:
+        holder.close()
+        waiter.close()
+
+
+def test_ticker_thresholds(client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q", ticker_max_count=3, ticker_max_lag=3600, ticker_idle_period=3600)
+    last = scalar(conn, "select last_tick_id from pgque.queue_info where queue_name = 'q'")
+    assert client.ticker() == 0  # nothing pending, not idle long enough
+    client.send_batch("q", [("e", 1), ("e", 2)])
+    assert client.ticker() == 0  # 2 < max_count, lag not reached
+    client.send("q", "e", 3)
+    assert client.ticker() == 1  # max_count reached
+    assert scalar(conn, "select last_tick_id from pgque.queue_info where queue_name = 'q'") > last
+    client.set_queue_config("q", ticker_max_lag=0)
+    client.send("q", "e", 4)
+    assert client.ticker() == 1  # pending and lag 0 passed
+
+
+def test_tick_refuses_repeatable_read(client: pgque.Client, dsn: str) -> None:
+    """A tick's snapshot must postdate the previous tick; a REPEATABLE READ
+    transaction's snapshot may not, so ticking there is refused."""
+    client.create_queue("q")
+    with psycopg.connect(dsn) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with pytest.raises(pgque.NotReadCommitted):
+            pgque.Client(conn).tick("q")

@@ -1,0 +1,123 @@
+"""Privileges: reader, writer and admin roles; nothing for PUBLIC; pinned search_path."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import pgque
+
+
+@pytest.fixture
+def users(dsn: str) -> Iterator[dict[str, pgque.Client]]:
+    """Login users that are members of each pgque role, and one of none."""
+    suffix = uuid.uuid4().hex[:8]
+    params = conninfo_to_dict(dsn)
+    kinds = ("reader", "writer", "admin", "nobody")
+    names = {kind: f"pgque_test_{kind}_{suffix}" for kind in kinds}
+    clients: dict[str, pgque.Client] = {}
+    with psycopg.connect(dsn, autocommit=True) as su:
+        for kind, name in names.items():
+            su.execute(f"create role {name} login")
+            if kind != "nobody":
+                su.execute(f"grant pgque_{kind} to {name}")
+        su.execute("select pgque.create_queue('q')")
+        su.execute("select pgque.subscribe('q', 'c')")
+        try:
+            for kind, name in names.items():
+                clients[kind] = pgque.connect(make_conninfo(**{**params, "user": name}))
+            yield clients
+        finally:
+            for client in clients.values():
+                client.close()
+            for name in names.values():
+                su.execute(f"drop role if exists {name}")
+
+
+def refused(call: Any) -> bool:
+    try:
+        call()
+    except psycopg.errors.InsufficientPrivilege:
+        return True
+    return False
+
+
+def test_writer_sends_only(users: dict[str, pgque.Client]) -> None:
+    writer = users["writer"]
+    assert writer.send("q", "e", 1) > 0
+    assert writer.send_batch("q", [("e", 2)])
+    assert refused(lambda: writer.receive("q", "c"))
+    assert refused(lambda: writer.subscribe("q", "w"))
+    assert refused(lambda: writer.create_queue("w"))
+    assert refused(lambda: writer.conn.execute("select * from pgque.subscription"))
+
+
+def test_reader_consumes_only(users: dict[str, pgque.Client]) -> None:
+    users["admin"].send("q", "e", 1)
+    users["admin"].tick("q")
+    reader = users["reader"]
+    batch = reader.receive("q", "c")
+    assert batch is not None and len(batch) == 1
+    assert reader.ack(batch) is True
+    assert reader.subscribe("q", "r") is True
+    assert reader.consumer_info("q")
+    assert refused(lambda: reader.send("q", "e", 1))
+    assert refused(lambda: reader.create_queue("r"))
+    assert refused(lambda: reader.maintenance())
+    assert refused(lambda: reader.conn.execute("select * from pgque.event_1"))
+
+
+def test_admin_does_everything(users: dict[str, pgque.Client]) -> None:
+    admin = users["admin"]
+    admin.create_queue("other")
+    admin.subscribe("other", "x")
+    admin.send("other", "e", 1)
+    admin.tick("other")
+    batch = admin.receive("other", "x")
+    assert batch is not None and admin.ack(batch)
+    admin.maintenance()
+    assert admin.ticker() >= 0
+    admin.unsubscribe("other", "x")
+    admin.drop_queue("other")
+    # Internal helpers are not part of the interface, even for admins.
+    assert refused(lambda: admin.conn.execute("select pgque._tick_lock_class()"))
+    assert refused(lambda: admin.conn.execute("delete from pgque.tick"))
+
+
+def test_public_gets_nothing(users: dict[str, pgque.Client]) -> None:
+    nobody = users["nobody"]
+    assert refused(lambda: nobody.send("q", "e", 1))
+    assert refused(lambda: nobody.receive("q", "c"))
+    assert refused(lambda: nobody.conn.execute("select * from pgque.queue"))
+
+
+def test_security_definer_functions_pin_search_path(conn: psycopg.Connection[Any]) -> None:
+    rows = conn.execute(
+        "select p.oid::regprocedure::text, p.prosecdef, p.proconfig from pg_proc p "
+        "where p.pronamespace = 'pgque'::regnamespace").fetchall()
+    definers = [r for r in rows if r[1]]
+    assert len(definers) > 15
+    unpinned = [name for name, _, config in definers
+                if not config or "search_path=pg_catalog, pg_temp" not in config]
+    assert unpinned == []
+
+
+def test_hostile_search_path_is_ignored(users: dict[str, pgque.Client], dsn: str) -> None:
+    """A caller's own function shadowing a catalog function is never called by pgque."""
+    writer = users["writer"]
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute("create schema if not exists evil")
+        su.execute("create or replace function evil.now() returns timestamptz "
+                   "language sql as $$ select 'epoch'::timestamptz $$")
+        su.execute("grant usage on schema evil to public")
+    writer.conn.execute("set search_path = evil, pg_catalog")
+    ev = writer.send("q", "e", 1)
+    with psycopg.connect(dsn, autocommit=True) as su:
+        row = su.execute("select ev_time > 'epoch'::timestamptz + interval '1 year' "
+                         "from pgque.event_1 where ev_id = %s", (ev,)).fetchone()
+    assert row == (True,)
