@@ -15,6 +15,8 @@ from pgque.errors import (
     InvalidArgument,
     InvalidConfig,
     InvalidName,
+    InvalidSlot,
+    InvalidSlotCount,
     NotReadCommitted,
     PartitionKeyTooLong,
     PayloadError,
@@ -22,10 +24,13 @@ from pgque.errors import (
     QueueExists,
     QueueInUse,
     QueueNotFound,
+    SlotCountMismatch,
+    SlotNotOwned,
     SlotSubscriptionError,
 )
 from pgque.schema import install, install_script, uninstall
-from pgque.types import Batch, DeadLetter, Event, Message
+from pgque.types import Batch, DeadLetter, Event, Message, SlotOwner
+from pgque.worker import Worker
 
 __version__ = "0.1.0"
 
@@ -42,6 +47,8 @@ __all__ = [
     "InvalidArgument",
     "InvalidConfig",
     "InvalidName",
+    "InvalidSlot",
+    "InvalidSlotCount",
     "Message",
     "NotReadCommitted",
     "PartitionKeyTooLong",
@@ -50,7 +57,11 @@ __all__ = [
     "QueueExists",
     "QueueInUse",
     "QueueNotFound",
+    "SlotCountMismatch",
+    "SlotNotOwned",
+    "SlotOwner",
     "SlotSubscriptionError",
+    "Worker",
     "__version__",
     "connect",
     "install",

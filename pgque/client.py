@@ -25,7 +25,7 @@ from psycopg_pool import ConnectionPool
 from pgque import schema
 from pgque.codec import encode_payload
 from pgque.errors import ConnectError, translated
-from pgque.types import Batch, DeadLetter, Event, Message
+from pgque.types import Batch, DeadLetter, Event, Message, SlotOwner
 
 __all__ = ["Client", "connect"]
 
@@ -227,8 +227,10 @@ class Client:
         """Force a tick of one queue now; returns the tick id."""
         return int(self._value("select pgque.tick(%s)", (queue,)))
 
-    def ticker(self) -> int:
-        """Tick every queue whose thresholds ask for it; returns how many ticked."""
+    def ticker(self, queue: str | None = None) -> int:
+        """Tick every queue (or one) whose thresholds ask for it; returns how many ticked."""
+        if queue is not None:
+            return int(self._value("select pgque.ticker(%s) is not null", (queue,)))
         return int(self._value("select pgque.ticker()"))
 
     def maintenance(self, queue: str | None = None) -> list[tuple[str, str, int]]:
@@ -259,7 +261,15 @@ class Client:
         return _batch(queue, consumer, rows, payload_type)
 
     def ack(self, batch: Batch[Any]) -> bool:
-        """Ack the batch piece; True when that finished the whole batch."""
+        """Ack the batch piece; True when that finished the whole batch.
+
+        A slot's batch is acked through the partition layer, which checks that
+        this session still owns the slot (SlotNotOwned otherwise).
+        """
+        if batch.slot is not None:
+            return bool(self._value("select pgque.ack_partitioned(%s, %s, %s, %s, %s)",
+                                    (batch.queue, batch.consumer, batch.slot, batch.slots,
+                                     batch.batch_id)))
         return bool(self._value("select pgque.ack(%s, %s, %s)",
                                 (batch.queue, batch.consumer, batch.batch_id)))
 
@@ -271,9 +281,76 @@ class Client:
         Returns how many went to dead letters. Ack the batch afterwards as usual.
         """
         ids = _message_ids(messages)
+        if batch.slot is not None:
+            return int(self._value(
+                "select pgque.nack_partitioned(%s, %s, %s, %s, %s, %s::bigint[], "
+                "make_interval(secs => %s), %s)",
+                (batch.queue, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                 _seconds(retry_after), reason)))
         return int(self._value(
             "select pgque.nack(%s, %s, %s, %s::bigint[], make_interval(secs => %s), %s)",
             (batch.queue, batch.consumer, batch.batch_id, ids, _seconds(retry_after), reason)))
+
+    # -- partitioned consumption -----------------------------------------
+
+    def subscribe_slots(self, queue: str, consumer: str, *, slots: int) -> int:
+        """Subscribe consumer group ``consumer`` with ``slots`` slots (N is then fixed).
+
+        Idempotent for the same N; returns how many slot subscriptions were new.
+        Raises SlotCountMismatch if the group exists with another N.
+        """
+        return int(self._value("select pgque.subscribe_slots(%s, %s, %s)",
+                               (queue, consumer, slots)))
+
+    def unsubscribe_slots(self, queue: str, consumer: str) -> int:
+        """Remove a consumer group with all its slots; returns how many were removed."""
+        return int(self._value("select pgque.unsubscribe_slots(%s, %s)", (queue, consumer)))
+
+    def claim_slot(self, queue: str, consumer: str, slot: int) -> bool:
+        """Try to own a slot: a non-blocking session advisory lock on this client's
+        connection. False at once when another session holds it."""
+        return bool(self._value("select pgque.claim_slot(%s, %s, %s)", (queue, consumer, slot)))
+
+    def release_slot(self, queue: str, consumer: str, slot: int) -> bool:
+        """Give up a slot this session owns; False if it did not own it."""
+        return bool(self._value("select pgque.release_slot(%s, %s, %s)",
+                                (queue, consumer, slot)))
+
+    def join_group(self, queue: str, consumer: str) -> bool:
+        """Register this session as a live member of the group (see group_status)."""
+        return bool(self._value("select pgque.join_group(%s, %s)", (queue, consumer)))
+
+    def group_status(self, queue: str, consumer: str) -> list[SlotOwner]:
+        """Who owns each slot of the group now, and how many members are alive."""
+        return [SlotOwner(slot=r[0], owner_pid=r[1], mine=r[2], members=r[3])
+                for r in self._rows("select * from pgque.group_status(%s, %s)",
+                                    (queue, consumer))]
+
+    @overload
+    def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
+                            max_events: int | None = None,
+                            payload_type: None = None) -> Batch[Any] | None: ...
+
+    @overload
+    def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
+                            max_events: int | None = None,
+                            payload_type: type[T]) -> Batch[T] | None: ...
+
+    def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
+                            max_events: int | None = None,
+                            payload_type: type[T] | None = None) -> Batch[Any] | None:
+        """The open (or next) batch of one slot, holding only the events whose
+        partition key routes to it. The session must own the slot (SlotNotOwned)."""
+        rows = self._rows("select * from pgque.receive_partitioned(%s, %s, %s, %s, %s)",
+                          (queue, consumer, slot, slots, max_events))
+        return _batch(queue, consumer, rows, payload_type, slot, slots)
+
+    def partition_slot_status(self, queue: str | None = None) -> list[dict[str, Any]]:
+        """One dict per slot of every consumer group: owner pid, pending events,
+        oldest unconsumed age, stalled flag."""
+        return self._dicts("select * from pgque.partition_slot_status where %s::text is null "
+                           "or queue_name = %s order by queue_name, consumer_name, slot",
+                           (queue, queue))
 
     # -- dead letters ----------------------------------------------------
 

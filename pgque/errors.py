@@ -22,6 +22,8 @@ __all__ = [
     "InvalidArgument",
     "InvalidConfig",
     "InvalidName",
+    "InvalidSlot",
+    "InvalidSlotCount",
     "NotReadCommitted",
     "PartitionKeyTooLong",
     "PayloadError",
@@ -29,6 +31,8 @@ __all__ = [
     "QueueExists",
     "QueueInUse",
     "QueueNotFound",
+    "SlotCountMismatch",
+    "SlotNotOwned",
     "SlotSubscriptionError",
 ]
 
@@ -125,6 +129,34 @@ class SlotSubscriptionError(PgqueError):
     sqlstate = "PQ021"
 
 
+class SlotCountMismatch(PgqueError, ValueError):
+    """The consumer group exists with another slot count; N is fixed per group (PQ020)."""
+
+    sqlstate = "PQ020"
+
+
+class InvalidSlotCount(PgqueError, ValueError):
+    """A slot count is outside 1..max_slots (PQ022)."""
+
+    sqlstate = "PQ022"
+
+
+class InvalidSlot(PgqueError, ValueError):
+    """A slot number is outside 0..N-1 (PQ023)."""
+
+    sqlstate = "PQ023"
+
+
+class SlotNotOwned(PgqueError):
+    """This session does not hold the slot's advisory lock (PQ024).
+
+    Raised by receive, ack and nack of a slot: a worker that lost its session
+    (and with it the lock) can never act on a batch another worker now owns.
+    """
+
+    sqlstate = "PQ024"
+
+
 class InvalidArgument(PgqueError, ValueError):
     """An argument is out of range, e.g. max_events < 1 (SQLSTATE 22023)."""
 
@@ -136,7 +168,8 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
     for cls in (
         QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
         QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
-        QueueInUse, PartitionKeyTooLong, SlotSubscriptionError, InvalidArgument,
+        QueueInUse, PartitionKeyTooLong, SlotSubscriptionError, SlotCountMismatch,
+        InvalidSlotCount, InvalidSlot, SlotNotOwned, InvalidArgument,
     )
     if cls.sqlstate is not None
 }

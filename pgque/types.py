@@ -11,7 +11,7 @@ import msgspec
 
 from pgque.codec import decode_payload
 
-__all__ = ["Batch", "DeadLetter", "Event", "Message"]
+__all__ = ["Batch", "DeadLetter", "Event", "Message", "SlotOwner"]
 
 T = TypeVar("T")
 
@@ -108,3 +108,12 @@ class DeadLetter(msgspec.Struct, frozen=True):
     def payload(self) -> Any:
         """The payload decoded from JSON."""
         return decode_payload(self.data, None)
+
+
+class SlotOwner(msgspec.Struct, frozen=True):
+    """One slot of a consumer group as group_status sees it."""
+
+    slot: int
+    owner_pid: int | None
+    mine: bool
+    members: int

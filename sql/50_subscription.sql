@@ -52,6 +52,10 @@ as $$
 declare
     v_queue pgque.queue := pgque._queue(p_queue);
 begin
+    if position('#' in p_consumer) > 0 then
+        raise exception using errcode = 'PQ021',
+            message = format('%L is a slot subscription; use unsubscribe_slots', p_consumer);
+    end if;
     delete from pgque.subscription where sub_queue = v_queue.queue_id and sub_consumer = p_consumer;
     return found;
 end

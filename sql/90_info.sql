@@ -74,6 +74,66 @@ select q.queue_name,
   join pgque.queue q on q.queue_id = s.sub_queue
   left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
 
+-- pgque._pending_events(queue_id, sub_id, snapshot, slot, slots): how many
+-- committed events the subscription has not consumed yet (not visible in the
+-- snapshot of its last finished tick), only the slot's when slots is given.
+-- Counts at most one million, to bound the cost of looking.
+create or replace function pgque._pending_events(
+    p_queue_id integer, p_sub_id integer, p_snapshot pg_snapshot,
+    p_slot integer default null, p_slots integer default null)
+returns bigint
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_count bigint;
+begin
+    execute format(
+        'select count(*) from (select 1 from pgque.%I e'
+        ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
+        '   and (e.ev_owner is null or e.ev_owner = $3)'
+        '   and ($5::integer is null or pgque.slot_of(e.ev_extra1, $5) = $4)'
+        ' limit 1000000) pending',
+        pgque._event_table(p_queue_id))
+       into v_count
+      using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
+    return v_count;
+end
+$$;
+
+-- pgque._partition_slot_status: one row per slot of every consumer group:
+-- its owner (the backend holding the slot's advisory lock), how much it has
+-- not consumed, and whether it looks stalled (events waiting for over a
+-- minute while nobody owns it or it has not moved for a minute).
+create or replace view pgque._partition_slot_status as
+select q.queue_name,
+       g.cg_consumer as consumer_name,
+       k.slot,
+       g.cg_slots as slots,
+       l.pid as owner_pid,
+       pgque._pending_events(q.queue_id, s.sub_id, t.tick_snapshot, k.slot, g.cg_slots)
+           as pending_events,
+       (select count(*) from pgque.tick n
+         where n.tick_queue = q.queue_id and n.tick_id > s.sub_last_tick) as ticks_behind,
+       now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
+           as oldest_unconsumed_age,
+       now() - t.tick_time as lag,
+       s.sub_batch as open_batch_id,
+       s.sub_active as last_active,
+       (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
+       (now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
+            > interval '1 minute'
+        and (l.pid is null or now() - s.sub_active > interval '1 minute')) as stalled
+  from pgque.consumer_group g
+  join pgque.queue q on q.queue_id = g.cg_queue
+  cross join lateral generate_series(0, g.cg_slots - 1) as k(slot)
+  join pgque.subscription s
+    on s.sub_queue = g.cg_queue and s.sub_consumer = pgque._slot_name(g.cg_consumer, k.slot, g.cg_slots)
+  left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick
+  left join pg_locks l
+    on l.locktype = 'advisory' and l.granted and l.objsubid = 1
+   and l.classid = pgque._slot_lock_class()::oid and l.objid = s.sub_id::oid;
+
 -- The info views read event tables and sequences that callers have no
 -- privileges on, so they are reached through SECURITY DEFINER functions.
 
@@ -96,3 +156,14 @@ as $$ select * from pgque._consumer_info $$;
 -- pgque.queue_info / pgque.consumer_info: what operators query.
 create or replace view pgque.queue_info as select * from pgque.get_queue_info();
 create or replace view pgque.consumer_info as select * from pgque.get_consumer_info();
+
+-- pgque.get_partition_slot_status(): the rows of pgque.partition_slot_status.
+create or replace function pgque.get_partition_slot_status()
+returns setof pgque._partition_slot_status
+language sql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select * from pgque._partition_slot_status $$;
+
+create or replace view pgque.partition_slot_status as
+select * from pgque.get_partition_slot_status();

@@ -20,7 +20,15 @@ declare
         'subscribe(text,text)', 'unsubscribe(text,text)', 'receive(text,text,integer)',
         'ack(text,text,bigint)', 'nack(text,text,bigint,bigint[],interval,text)',
         'queue_config(text)', 'dead_letters(text,text,integer,bigint)', 'version()',
-        'get_queue_info()', 'get_consumer_info()'];
+        'get_queue_info()', 'get_consumer_info()', 'get_partition_slot_status()',
+        'subscribe_slots(text,text,integer)', 'subscribe_slot(text,text,integer,integer)',
+        'unsubscribe_slots(text,text)', 'slot_lock_key(text,text,integer)',
+        'claim_slot(text,text,integer)', 'release_slot(text,text,integer)',
+        'receive_partitioned(text,text,integer,integer,integer)',
+        'ack_partitioned(text,text,integer,integer,bigint)',
+        'nack_partitioned(text,text,integer,integer,bigint,bigint[],interval,text)',
+        'join_group(text,text)', 'group_status(text,text)', 'slot_of(text,integer)',
+        'max_slots()'];
     v_fn text;
 begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then
@@ -34,7 +42,8 @@ begin
         foreach v_fn in array v_reader loop
             execute format('grant execute on function pgque.%s to pgque_reader', v_fn);
         end loop;
-        execute 'grant select on pgque.queue_info, pgque.consumer_info to pgque_reader';
+        execute 'grant select on pgque.queue_info, pgque.consumer_info, '
+                'pgque.partition_slot_status to pgque_reader';
     end if;
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_admin') then
         execute 'grant usage on schema pgque to pgque_admin';
@@ -45,7 +54,8 @@ begin
                      where p.pronamespace = 'pgque'::regnamespace and p.proname !~ '^_' loop
             execute format('grant execute on function %s to pgque_admin', v_fn);
         end loop;
-        execute 'grant select on pgque.queue_info, pgque.consumer_info to pgque_admin';
+        execute 'grant select on pgque.queue_info, pgque.consumer_info, '
+                'pgque.partition_slot_status to pgque_admin';
     end if;
 end
 $grants$;

@@ -21,6 +21,8 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
 
+import pgque
+
 settings.register_profile(
     "ci",
     max_examples=20,
@@ -129,3 +131,10 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
         yield connection
     finally:
         connection.close()
+
+
+@pytest.fixture
+def client(dsn: str) -> Iterator[pgque.Client]:
+    """A pgque client connected to ``dsn`` (autocommit), closed after the test."""
+    with pgque.connect(dsn) as c:
+        yield c

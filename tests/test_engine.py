@@ -17,12 +17,6 @@ import pgque
 _example = itertools.count()  # unique queue names across hypothesis examples
 
 
-@pytest.fixture
-def client(dsn: str) -> Any:
-    with pgque.connect(dsn) as c:
-        yield c
-
-
 def test_send_receive_ack_roundtrip(client: pgque.Client) -> None:
     client.create_queue("orders")
     client.subscribe("orders", "billing")

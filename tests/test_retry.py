@@ -12,12 +12,6 @@ from helpers import drain, scalar, wait_for
 import pgque
 
 
-@pytest.fixture
-def client(dsn: str) -> Any:
-    with pgque.connect(dsn) as c:
-        yield c
-
-
 def test_nacked_event_returns_after_retry_after_to_same_consumer_only(
         client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
     client.create_queue("q", max_retries=3)

@@ -13,12 +13,6 @@ from helpers import drain, scalar, wait_for
 import pgque
 
 
-@pytest.fixture
-def client(dsn: str) -> Any:
-    with pgque.connect(dsn) as c:
-        yield c
-
-
 def event_tables(conn: psycopg.Connection[Any], queue: str) -> list[str]:
     qid = scalar(conn, "select queue_id from pgque.queue where queue_name = %s", (queue,))
     rows = conn.execute(
