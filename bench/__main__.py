@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.harness import BenchServer, git_commit, machine_info
+from bench.harness import BenchServer, git_commit, load_average, machine_info
 from bench.registry import Suite, SuiteContext, all_suites
 from bench.report import summary_table, write_chart, write_json
 
@@ -47,6 +47,7 @@ def _run_suite(suite: Suite, server: BenchServer, args: argparse.Namespace,
                server_info: dict[str, Any]) -> None:
     print(f"== {suite.name}: {suite.description}", file=sys.stderr, flush=True)
     started_at = datetime.now(timezone.utc)
+    load_before = load_average()
     start = time.perf_counter()
     with server.database(f"pgque_bench_{suite.name}") as dsn:
         result = suite.run(SuiteContext(dsn=dsn, quick=args.quick, repeats=REPEATS))
@@ -61,6 +62,7 @@ def _run_suite(suite: Suite, server: BenchServer, args: argparse.Namespace,
         "duration_s": round(duration, 1),
         "git": git_commit(),
         "machine": machine,
+        "load_average": {"before": load_before, "after": load_average()},
         "server": server_info,
         "parameters": result.parameters,
         "unit": "events/s",

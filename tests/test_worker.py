@@ -1,0 +1,167 @@
+"""The Worker: skip policy, fair sharing of slots, clean stops, reconnects."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from helpers import scalar, wait_for
+
+import pgque
+
+WORKER_SCRIPT = str(Path(__file__).with_name("worker_process.py"))
+
+
+def make_queue(client: pgque.Client, **config: Any) -> None:
+    client.create_queue("q", ticker_max_lag=0, ticker_max_count=200, **config)
+
+
+def no_batch_open_no_lock(conn: psycopg.Connection[Any]) -> None:
+    assert scalar(conn, "select count(*) from pgque.subscription where sub_batch is not null") == 0
+    assert scalar(conn, "select count(*) from pgque.partition_slot_status "
+                        "where owner_pid is not null") == 0
+
+
+def test_skip_policy_retries_failed_event_on_its_slot_then_dead_letters(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    make_queue(client, max_retries=2)
+    client.subscribe_slots("q", "g", slots=4)
+    ids = client.send_batch("q", [("e", {"n": i}, f"tenant-{i % 6}") for i in range(60)])
+    poison = ids[17]
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: pgque.Message[Any]) -> None:
+        with lock:
+            seen.append((message.id, message.retry_count))
+        if message.id == poison:
+            raise RuntimeError("cannot process this one")
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=4, handler=handler,
+                          retry_after=0, maintenance_interval=0.1, poll_interval=0.05)
+    with worker:
+        wait_for(lambda: client.dead_letters("q"), timeout=30, what="the dead letter")
+    handled = Counter(i for i, _ in seen)
+    assert all(handled[i] == 1 for i in ids if i != poison)  # the rest of each batch went on
+    assert [r for i, r in seen if i == poison] == [0, 1, 2]  # retried, then given up
+    [letter] = client.dead_letters("q")
+    slot = scalar(conn, "select pgque.slot_of(%s, 4)", (letter.partition_key,))
+    assert letter.event_id == poison
+    assert letter.consumer == f"g#{slot}/4"  # retried and dead-lettered on its own slot
+    assert "RuntimeError: cannot process this one" in (letter.reason or "")
+    assert worker.failed == 3
+    no_batch_open_no_lock(conn)
+
+
+def test_two_workers_share_eight_slots_and_a_third_joins(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=8)
+    handled: dict[str, list[int]] = defaultdict(list)
+    lock = threading.Lock()
+
+    def handler_for(name: str) -> Any:
+        def handler(message: pgque.Message[Any]) -> None:
+            with lock:
+                handled[name].append(message.id)
+        return handler
+
+    def worker(name: str) -> pgque.Worker[Any]:
+        return pgque.Worker(dsn, queue="q", consumer="g", slots=8, handler=handler_for(name),
+                            concurrency=2, poll_interval=0.05, rebalance_interval=0.1)
+
+    a, b = worker("a"), worker("b")
+    with a, b:
+        wait_for(lambda: len(a.owned_slots) == 4 and len(b.owned_slots) == 4,
+                 what="an even split")
+        assert a.owned_slots.isdisjoint(b.owned_slots)
+        ids = client.send_batch("q", [("e", i, f"k{i}") for i in range(400)])
+        wait_for(lambda: sum(len(v) for v in handled.values()) >= 400, timeout=30,
+                 what="all events handled")
+        assert sorted(handled["a"] + handled["b"]) == ids
+        with worker("c") as c:
+            wait_for(lambda: len(c.owned_slots) >= 2, what="the newcomer to get slots")
+            wait_for(lambda: sorted(len(w.owned_slots) for w in (a, b, c)) == [2, 3, 3],
+                     what="a fair split of 8 slots over 3 workers")
+            more = client.send_batch("q", [("e", i, f"k{i}") for i in range(300)])
+            wait_for(lambda: sum(len(v) for v in handled.values()) >= 700, timeout=30,
+                     what="all events handled")
+            assert handled["c"], "the newcomer handled nothing"
+        # c stopped: its slots go back to a and b.
+        wait_for(lambda: len(a.owned_slots | b.owned_slots) == 8, what="slots to be taken back")
+    everything = handled["a"] + handled["b"] + handled["c"]
+    assert sorted(everything) == ids + more
+    no_batch_open_no_lock(conn)
+
+
+def test_sigterm_stops_a_worker_process_cleanly(client: pgque.Client, dsn: str,
+                                               conn: psycopg.Connection[Any]) -> None:
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=4)
+    conn.execute("create table handled (id bigserial primary key, ev_id bigint, key text, "
+                 "producer int, seq int, pid int, retry int, started timestamptz, "
+                 "ended timestamptz)")
+    proc = subprocess.Popen([sys.executable, WORKER_SCRIPT, dsn, "q", "g", "4", "5", "1"])
+    try:
+        wait_for(lambda: client.group_status("q", "g")[0].members == 1, what="worker to join")
+        ids = client.send_batch("q", [("e", {"p": 0, "s": i}, f"k{i % 9}") for i in range(200)])
+        wait_for(lambda: scalar(conn, "select count(distinct ev_id) from handled") == 200,
+                 timeout=30, what="events handled")
+        wait_for(lambda: scalar(conn, "select count(*) from pgque.partition_slot_status "
+                                      "where owner_pid is not null") == 4, what="4 owned slots")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    assert scalar(conn, "select count(*) from handled where ended is null") == 0
+    assert sorted(r[0] for r in conn.execute("select ev_id from handled")) == ids
+    no_batch_open_no_lock(conn)
+
+
+def test_workers_survive_a_server_restart(client: pgque.Client, dsn: str,
+                                          restartable_server: Any) -> None:
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=4)
+    handled: list[pgque.Message[Any]] = []
+    lock = threading.Lock()
+
+    def handler(message: pgque.Message[Any]) -> None:
+        with lock:
+            handled.append(message)
+
+    def count() -> int:
+        with lock:
+            return len({m.id for m in handled})
+
+    workers = [pgque.Worker(dsn, queue="q", consumer="g", slots=4, handler=handler,
+                            poll_interval=0.05, rebalance_interval=0.1) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        first = client.send_batch("q", [("e", i, f"k{i % 7}") for i in range(300)])
+        wait_for(lambda: count() >= 100, timeout=30, what="handling to start")
+        restartable_server.restart()
+        client.close()
+        with pgque.connect(dsn) as fresh:
+            second = fresh.send_batch("q", [("e", i, f"k{i % 7}") for i in range(300, 600)])
+            wait_for(lambda: count() == 600, timeout=60, what="all events after the restart")
+    finally:
+        for w in workers:
+            w.stop()
+    sent = first + second
+    assert {m.id for m in handled} == set(sent)  # nothing lost
+    # Per key, the first handling of each event follows send order (events of a
+    # batch cut short by the restart are delivered again, after their first time).
+    first_seen: dict[str, list[int]] = defaultdict(list)
+    for m in handled:
+        assert m.partition_key is not None
+        if m.id not in first_seen[m.partition_key]:
+            first_seen[m.partition_key].append(m.id)
+    for key, order in first_seen.items():
+        assert order == sorted(order), key
