@@ -29,6 +29,7 @@ from pgque.errors import (
     SlotSubscriptionError,
 )
 from pgque.schema import install, install_script, uninstall
+from pgque.ticker import Ticker
 from pgque.types import Batch, DeadLetter, Event, Message, SlotOwner
 from pgque.worker import Worker
 
@@ -61,6 +62,7 @@ __all__ = [
     "SlotNotOwned",
     "SlotOwner",
     "SlotSubscriptionError",
+    "Ticker",
     "Worker",
     "__version__",
     "connect",

@@ -37,15 +37,17 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any, Generic, TypeVar
 
 import psycopg
+from psycopg import sql
 
 from pgque.client import Client, open_connection
 from pgque.errors import ConnectError, SlotNotOwned
+from pgque.ticker import Ticker
 from pgque.types import Batch, Message
 
 __all__ = ["Worker"]
@@ -65,9 +67,14 @@ class Worker(Generic[T]):
 
     ``handler`` is called with each :class:`~pgque.Message`; the events of one
     slot are handled strictly one after another, and up to ``concurrency``
-    slots at the same time. ``run()`` blocks until :meth:`stop` (or SIGTERM /
-    SIGINT when run in the main thread); ``start()`` runs the same loop in a
-    background thread. Also a context manager (start on enter, stop on exit).
+    slots at the same time. By default the worker also runs a
+    :class:`~pgque.Ticker` (pass ``ticker=False`` when something else ticks, or
+    a configured Ticker) and listens for tick notifications (``listen``), with
+    ``poll_interval`` as the fallback when a notification is lost.
+
+    ``run()`` blocks until :meth:`stop` (or SIGTERM / SIGINT when run in the
+    main thread); ``start()`` runs the same loop in a background thread. A
+    Worker is also a context manager: start on enter, stop on exit.
     """
 
     def __init__(
@@ -84,8 +91,8 @@ class Worker(Generic[T]):
         poll_interval: float = 0.2,
         retry_after: float | timedelta = 5.0,
         rebalance_interval: float = 1.0,
-        maintenance_interval: float = 2.0,
-        tick: bool = True,
+        ticker: bool | Ticker = True,
+        listen: bool = True,
         connect_timeout: float = 30.0,
         name: str | None = None,
     ) -> None:
@@ -102,13 +109,19 @@ class Worker(Generic[T]):
         self.poll_interval = poll_interval
         self.retry_after = retry_after
         self.rebalance_interval = rebalance_interval
-        self.maintenance_interval = maintenance_interval
-        self.tick = tick
+        self.listen = listen
         self.connect_timeout = connect_timeout
         self.name = name or f"pgque-worker-{queue}-{consumer}"
 
         self._stopping = threading.Event()
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # a slot step finished, a tick was announced, or stop
+        self._notified = threading.Event()  # a tick was announced: every slot may have work
+        self.ticker: Ticker | None
+        if isinstance(ticker, Ticker):
+            self.ticker = ticker
+        else:
+            self.ticker = Ticker(dsn, name=f"{self.name}-ticker") if ticker else None
         self._thread: threading.Thread | None = None
         self._client: Client | None = None
         self._generation = 0  # bumped on every (re)connect; stale tasks never ack
@@ -149,6 +162,7 @@ class Worker(Generic[T]):
         """Ask the worker to finish its current batches, release its slots and exit;
         waits up to timeout seconds for that when it runs in a thread."""
         self._stopping.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -173,12 +187,18 @@ class Worker(Generic[T]):
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("%s: signal %s, stopping at the next batch boundary", self.name, signum)
             self._stopping.set()
+            self._wake.set()
 
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _run(self) -> None:
         executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix=self.name)
         backoff = 0.1
+        if self.ticker is not None:
+            self.ticker.start()
+        if self.listen:
+            threading.Thread(target=self._listen, name=f"{self.name}-listener",
+                             daemon=True).start()
         try:
             while not self._stopping.is_set():
                 try:
@@ -200,6 +220,8 @@ class Worker(Generic[T]):
                 backoff = min(backoff * 2, 5.0)
         finally:
             self._shutdown(executor)
+            if self.ticker is not None:
+                self.ticker.stop()
             self._stopped.set()
 
     def _connect(self) -> None:
@@ -217,27 +239,18 @@ class Worker(Generic[T]):
         log.info("%s: connected (backend pid %s)", self.name, conn.info.backend_pid)
 
     def _consume(self, executor: ThreadPoolExecutor) -> None:
-        next_rebalance = next_maintenance = next_tick = 0.0
+        next_rebalance = 0.0
         while not self._stopping.is_set():
             now = time.monotonic()
             if now >= next_rebalance:
                 self._rebalance()
                 next_rebalance = now + self.rebalance_interval
-            if self.tick and now >= next_tick:
-                # Ticks per the queue's thresholds; at most every 20 ms per worker.
-                self._call(lambda c: c.ticker(self.queue))
-                next_tick = now + 0.02
-            if now >= next_maintenance:
-                self._call(lambda c: c.maintenance(self.queue))
-                next_maintenance = now + self.maintenance_interval
+            if self._notified.is_set():
+                self._notified.clear()
+                with self._lock:
+                    self._idle_until.clear()  # a new tick: every slot may have a batch
             self._dispatch(executor)
             self._wait_for_work()
-
-    def _call(self, operation: Callable[[Client], object]) -> None:
-        client = self._client
-        if client is None or client.conn.closed:
-            raise _ConnectionLost("connection closed")
-        operation(client)
 
     # -- slots -----------------------------------------------------------------
 
@@ -287,7 +300,9 @@ class Worker(Generic[T]):
                 if len(self._busy) >= self.concurrency:
                     break
                 self._last_started[slot] = now
-                self._busy[slot] = executor.submit(self._work_slot, slot, generation)
+                future = executor.submit(self._work_slot, slot, generation)
+                future.add_done_callback(lambda _: self._wake.set())
+                self._busy[slot] = future
 
     def _settle(self, slot: int, future: Future[bool]) -> None:
         """Record a finished slot step; re-raise a lost connection. Holds self._lock."""
@@ -306,17 +321,39 @@ class Worker(Generic[T]):
         self._idle_until[slot] = time.monotonic() + self.poll_interval
 
     def _wait_for_work(self) -> None:
+        """Sleep until a slot step finishes, a tick is announced, an idle slot's
+        poll is due, or it is time to rebalance."""
         with self._lock:
-            pending = list(self._busy.values())
             idle = [t for s, t in self._idle_until.items()
                     if s in self._owned and s not in self._busy]
+            if any(f.done() for f in self._busy.values()):
+                return
         now = time.monotonic()
-        timeout = min([self.rebalance_interval, self.poll_interval,
-                       *(max(0.0, t - now) for t in idle)])
-        if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-        else:
-            self._stopping.wait(timeout)
+        timeout = min([self.rebalance_interval, *(max(0.0, t - now) for t in idle)])
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    def _listen(self) -> None:
+        """Turn the queue's tick notifications into wakeups. A notification
+        carries no information and may be lost (NOTIFY is at most once, and a
+        reconnecting listener misses what was sent meanwhile): the poll stays."""
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                with open_connection(self.dsn, timeout=self.connect_timeout,
+                                     application_name=f"{self.name}-listener"[:63]) as conn:
+                    row = conn.execute("select pgque.tick_channel(%s)", (self.queue,)).fetchone()
+                    assert row is not None
+                    conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))
+                    backoff = 0.1
+                    while not self._stopping.is_set():
+                        for _ in conn.notifies(timeout=0.5, stop_after=1):
+                            self._notified.set()
+                            self._wake.set()
+            except Exception as exc:  # the poll covers for us meanwhile
+                log.debug("%s: listener: %s", self.name, exc)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     def _work_slot(self, slot: int, generation: int) -> bool:
         """One step of a slot: receive a batch piece, handle its events in order,

@@ -39,7 +39,7 @@ create table if not exists pgque.queue (
     queue_rotation_period    interval not null default '2 hours',
     queue_switch_time        timestamptz not null default now(),
     queue_ticker_max_count   integer not null default 500,
-    queue_ticker_max_lag     interval not null default '3 seconds',
+    queue_ticker_max_lag     interval not null default '0',
     queue_ticker_idle_period interval not null default '1 minute',
     queue_max_retries        integer not null default 5,
     queue_created            timestamptz not null default now()

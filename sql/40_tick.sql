@@ -14,6 +14,21 @@ returns integer
 language sql immutable
 as $$ select 1885827444 $$;
 
+-- pgque._tick_channel(queue_id): the NOTIFY channel announcing ticks of a queue.
+create or replace function pgque._tick_channel(p_queue_id integer)
+returns text
+language sql immutable
+as $$ select 'pgque_tick_' || p_queue_id::text $$;
+
+-- pgque.tick_channel(queue): the channel to LISTEN on to hear of new ticks of
+-- a queue (one notification per tick, with an empty payload).
+create or replace function pgque.tick_channel(p_queue text)
+returns text
+language sql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgque._tick_channel((pgque._queue(p_queue)).queue_id) $$;
+
 -- pgque._tick(queue): makes a tick for the queue now, unconditionally, and
 -- returns its id. Raises PQ008 outside READ COMMITTED, where the snapshot
 -- would be the transaction's and could predate the previous tick.
@@ -35,6 +50,9 @@ begin
     values (p_queue.queue_id, nextval('pgque.tick_id_seq'), pg_current_snapshot(),
             coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0))
     returning tick_id into v_tick_id;
+    -- Wake the queue's consumers. The notification carries nothing: it only
+    -- says "look now", and the consumers' poll covers for a lost one.
+    perform pg_notify(pgque._tick_channel(p_queue.queue_id), '');
     return v_tick_id;
 end
 $$;

@@ -28,7 +28,7 @@ declare
         'ack_partitioned(text,text,integer,integer,bigint)',
         'nack_partitioned(text,text,integer,integer,bigint,bigint[],interval,text)',
         'join_group(text,text)', 'group_status(text,text)', 'slot_of(text,integer)',
-        'max_slots()'];
+        'max_slots()', 'tick_channel(text)'];
     v_fn text;
 begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then

@@ -44,7 +44,8 @@ def test_skip_policy_retries_failed_event_on_its_slot_then_dead_letters(
             raise RuntimeError("cannot process this one")
 
     worker = pgque.Worker(dsn, queue="q", consumer="g", slots=4, handler=handler,
-                          retry_after=0, maintenance_interval=0.1, poll_interval=0.05)
+                          retry_after=0, poll_interval=0.05,
+                          ticker=pgque.Ticker(dsn, maintenance_interval=0.1))
     with worker:
         wait_for(lambda: client.dead_letters("q"), timeout=30, what="the dead letter")
     handled = Counter(i for i, _ in seen)

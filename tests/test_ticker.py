@@ -1,0 +1,113 @@
+"""Always-on ticking: one elected ticker per database, prompt takeover, quiet when
+idle, wakeups that may be lost, and a Worker that needs nothing else."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import scalar, wait_for
+
+import pgque
+
+
+def max_tick(conn: psycopg.Connection[Any]) -> int:
+    return int(scalar(conn, "select coalesce(max(tick_id), 0) from pgque.tick"))
+
+
+def test_only_one_ticker_ticks_and_standby_takes_over(client: pgque.Client, dsn: str,
+                                                      conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q")
+    first = pgque.Ticker(dsn, standby_interval=0.1, name="ticker-a")
+    second = pgque.Ticker(dsn, standby_interval=0.1, name="ticker-b")
+    first.start()
+    assert first.wait_active(10)
+    second.start()
+    try:
+        for n in range(20):
+            before = max_tick(conn)
+            client.send("q", "e", n)
+            wait_for(lambda b=before: max_tick(conn) > b, what="a tick after a send")
+        assert first.ticks >= 20
+        assert second.ticks == 0
+        assert not second.active
+
+        # The active ticker dies: its session ends, and the lock with it.
+        first._stopping.set()  # its thread must not reconnect and compete
+        scalar(conn, "select pg_terminate_backend(%s)", (first.backend_pid,))
+        died = time.monotonic()
+        assert second.wait_active(1.0), "the standby did not take over within 1 s"
+        took_over = time.monotonic() - died
+        before = max_tick(conn)
+        client.send("q", "e", "after")
+        wait_for(lambda: max_tick(conn) > before, what="ticks from the new active ticker")
+        assert second.ticks >= 1
+        assert took_over < 1.0
+    finally:
+        first.stop()
+        second.stop()
+
+
+@pytest.mark.slow
+def test_idle_queue_costs_almost_nothing(client: pgque.Client, dsn: str,
+                                         conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q", ticker_idle_period=10)
+    with pgque.Ticker(dsn) as ticker:
+        assert ticker.wait_active(10)
+        client.send("q", "e", 0)
+        wait_for(lambda: ticker.ticks >= 1, what="the first tick")
+        ticks_before = max_tick(conn)
+        lsn_before = scalar(conn, "select pg_current_wal_lsn()")
+        time.sleep(30)  # the quiet period being measured, not a synchronization
+        ticks = max_tick(conn) - ticks_before
+        wal = scalar(conn, "select pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", (lsn_before,))
+    assert ticks <= 4, f"{ticks} ticks in 30 s of silence with a 10 s idle period"
+    assert ticks >= 2, "the idle period asks for a tick every 10 s"
+    assert wal < 256 * 1024, f"{wal} bytes of WAL in 30 s of silence"
+
+
+def test_lost_wakeups_cost_latency_only(client: pgque.Client, dsn: str,
+                                        conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q")
+    handled: list[int] = []
+    got = threading.Event()
+
+    def handler(message: pgque.Message[Any]) -> None:
+        handled.append(message.id)
+        got.set()
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handler,
+                          listen=False, poll_interval=0.3)
+    with worker:
+        assert worker.ticker is not None and worker.ticker.wait_active(10)
+        for n in range(5):
+            got.clear()
+            ev = client.send("q", "e", n, partition_key=f"k{n}")
+            assert got.wait(0.3 + 3.0), "not delivered by polling alone"
+            assert handled[-1] == ev
+        listeners = scalar(conn, "select count(*) from pg_stat_activity "
+                                 "where application_name like '%%listener'")
+    assert listeners == 0
+
+
+def test_worker_alone_delivers_and_retries(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q", max_retries=3)
+    attempts: dict[int, int] = {}
+
+    def handler(message: pgque.Message[Any]) -> None:
+        attempts[message.id] = attempts.get(message.id, 0) + 1
+        if message.payload == "flaky" and message.retry_count == 0:
+            raise RuntimeError("first attempt fails")
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=3, handler=handler,
+                          retry_after=0.2)
+    with worker:
+        ids = [client.send("q", "e", "flaky" if n == 4 else n, partition_key=f"k{n}")
+               for n in range(10)]
+        wait_for(lambda: attempts.get(ids[4], 0) == 2 and len(attempts) == 10, timeout=20,
+                 what="every event handled and the flaky one retried")
+    assert all(attempts[i] == 1 for i in ids if i != ids[4])
+    assert attempts[ids[4]] == 2
