@@ -13,7 +13,7 @@ OTHER_BINDIR_PY := from pgque.localpg import bindir_major, embedded_bindir, syst
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
-.PHONY: venv lint test demo bench clean distclean
+.PHONY: venv lint test demo bench clean distclean system-deps
 
 venv: $(STAMP)
 
@@ -43,6 +43,22 @@ else
 		echo "== no machine PostgreSQL of another major than the embedded one: one run only"; \
 	fi
 endif
+
+# Optional system packages the suite uses when present: pg_cron for the
+# machine's PostgreSQL (its cron tests skip without it). Best effort: needs
+# root and apt; never fails the build.
+system-deps:
+	@for bindir in /usr/lib/postgresql/*/bin; do \
+		major=$$(basename $$(dirname $$bindir)); \
+		if [ -x "$$bindir/postgres" ] && [ ! -e /usr/lib/postgresql/$$major/lib/pg_cron.so ] \
+			&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing pg_cron for PostgreSQL $$major"; \
+			(apt-get install -y -qq postgresql-$$major-cron >/dev/null 2>&1 || \
+			 (apt-get update -qq >/dev/null 2>&1 && \
+			  apt-get install -y -qq postgresql-$$major-cron >/dev/null 2>&1)) || \
+			echo "pg_cron not installed; its tests will skip"; \
+		fi; \
+	done
 
 demo: venv
 	$(BIN)/python -m pgque.demo

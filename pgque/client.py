@@ -233,6 +233,15 @@ class Client:
             return int(self._value("select pgque.ticker(%s) is not null", (queue,)))
         return int(self._value("select pgque.ticker()"))
 
+    def start_cron(self) -> int:
+        """Tick from inside the database with pg_cron (job 'pgque-ticker'); returns the
+        job id. Raises CronUnavailable when pg_cron is not installed here."""
+        return int(self._value("select pgque.start_cron()"))
+
+    def stop_cron(self) -> bool:
+        """Remove the pg_cron ticking job; False when there was none."""
+        return bool(self._value("select pgque.stop_cron()"))
+
     def maintenance(self, queue: str | None = None) -> list[tuple[str, str, int]]:
         """Run rotation, retry re-insertion and tick cleanup; returns what was done
         as (queue, step, amount) rows."""

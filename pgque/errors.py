@@ -17,6 +17,7 @@ __all__ = [
     "BatchNotActive",
     "ConnectError",
     "ConsumerNotFound",
+    "CronUnavailable",
     "DeadLetterNotFound",
     "EventNotInBatch",
     "InvalidArgument",
@@ -157,6 +158,12 @@ class SlotNotOwned(PgqueError):
     sqlstate = "PQ024"
 
 
+class CronUnavailable(PgqueError):
+    """pg_cron is not installed in this database (PQ030)."""
+
+    sqlstate = "PQ030"
+
+
 class InvalidArgument(PgqueError, ValueError):
     """An argument is out of range, e.g. max_events < 1 (SQLSTATE 22023)."""
 
@@ -169,7 +176,7 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
         QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
         QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
         QueueInUse, PartitionKeyTooLong, SlotSubscriptionError, SlotCountMismatch,
-        InvalidSlotCount, InvalidSlot, SlotNotOwned, InvalidArgument,
+        InvalidSlotCount, InvalidSlot, SlotNotOwned, CronUnavailable, InvalidArgument,
     )
     if cls.sqlstate is not None
 }

@@ -19,9 +19,11 @@ without anyone scheduling anything.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
 
 import psycopg
 
@@ -64,6 +66,7 @@ class Ticker:
         self.backend_pid: int | None = None  # of its current session
         self._active = threading.Event()
         self._stopping = threading.Event()
+        self._signalled = False  # set by SIGTERM/SIGINT when run() owns them
         self._thread: threading.Thread | None = None
 
     @property
@@ -79,14 +82,19 @@ class Ticker:
         """Run in a background (daemon) thread."""
         if self._thread is not None:
             raise RuntimeError("ticker already started")
-        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop ticking and give up the lock (by closing the session)."""
-        self._stopping.set()
+        """Stop ticking and give up the lock (by closing the session); waits up to
+        timeout seconds for the background thread."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def request_stop(self) -> None:
+        """Ask the ticker to stop soon, without waiting for it."""
+        self._stopping.set()
 
     def __enter__(self) -> Ticker:
         self.start()
@@ -97,9 +105,32 @@ class Ticker:
         self.stop()
 
     def run(self) -> None:
-        """Tick (or stand by) until stop(); reconnects with backoff when the database goes."""
+        """Tick (or stand by) until stop(), or SIGTERM/SIGINT when run in the main
+        thread; reconnects with backoff when the database goes away."""
+        restore = self._install_signal_handlers()
+        try:
+            self._run()
+        finally:
+            for signum, previous in restore.items():
+                signal.signal(signum, previous)
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._signalled = True  # a plain assignment: no lock in a signal handler
+
+        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _stop_requested(self) -> bool:
+        if self._signalled:
+            self._stopping.set()
+        return self._stopping.is_set()
+
+    def _run(self) -> None:
         backoff = 0.1
-        while not self._stopping.is_set():
+        while not self._stop_requested():
             try:
                 with open_connection(self.dsn, timeout=self.connect_timeout,
                                      application_name=self.name[:63]) as conn:
@@ -117,7 +148,7 @@ class Ticker:
             backoff = min(backoff * 2, 5.0)
 
     def _serve(self, client: Client) -> None:
-        while not self._stopping.is_set():
+        while not self._stop_requested():
             if self._try_lock(client):
                 log.info("%s: active (backend pid %s)", self.name, client.conn.info.backend_pid)
                 self._active.set()
@@ -133,7 +164,7 @@ class Ticker:
     def _tick_loop(self, client: Client) -> None:
         last_tick = time.monotonic()
         next_maintenance = 0.0
-        while not self._stopping.is_set():
+        while not self._stop_requested():
             now = time.monotonic()
             if now >= next_maintenance:
                 client.maintenance()

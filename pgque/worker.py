@@ -114,6 +114,7 @@ class Worker(Generic[T]):
         self.name = name or f"pgque-worker-{queue}-{consumer}"
 
         self._stopping = threading.Event()
+        self._signalled: int | None = None  # set by SIGTERM/SIGINT when run() owns them
         self._stopped = threading.Event()
         self._wake = threading.Event()  # a slot step finished, a tick was announced, or stop
         self._notified = threading.Event()  # a tick was announced: every slot may have work
@@ -185,9 +186,10 @@ class Worker(Generic[T]):
             return {}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            log.info("%s: signal %s, stopping at the next batch boundary", self.name, signum)
-            self._stopping.set()
-            self._wake.set()
+            # Only a plain assignment: taking a lock here (Event.set) could
+            # deadlock with the very code the signal interrupted. The loop
+            # notices within one wait.
+            self._signalled = signum
 
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -241,6 +243,11 @@ class Worker(Generic[T]):
     def _consume(self, executor: ThreadPoolExecutor) -> None:
         next_rebalance = 0.0
         while not self._stopping.is_set():
+            if self._signalled is not None:
+                log.info("%s: signal %s, stopping at the next batch boundary", self.name,
+                         self._signalled)
+                self._stopping.set()
+                break
             now = time.monotonic()
             if now >= next_rebalance:
                 self._rebalance()
@@ -265,9 +272,11 @@ class Worker(Generic[T]):
         with self._lock:
             self._owned = {s.slot for s in status if s.mine}
             owned = set(self._owned)
-            busy = set(self._busy)
+            # Only a step still running pins its slot: one that just finished is
+            # at a batch boundary, so under a backlog surplus slots still move.
+            running = {slot for slot, future in self._busy.items() if not future.done()}
         if len(owned) > share:
-            for slot in sorted(owned - busy, reverse=True)[: len(owned) - share]:
+            for slot in sorted(owned - running, reverse=True)[: len(owned) - share]:
                 client.release_slot(self.queue, self.consumer, slot)
                 owned.discard(slot)
                 log.info("%s: released slot %s (share %s of %s workers)", self.name, slot,
@@ -329,7 +338,8 @@ class Worker(Generic[T]):
             if any(f.done() for f in self._busy.values()):
                 return
         now = time.monotonic()
-        timeout = min([self.rebalance_interval, *(max(0.0, t - now) for t in idle)])
+        # Bounded, so a signal (which only sets a flag) is noticed promptly.
+        timeout = min([self.rebalance_interval, 0.5, *(max(0.0, t - now) for t in idle)])
         self._wake.wait(timeout)
         self._wake.clear()
 
@@ -382,9 +392,11 @@ class Worker(Generic[T]):
             try:
                 self.handler(message)
             except Exception as exc:
-                log.exception("%s: handler failed for event %s (key %r, slot %s, retry %s)",
-                              self.name, message.id, message.partition_key, batch.slot,
-                              message.retry_count)
+                # Expected under the skip policy, hence a warning; the traceback
+                # is what a developer needs to fix the handler.
+                log.warning("%s: handler failed for event %s (key %r, slot %s, retry %s): %r",
+                            self.name, message.id, message.partition_key, batch.slot,
+                            message.retry_count, exc, exc_info=True)
                 failures.setdefault(f"{type(exc).__name__}: {exc}"[:1000], []).append(message)
                 with self._lock:
                     self.failed += 1

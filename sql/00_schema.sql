@@ -59,23 +59,36 @@ create table if not exists pgque.tick (
 create sequence if not exists pgque.tick_id_seq;
 create sequence if not exists pgque.batch_id_seq;
 
--- A subscription is a consumer's cursor over one queue. Its row is updated on
--- every receive and ack, so no indexed column ever changes (updates stay HOT)
--- and the table leaves room on each page for the new row versions.
+-- A subscription is a consumer's identity on a queue. Its row never changes
+-- after insert: receive and ack take it FOR UPDATE as the receive lock, which
+-- writes no new row version.
 create table if not exists pgque.subscription (
-    sub_id           integer generated always as identity primary key,
-    sub_queue        integer not null references pgque.queue on delete cascade,
-    sub_consumer     text not null,
-    sub_last_tick    bigint not null,     -- last tick whose batch is finished
-    sub_batch        bigint,              -- id of the open batch, null when none
-    sub_next_tick    bigint,              -- tick that closes the open batch
-    sub_batch_pos    bigint,              -- highest ev_id acked inside the open batch
-    sub_batch_handed bigint,              -- highest ev_id handed out by the latest receive
-    sub_batch_last   bigint,              -- highest ev_id of the open batch, once a receive saw its end (0: none)
-    sub_active       timestamptz not null default now(),
-    sub_created      timestamptz not null default now(),
+    sub_id       integer generated always as identity primary key,
+    sub_queue    integer not null references pgque.queue on delete cascade,
+    sub_consumer text not null,
+    sub_created  timestamptz not null default now(),
     unique (sub_queue, sub_consumer)
-) with (fillfactor = 30);
+);
+
+-- A subscription's cursor, kept as an append-only log: opening or handing out
+-- a piece of a batch and acking insert the new state, and the current state
+-- is the row with the highest cur_seq, found by reading the primary key
+-- backwards. Nothing here is ever updated: an updated row would grow a chain
+-- of versions that every later lookup walks, and a transaction holding back
+-- the xmin horizon for minutes would make that chain, and every receive,
+-- longer and longer. Maintenance deletes superseded rows in bulk.
+create table if not exists pgque.cursor (
+    cur_sub       integer not null,
+    cur_seq       bigint not null,
+    cur_last_tick bigint not null,   -- last tick whose batch is finished
+    cur_batch     bigint,            -- id of the open batch, null when none
+    cur_next_tick bigint,            -- tick that closes the open batch
+    cur_pos       bigint,            -- highest ev_id acked inside the open batch
+    cur_handed    bigint,            -- highest ev_id handed out by the latest receive
+    cur_end       bigint,            -- highest ev_id of the open batch, once a receive saw its end (0: none)
+    cur_time      timestamptz not null default now(),
+    primary key (cur_sub, cur_seq)
+);
 
 -- Nacked events wait here until their retry time; maintenance moves them back
 -- into the log, visible only to the subscription that nacked them.

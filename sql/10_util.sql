@@ -63,12 +63,37 @@ as $$
                 else 'event_' || p_queue_id::text || '_' || p_n::text end
 $$;
 
--- pgque._subscription(queue, consumer, lock): the queue and subscription rows;
--- PQ001 or PQ002 when either is missing. With lock, the subscription row is
--- taken FOR UPDATE: this is the receive lock that serializes a consumer.
+-- pgque._cursor(sub_id): the subscription's current cursor state (the newest
+-- row of its cursor log, read backwards along the primary key).
+create or replace function pgque._cursor(p_sub_id integer)
+returns pgque.cursor
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select * from pgque.cursor where cur_sub = p_sub_id order by cur_seq desc limit 1
+$$;
+
+-- pgque._save_cursor(cursor): appends the next state of a cursor (whose
+-- subscription row the caller holds locked).
+create or replace function pgque._save_cursor(p_cur pgque.cursor)
+returns void
+language sql
+set search_path = pg_catalog, pg_temp
+as $$
+    insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
+                              cur_pos, cur_handed, cur_end)
+    values (p_cur.cur_sub, p_cur.cur_seq + 1, p_cur.cur_last_tick, p_cur.cur_batch,
+            p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end)
+$$;
+
+-- pgque._subscription(queue, consumer, lock): the queue row, the subscription
+-- row and its current cursor; PQ001 or PQ002 when the queue or subscription
+-- is missing. With lock, the subscription row is taken FOR UPDATE first: this
+-- is the receive lock that serializes a consumer, and the cursor is read
+-- after it is granted (a new statement, so a fresh snapshot).
 create or replace function pgque._subscription(
     p_queue text, p_consumer text, p_lock boolean,
-    out queue pgque.queue, out sub pgque.subscription)
+    out queue pgque.queue, out sub pgque.subscription, out cur pgque.cursor)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -87,6 +112,7 @@ begin
             errcode = 'PQ002',
             message = format('consumer %L is not subscribed to queue %L', p_consumer, p_queue);
     end if;
+    cur := pgque._cursor(sub.sub_id);
 end
 $$;
 

@@ -14,14 +14,20 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_tick bigint := (pgque._last_tick(p_queue.queue_id)).tick_id;
+    v_sub_id integer;
 begin
     if v_tick is null then
         v_tick := pgque._tick(p_queue);
     end if;
-    insert into pgque.subscription (sub_queue, sub_consumer, sub_last_tick)
-    values (p_queue.queue_id, p_consumer, v_tick)
-    on conflict (sub_queue, sub_consumer) do nothing;
-    return found;
+    insert into pgque.subscription (sub_queue, sub_consumer)
+    values (p_queue.queue_id, p_consumer)
+    on conflict (sub_queue, sub_consumer) do nothing
+    returning sub_id into v_sub_id;
+    if v_sub_id is null then
+        return false;
+    end if;
+    insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick) values (v_sub_id, 1, v_tick);
+    return true;
 end
 $$;
 
@@ -37,6 +43,26 @@ as $$
 begin
     perform pgque._check_name('consumer', p_consumer);
     return pgque._subscribe(pgque._queue(p_queue), p_consumer);
+end
+$$;
+
+-- pgque._unsubscribe(queue_id, consumers): deletes the subscriptions with
+-- their cursors (retries go by cascade); returns how many.
+create or replace function pgque._unsubscribe(p_queue_id integer, p_consumers text[])
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_ids integer[];
+begin
+    with gone as (
+        delete from pgque.subscription
+         where sub_queue = p_queue_id and sub_consumer = any(p_consumers)
+        returning sub_id)
+    select array_agg(sub_id) into v_ids from gone;
+    delete from pgque.cursor where cur_sub = any(v_ids);
+    return coalesce(cardinality(v_ids), 0);
 end
 $$;
 
@@ -56,7 +82,6 @@ begin
         raise exception using errcode = 'PQ021',
             message = format('%L is a slot subscription; use unsubscribe_slots', p_consumer);
     end if;
-    delete from pgque.subscription where sub_queue = v_queue.queue_id and sub_consumer = p_consumer;
-    return found;
+    return pgque._unsubscribe(v_queue.queue_id, array[p_consumer]) > 0;
 end
 $$;

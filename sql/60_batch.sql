@@ -52,13 +52,13 @@ begin
 end
 $$;
 
--- pgque._receive(queue, sub, max_events, slot, slots): opens the next batch of
--- the locked subscription row sub, or continues its open one, and returns up
--- to max_events of its events not yet acked, as rows (batch_id, event...).
--- An open batch with nothing left yields one row whose ev_id is null; no
--- rows means there is no batch (no tick after the subscription's last one).
+-- pgque._receive(queue, sub, cur, max_events, slot, slots): opens the next
+-- batch of the locked subscription sub (cursor cur), or continues its open
+-- one, and returns up to max_events of its events not yet acked, as rows
+-- (batch_id, event...). An open batch with nothing left yields one row whose
+-- ev_id is null; no rows means there is no batch (no tick after the last one).
 create or replace function pgque._receive(
-    p_queue pgque.queue, p_sub pgque.subscription, p_max_events integer,
+    p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_max_events integer,
     p_slot integer default null, p_slots integer default null)
 returns table (batch_id bigint, ev_id bigint, ev_time timestamptz, ev_retry integer,
                ev_type text, ev_data text, ev_extra1 text, ev_extra2 text,
@@ -68,102 +68,107 @@ set search_path = pg_catalog, pg_temp
 as $$
 #variable_conflict use_column
 declare
-    v_next_tick bigint := p_sub.sub_next_tick;
     v_events pgque.event_template[];
     v_count integer;
-    v_last bigint := p_sub.sub_batch_last;
-    v_pos bigint := coalesce(p_sub.sub_batch_pos, 0);
 begin
     if p_max_events is not null and p_max_events < 1 then
         raise exception using errcode = '22023', message = 'max_events must be at least 1';
     end if;
-    if p_sub.sub_batch is null then
-        select t.tick_id into v_next_tick
+    if p_cur.cur_batch is null then
+        select t.tick_id into p_cur.cur_next_tick
           from pgque.tick t
-         where t.tick_queue = p_queue.queue_id and t.tick_id > p_sub.sub_last_tick
+         where t.tick_queue = p_queue.queue_id and t.tick_id > p_cur.cur_last_tick
          order by t.tick_id
          limit 1;
-        if v_next_tick is null then
+        if p_cur.cur_next_tick is null then
             return;
         end if;
-        p_sub.sub_batch := nextval('pgque.batch_id_seq');
-        v_pos := 0;
-        v_last := null;
+        p_cur.cur_batch := nextval('pgque.batch_id_seq');
+        p_cur.cur_pos := 0;
+        p_cur.cur_end := null;
     end if;
 
     -- Ask for one more than max_events: that tells whether the batch goes on.
     v_events := pgque._batch_events(
         p_queue.queue_id, p_sub.sub_id,
-        pgque._tick_snapshot(p_queue.queue_id, p_sub.sub_last_tick),
-        pgque._tick_snapshot(p_queue.queue_id, v_next_tick),
-        v_pos, null, p_max_events + 1, null, p_slot, p_slots);
+        pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
+        pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
+        p_cur.cur_pos, null, p_max_events + 1, null, p_slot, p_slots);
     v_count := coalesce(cardinality(v_events), 0);
     if p_max_events is not null and v_count > p_max_events then
         v_events := v_events[1:p_max_events];
         v_count := p_max_events;
     else
-        v_last := coalesce(v_events[v_count].ev_id, v_pos);
+        p_cur.cur_end := coalesce(v_events[v_count].ev_id, p_cur.cur_pos);
     end if;
-
-    update pgque.subscription
-       set sub_batch = p_sub.sub_batch,
-           sub_next_tick = v_next_tick,
-           sub_batch_pos = v_pos,
-           sub_batch_handed = coalesce(v_events[v_count].ev_id, v_pos),
-           sub_batch_last = v_last,
-           sub_active = now()
-     where sub_id = p_sub.sub_id;
+    p_cur.cur_handed := coalesce(v_events[v_count].ev_id, p_cur.cur_pos);
+    perform pgque._save_cursor(p_cur);
 
     if v_count = 0 then
-        return query select p_sub.sub_batch, null::bigint, null::timestamptz, null::integer,
+        return query select p_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
                             null::text, null::text, null::text, null::text, null::text, null::text;
     else
-        return query select p_sub.sub_batch, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
+        return query select p_cur.cur_batch, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
                             e.ev_extra1, e.ev_extra2, e.ev_extra3, e.ev_extra4
                        from unnest(v_events) e;
     end if;
 end
 $$;
 
--- pgque._ack(sub, batch_id): acks what the latest receive handed out of the
--- open batch of the locked subscription row sub. When that reached the end of
+-- pgque._ack(sub, cur, batch_id): acks what the latest receive handed out of
+-- the open batch of the locked subscription sub. When that reached the end of
 -- the batch the batch is finished and the cursor moves to its tick (returns
 -- true); otherwise the position inside the batch advances (returns false).
 -- Raises PQ003 if batch_id is not the open batch.
-create or replace function pgque._ack(p_sub pgque.subscription, p_batch_id bigint)
+create or replace function pgque._ack(p_sub pgque.subscription, p_cur pgque.cursor,
+                                      p_batch_id bigint)
 returns boolean
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if p_batch_id is null or p_sub.sub_batch is distinct from p_batch_id then
-        raise exception using errcode = 'PQ003',
-            message = format('batch %s is not the open batch of consumer %L', p_batch_id,
-                             p_sub.sub_consumer);
-    end if;
-    if p_sub.sub_batch_last is not null and p_sub.sub_batch_handed >= p_sub.sub_batch_last then
-        update pgque.subscription
-           set sub_last_tick = sub_next_tick, sub_batch = null, sub_next_tick = null,
-               sub_batch_pos = null, sub_batch_handed = null, sub_batch_last = null,
-               sub_active = now()
-         where sub_id = p_sub.sub_id;
+    perform pgque._require_batch(p_sub, p_cur, p_batch_id);
+    if p_cur.cur_end is not null and p_cur.cur_handed >= p_cur.cur_end then
+        p_cur.cur_last_tick := p_cur.cur_next_tick;
+        p_cur.cur_batch := null;
+        p_cur.cur_next_tick := null;
+        p_cur.cur_pos := null;
+        p_cur.cur_handed := null;
+        p_cur.cur_end := null;
+        perform pgque._save_cursor(p_cur);
         return true;
     end if;
-    update pgque.subscription
-       set sub_batch_pos = sub_batch_handed, sub_active = now()
-     where sub_id = p_sub.sub_id;
+    p_cur.cur_pos := p_cur.cur_handed;
+    perform pgque._save_cursor(p_cur);
     return false;
 end
 $$;
 
--- pgque._nack(queue, sub, batch_id, ev_ids, retry_after, reason, slot, slots):
+-- pgque._require_batch(sub, cur, batch_id): PQ003 unless batch_id is the open batch.
+create or replace function pgque._require_batch(p_sub pgque.subscription, p_cur pgque.cursor,
+                                                p_batch_id bigint)
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_batch_id is null or p_cur.cur_batch is distinct from p_batch_id then
+        raise exception using errcode = 'PQ003',
+            message = format('batch %s is not the open batch of consumer %L', p_batch_id,
+                             p_sub.sub_consumer);
+    end if;
+end
+$$;
+
+-- pgque._nack(queue, sub, cur, batch_id, ev_ids, retry_after, reason, slot, slots):
 -- sends events that the latest receive handed out of the open batch to the
 -- retry queue, due after retry_after, or to dead letters with reason once
 -- they were retried max_retries times. Returns how many went to dead letters.
 -- The batch stays open: ack it as usual. Raises PQ003 if batch_id is not the
 -- open batch, PQ010 if an id is not among the events handed out.
 create or replace function pgque._nack(
-    p_queue pgque.queue, p_sub pgque.subscription, p_batch_id bigint, p_ev_ids bigint[],
+    p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_batch_id bigint,
+    p_ev_ids bigint[],
     p_retry_after interval, p_reason text, p_slot integer default null,
     p_slots integer default null)
 returns integer
@@ -174,11 +179,7 @@ declare
     v_events pgque.event_template[];
     v_dead integer;
 begin
-    if p_batch_id is null or p_sub.sub_batch is distinct from p_batch_id then
-        raise exception using errcode = 'PQ003',
-            message = format('batch %s is not the open batch of consumer %L', p_batch_id,
-                             p_sub.sub_consumer);
-    end if;
+    perform pgque._require_batch(p_sub, p_cur, p_batch_id);
     if p_retry_after is null or p_retry_after < interval '0' then
         raise exception using errcode = '22023', message = 'retry_after must not be negative';
     end if;
@@ -187,9 +188,9 @@ begin
     end if;
     v_events := pgque._batch_events(
         p_queue.queue_id, p_sub.sub_id,
-        pgque._tick_snapshot(p_queue.queue_id, p_sub.sub_last_tick),
-        pgque._tick_snapshot(p_queue.queue_id, p_sub.sub_next_tick),
-        coalesce(p_sub.sub_batch_pos, 0), p_sub.sub_batch_handed, null, p_ev_ids,
+        pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
+        pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
+        coalesce(p_cur.cur_pos, 0), p_cur.cur_handed, null, p_ev_ids,
         p_slot, p_slots);
     if coalesce(cardinality(v_events), 0) <> (select count(distinct i) from unnest(p_ev_ids) i) then
         raise exception using errcode = 'PQ010',
@@ -253,7 +254,7 @@ declare
 begin
     select * into v from pgque._subscription(p_queue, p_consumer, true);
     perform pgque._refuse_slot(v.sub);
-    return query select * from pgque._receive(v.queue, v.sub, p_max_events);
+    return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events);
 end
 $$;
 
@@ -270,7 +271,7 @@ declare
 begin
     select * into v from pgque._subscription(p_queue, p_consumer, true);
     perform pgque._refuse_slot(v.sub);
-    return pgque._ack(v.sub, p_batch_id);
+    return pgque._ack(v.sub, v.cur, p_batch_id);
 end
 $$;
 
@@ -290,6 +291,6 @@ declare
 begin
     select * into v from pgque._subscription(p_queue, p_consumer, true);
     perform pgque._refuse_slot(v.sub);
-    return pgque._nack(v.queue, v.sub, p_batch_id, p_ev_ids, p_retry_after, p_reason);
+    return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, p_retry_after, p_reason);
 end
 $$;

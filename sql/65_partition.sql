@@ -179,21 +179,21 @@ declare
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v_count integer;
 begin
-    delete from pgque.subscription
-     where sub_queue = v_queue.queue_id
-       and sub_consumer in (select pgque._slot_name(p_consumer, k, v_group.cg_slots)
-                              from generate_series(0, v_group.cg_slots - 1) k);
-    get diagnostics v_count = row_count;
+    v_count := pgque._unsubscribe(
+        v_queue.queue_id,
+        array(select pgque._slot_name(p_consumer, k, v_group.cg_slots)
+                from generate_series(0, v_group.cg_slots - 1) k));
     delete from pgque.consumer_group where cg_id = v_group.cg_id;
     return v_count;
 end
 $$;
 
 -- pgque._slot_sub(queue, consumer, slot, slots, lock): the slot's queue and
--- subscription rows after validating slot and slots and the persisted count.
+-- subscription rows and cursor, after validating slot and slots and the
+-- persisted count.
 create or replace function pgque._slot_sub(
     p_queue text, p_consumer text, p_slot integer, p_slots integer, p_lock boolean,
-    out queue pgque.queue, out sub pgque.subscription)
+    out queue pgque.queue, out sub pgque.subscription, out cur pgque.cursor)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -206,6 +206,7 @@ begin
       from pgque._subscription(p_queue, pgque._slot_name(p_consumer, p_slot, p_slots), p_lock);
     queue := v.queue;
     sub := v.sub;
+    cur := v.cur;
 end
 $$;
 
@@ -312,7 +313,8 @@ begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, false);
     perform pgque._require_owner(v.sub);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
-    return query select * from pgque._receive(v.queue, v.sub, p_max_events, p_slot, p_slots);
+    return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
+                                              p_slots);
 end
 $$;
 
@@ -330,7 +332,7 @@ declare
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
-    return pgque._ack(v.sub, p_batch_id);
+    return pgque._ack(v.sub, v.cur, p_batch_id);
 end
 $$;
 
@@ -351,7 +353,7 @@ declare
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
-    return pgque._nack(v.queue, v.sub, p_batch_id, p_ev_ids, p_retry_after, p_reason,
+    return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, p_retry_after, p_reason,
                        p_slot, p_slots);
 end
 $$;

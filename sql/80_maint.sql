@@ -1,4 +1,4 @@
--- pgque: maintenance (rotation, retry re-insertion, tick cleanup).
+-- pgque: maintenance (rotation, retry re-insertion, tick and cursor cleanup).
 --
 -- Each step is safe to run concurrently and repeatedly: steps of one queue
 -- are serialized by an advisory transaction lock, and a second caller simply
@@ -22,7 +22,8 @@ as $$
     select case when exists (select 1 from pgque.subscription where sub_queue = p_queue_id)
            then (select min(pg_snapshot_xmin(t.tick_snapshot))
                    from pgque.subscription s
-                   join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick
+                   cross join lateral pgque._cursor(s.sub_id) c
+                   join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick
                   where s.sub_queue = p_queue_id)
            else pg_snapshot_xmin((pgque._last_tick(p_queue_id)).tick_snapshot)
            end
@@ -98,11 +99,31 @@ declare
     v_keep bigint;
     v_count bigint;
 begin
-    select coalesce((select min(sub_last_tick) from pgque.subscription
-                      where sub_queue = p_queue.queue_id),
+    select coalesce((select min(c.cur_last_tick)
+                       from pgque.subscription s cross join lateral pgque._cursor(s.sub_id) c
+                      where s.sub_queue = p_queue.queue_id),
                     (pgque._last_tick(p_queue.queue_id)).tick_id)
       into v_keep;
     delete from pgque.tick where tick_queue = p_queue.queue_id and tick_id < v_keep;
+    get diagnostics v_count = row_count;
+    return v_count;
+end
+$$;
+
+-- pgque._maint_cursors(queue): deletes, in one statement, the superseded rows
+-- of the cursor logs of the queue's subscriptions. Returns how many.
+create or replace function pgque._maint_cursors(p_queue pgque.queue)
+returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_count bigint;
+begin
+    delete from pgque.cursor c
+     using pgque.subscription s
+     where s.sub_queue = p_queue.queue_id and c.cur_sub = s.sub_id
+       and c.cur_seq < (pgque._cursor(s.sub_id)).cur_seq;
     get diagnostics v_count = row_count;
     return v_count;
 end
@@ -143,6 +164,11 @@ begin
         v_amount := pgque._maint_ticks(v_queue);
         if v_amount > 0 then
             queue_name := v_queue.queue_name; step := 'ticks'; amount := v_amount;
+            return next;
+        end if;
+        v_amount := pgque._maint_cursors(v_queue);
+        if v_amount > 0 then
+            queue_name := v_queue.queue_name; step := 'cursors'; amount := v_amount;
             return next;
         end if;
     end loop;

@@ -1,11 +1,13 @@
 -- pgque: what operators look at (queues and consumers).
 
--- pgque._oldest_unconsumed(queue_id, sub_id, snapshot): ev_time of the
--- earliest-written event the subscription has not consumed yet (not visible
--- in the snapshot of its last finished tick), or null. Reads the ev_txid
--- index upward from the snapshot's xmin and stops at the first such event.
+-- pgque._oldest_unconsumed(queue_id, sub_id, snapshot, slot, slots): ev_time
+-- of the earliest-written event the subscription has not consumed yet (not
+-- visible in the snapshot of its last finished tick; only the slot's events
+-- when slots is given), or null. Reads the ev_txid index upward from the
+-- snapshot's xmin and stops at the first such event.
 create or replace function pgque._oldest_unconsumed(
-    p_queue_id integer, p_sub_id integer, p_snapshot pg_snapshot)
+    p_queue_id integer, p_sub_id integer, p_snapshot pg_snapshot,
+    p_slot integer default null, p_slots integer default null)
 returns timestamptz
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -17,10 +19,11 @@ begin
         'select e.ev_time from pgque.%I e'
         ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
         '   and (e.ev_owner is null or e.ev_owner = $3)'
+        '   and ($5::integer is null or pgque.slot_of(e.ev_extra1, $5) = $4)'
         ' order by e.ev_txid limit 1',
         pgque._event_table(p_queue_id))
        into v_time
-      using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id;
+      using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
     return v_time;
 end
 $$;
@@ -56,15 +59,15 @@ create or replace view pgque._consumer_info as
 select q.queue_name,
        s.sub_consumer as consumer_name,
        s.sub_id,
-       s.sub_last_tick as last_tick_id,
+       c.cur_last_tick as last_tick_id,
        t.tick_time as last_tick_time,
        now() - t.tick_time as lag,
        (select count(*) from pgque.tick n
-         where n.tick_queue = q.queue_id and n.tick_id > s.sub_last_tick) as ticks_behind,
+         where n.tick_queue = q.queue_id and n.tick_id > c.cur_last_tick) as ticks_behind,
        greatest(coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
                 - coalesce(t.tick_event_seq, 0), 0) as pending_events,
-       s.sub_batch as open_batch_id,
-       s.sub_active as last_active,
+       c.cur_batch as open_batch_id,
+       c.cur_time as last_active,
        now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
            as oldest_unconsumed_age,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
@@ -72,7 +75,8 @@ select q.queue_name,
          where d.dl_queue = q.queue_id and d.dl_consumer = s.sub_consumer) as dead_letters
   from pgque.subscription s
   join pgque.queue q on q.queue_id = s.sub_queue
-  left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
+  cross join lateral pgque._cursor(s.sub_id) c
+  left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick;
 
 -- pgque._pending_events(queue_id, sub_id, snapshot, slot, slots): how many
 -- committed events the subscription has not consumed yet (not visible in the
@@ -114,22 +118,23 @@ select q.queue_name,
        pgque._pending_events(q.queue_id, s.sub_id, t.tick_snapshot, k.slot, g.cg_slots)
            as pending_events,
        (select count(*) from pgque.tick n
-         where n.tick_queue = q.queue_id and n.tick_id > s.sub_last_tick) as ticks_behind,
-       now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
-           as oldest_unconsumed_age,
+         where n.tick_queue = q.queue_id and n.tick_id > c.cur_last_tick) as ticks_behind,
+       now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot, k.slot,
+                                         g.cg_slots) as oldest_unconsumed_age,
        now() - t.tick_time as lag,
-       s.sub_batch as open_batch_id,
-       s.sub_active as last_active,
+       c.cur_batch as open_batch_id,
+       c.cur_time as last_active,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
-       (now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
-            > interval '1 minute'
-        and (l.pid is null or now() - s.sub_active > interval '1 minute')) as stalled
+       (now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot, k.slot,
+                                         g.cg_slots) > interval '1 minute'
+        and (l.pid is null or now() - c.cur_time > interval '1 minute')) as stalled
   from pgque.consumer_group g
   join pgque.queue q on q.queue_id = g.cg_queue
   cross join lateral generate_series(0, g.cg_slots - 1) as k(slot)
   join pgque.subscription s
     on s.sub_queue = g.cg_queue and s.sub_consumer = pgque._slot_name(g.cg_consumer, k.slot, g.cg_slots)
-  left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick
+  cross join lateral pgque._cursor(s.sub_id) c
+  left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick
   left join pg_locks l
     on l.locktype = 'advisory' and l.granted and l.objsubid = 1
    and l.classid = pgque._slot_lock_class()::oid and l.objid = s.sub_id::oid;

@@ -7,7 +7,7 @@
 --   pgque_reader  subscribe, receive, ack, nack, read the info views
 --   pgque_admin   everything, including queue management and maintenance
 
-revoke all on all functions in schema pgque from public;
+revoke all on all routines in schema pgque from public;
 revoke all on all tables in schema pgque from public;
 revoke all on all sequences in schema pgque from public;
 
@@ -52,7 +52,7 @@ begin
         for v_fn in select p.oid::regprocedure::text
                       from pg_catalog.pg_proc p
                      where p.pronamespace = 'pgque'::regnamespace and p.proname !~ '^_' loop
-            execute format('grant execute on function %s to pgque_admin', v_fn);
+            execute format('grant execute on routine %s to pgque_admin', v_fn);
         end loop;
         execute 'grant select on pgque.queue_info, pgque.consumer_info, '
                 'pgque.partition_slot_status to pgque_admin';

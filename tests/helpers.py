@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,15 +28,35 @@ def drain(client: pgque.Client, queue: str, consumer: str, *,
     return received
 
 
+def dump_state(dsn: str | None = None) -> None:
+    """Print every thread's stack and, given a DSN, what the server's sessions are
+    doing: called when a test times out, so a hang can be diagnosed from the log."""
+    faulthandler.dump_traceback(all_threads=True)
+    if dsn is None:
+        return
+    import psycopg
+
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            for row in conn.execute(
+                    "select pid, application_name, state, wait_event_type, wait_event, "
+                    "left(query, 120) from pg_stat_activity where datname = current_database()"):
+                print("session:", row, flush=True)
+    except Exception as exc:
+        print("could not read pg_stat_activity:", exc, flush=True)
+
+
 def wait_for(probe: Callable[[], T | None], *, timeout: float = 10.0,
-             interval: float = 0.02, what: str = "condition") -> T:
-    """Poll probe until it returns something truthy, or fail after timeout seconds."""
+             interval: float = 0.02, what: str = "condition", dsn: str | None = None) -> T:
+    """Poll probe until it returns something truthy, or fail after timeout seconds
+    (dumping threads, and sessions when ``dsn`` is given)."""
     deadline = time.monotonic() + timeout
     while True:
         value = probe()
         if value:
             return value
         if time.monotonic() > deadline:
+            dump_state(dsn)
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
 

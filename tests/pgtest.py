@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -132,6 +133,22 @@ class ContainerServer(PgServer):
         self._container.stop()
 
 
+CRON_DB = "pgque_cron"
+
+
+def has_pg_cron(bindir: Path) -> bool:
+    """Whether the PostgreSQL build in ``bindir`` has the pg_cron extension installed."""
+    pg_config = bindir / "pg_config"
+    if not pg_config.exists():
+        return False
+    try:
+        libdir = subprocess.run([str(pg_config), "--pkglibdir"], capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return (Path(libdir) / "pg_cron.so").exists()
+
+
 class LocalServer(PgServer):
     """A throwaway :class:`~pgque.localpg.LocalPostgres` cluster."""
 
@@ -139,7 +156,11 @@ class LocalServer(PgServer):
 
     def __init__(self, bindir: Path, tmpdir: Path | None) -> None:
         """Create and start a cluster of the binaries in ``bindir``."""
-        self.postgres = LocalPostgres(bindir, tmpdir=tmpdir)
+        settings = {}
+        if has_pg_cron(bindir):
+            # pg_cron runs its jobs in one database only: the suite's cron tests use it.
+            settings = {"shared_preload_libraries": "pg_cron", "cron.database_name": CRON_DB}
+        self.postgres = LocalPostgres(bindir, settings=settings, tmpdir=tmpdir)
         self.postgres.start()
         kind = "embedded" if self.postgres.bindir == embedded_bindir() else "system"
         self.description = (

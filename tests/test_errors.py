@@ -25,6 +25,7 @@ def state(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
     return (
         conn.execute("select count(*) from pgque.event_1").fetchone(),
         conn.execute("select * from pgque.subscription order by sub_id").fetchall(),
+        conn.execute("select * from pgque.cursor order by cur_sub, cur_seq").fetchall(),
         conn.execute("select queue_name, current_table from pgque.queue_info").fetchall(),
         conn.execute("select count(*) from pgque.retry_queue").fetchone(),
         conn.execute("select count(*) from pgque.dead_letter").fetchone(),
@@ -95,8 +96,11 @@ def test_plain_api_refuses_slot_subscriptions(client: pgque.Client,
                                               conn: psycopg.Connection[Any]) -> None:
     # A slot subscription can only be made by the partition layer; forge one here
     # to check the plain calls keep their hands off it.
-    conn.execute("insert into pgque.subscription (sub_queue, sub_consumer, sub_last_tick) "
-                 "select 1, 'g#0/2', max(tick_id) from pgque.tick")
+    sub_id = conn.execute("insert into pgque.subscription (sub_queue, sub_consumer) "
+                          "values (1, 'g#0/2') returning sub_id").fetchone()
+    assert sub_id is not None
+    conn.execute("insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick) "
+                 "select %s, 1, max(tick_id) from pgque.tick", (sub_id[0],))
     with pytest.raises(pgque.SlotSubscriptionError):
         client.receive("q", "g#0/2")
 

@@ -153,6 +153,14 @@ def test_partition_slot_status_shows_owner_and_lag(group: pgque.Client, dsn: str
     assert (rows[0]["pending_events"], rows[1]["pending_events"]) == (0, 5)
     assert rows[0]["oldest_unconsumed_age"] is None
     assert rows[0]["ticks_behind"] == 0
+    # Traffic of slot 1 only: slot 0 falls a tick behind but has nothing of its
+    # own waiting, so it shows no age and is never flagged as stalled.
+    group.send("q", "e", 1, partition_key=key_for_slot(conn, 1, 2))
+    group.tick("q")
+    rows = {r["slot"]: r for r in group.partition_slot_status("q")}
+    assert rows[0]["ticks_behind"] == 1 and rows[0]["pending_events"] == 0
+    assert rows[0]["oldest_unconsumed_age"] is None
+    assert rows[1]["pending_events"] == 6 and rows[1]["oldest_unconsumed_age"] is not None
     # Status seen from another session agrees on the owner.
     with psycopg.connect(dsn, autocommit=True) as observer:
         owner = scalar(observer, "select owner_pid from pgque.partition_slot_status where slot = 0")

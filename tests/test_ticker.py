@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import dump_state, scalar, wait_for
 
 import pgque
 
@@ -36,7 +36,7 @@ def test_only_one_ticker_ticks_and_standby_takes_over(client: pgque.Client, dsn:
         assert not second.active
 
         # The active ticker dies: its session ends, and the lock with it.
-        first._stopping.set()  # its thread must not reconnect and compete
+        first.request_stop()  # its thread must not reconnect and compete
         scalar(conn, "select pg_terminate_backend(%s)", (first.backend_pid,))
         died = time.monotonic()
         assert second.wait_active(1.0), "the standby did not take over within 1 s"
@@ -59,6 +59,12 @@ def test_idle_queue_costs_almost_nothing(client: pgque.Client, dsn: str,
         assert ticker.wait_active(10)
         client.send("q", "e", 0)
         wait_for(lambda: ticker.ticks >= 1, what="the first tick")
+        # WAL is cluster-wide: let earlier tests' background work (autovacuum of
+        # their databases, a pending checkpoint) settle before measuring.
+        conn.execute("checkpoint")
+        wait_for(lambda: scalar(conn, "select count(*) = 0 from pg_stat_activity "
+                                      "where backend_type = 'autovacuum worker'"),
+                 timeout=60, what="autovacuum to be idle")
         ticks_before = max_tick(conn)
         lsn_before = scalar(conn, "select pg_current_wal_lsn()")
         time.sleep(30)  # the quiet period being measured, not a synchronization
@@ -86,7 +92,9 @@ def test_lost_wakeups_cost_latency_only(client: pgque.Client, dsn: str,
         for n in range(5):
             got.clear()
             ev = client.send("q", "e", n, partition_key=f"k{n}")
-            assert got.wait(0.3 + 3.0), "not delivered by polling alone"
+            if not got.wait(0.3 + 3.0):
+                dump_state(dsn)
+                raise AssertionError("not delivered by polling alone")
             assert handled[-1] == ev
         listeners = scalar(conn, "select count(*) from pg_stat_activity "
                                  "where application_name like '%%listener'")

@@ -23,7 +23,8 @@ def make_queue(client: pgque.Client, **config: Any) -> None:
 
 
 def no_batch_open_no_lock(conn: psycopg.Connection[Any]) -> None:
-    assert scalar(conn, "select count(*) from pgque.subscription where sub_batch is not null") == 0
+    assert scalar(conn, "select count(*) from pgque.consumer_info "
+                        "where open_batch_id is not null") == 0
     assert scalar(conn, "select count(*) from pgque.partition_slot_status "
                         "where owner_pid is not null") == 0
 
@@ -146,12 +147,13 @@ def test_workers_survive_a_server_restart(client: pgque.Client, dsn: str,
         w.start()
     try:
         first = client.send_batch("q", [("e", i, f"k{i % 7}") for i in range(300)])
-        wait_for(lambda: count() >= 100, timeout=30, what="handling to start")
+        wait_for(lambda: count() >= 100, timeout=30, what="handling to start", dsn=dsn)
         restartable_server.restart()
         client.close()
         with pgque.connect(dsn) as fresh:
             second = fresh.send_batch("q", [("e", i, f"k{i % 7}") for i in range(300, 600)])
-            wait_for(lambda: count() == 600, timeout=60, what="all events after the restart")
+            wait_for(lambda: count() == 600, timeout=60, what="all events after the restart",
+                     dsn=dsn)
     finally:
         for w in workers:
             w.stop()
@@ -166,3 +168,37 @@ def test_workers_survive_a_server_restart(client: pgque.Client, dsn: str,
             first_seen[m.partition_key].append(m.id)
     for key, order in first_seen.items():
         assert order == sorted(order), key
+
+
+def test_newcomer_gets_slots_while_the_others_are_busy(client: pgque.Client, dsn: str,
+                                                       conn: psycopg.Connection[Any]) -> None:
+    """Under a backlog every slot is always busy; surplus slots must still move to
+    a worker that joins, at a batch boundary."""
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=4)
+    handled: dict[str, list[int]] = defaultdict(list)
+    lock = threading.Lock()
+
+    def handler_for(name: str) -> Any:
+        def handler(message: pgque.Message[Any]) -> None:
+            threading.Event().wait(0.002)  # a slow handler keeps every slot busy
+            with lock:
+                handled[name].append(message.id)
+        return handler
+
+    def worker(name: str) -> pgque.Worker[Any]:
+        return pgque.Worker(dsn, queue="q", consumer="g", slots=4, handler=handler_for(name),
+                            max_events=10, rebalance_interval=0.1)
+
+    ids = client.send_batch("q", [("e", i, f"k{i}") for i in range(1500)])
+    a, b = worker("a"), worker("b")
+    with a, b:
+        wait_for(lambda: len(handled["a"]) + len(handled["b"]) >= 100, what="a busy start")
+        with worker("c") as c:
+            wait_for(lambda: len(c.owned_slots) >= 1, timeout=10,
+                     what="the newcomer to get a slot under load")
+            wait_for(lambda: sum(len(v) for v in handled.values()) >= 1500, timeout=60,
+                     what="the backlog to drain")
+    assert handled["c"], "the newcomer handled nothing"
+    assert sorted(handled["a"] + handled["b"] + handled["c"]) == ids
+    no_batch_open_no_lock(conn)

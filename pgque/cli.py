@@ -1,0 +1,934 @@
+"""The ``pgque`` command line: install, queues, send, tail, workers, ticker, status, dead letters.
+
+Every command that talks to a database takes ``--dsn`` (default: the
+``PGQUE_DSN`` environment variable) and ``--connect-timeout``. Errors end as one
+line on stderr, ``error: ...``, with exit code 1 (2 for bad usage); ``--debug``
+or ``PGQUE_DEBUG=1`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from datetime import date, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import click
+import msgspec
+import psycopg
+from psycopg import errors as pg_errors
+from rich.console import Console, Group, RenderableType
+from rich.json import JSON
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+import pgque
+
+__all__ = ["cli", "main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+Handler = Callable[[pgque.Message[Any]], object]
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+SEND_CHUNK = 1000  # events per send_batch round trip when reading stdin
+LOG_LEVELS = ("debug", "info", "warning", "error")
+QUEUE_SETTINGS = ("ticker_max_count", "ticker_max_lag", "ticker_idle_period", "rotation_period",
+                  "max_retries", "event_tables")
+
+
+# -- invocation state ---------------------------------------------------------------
+
+
+class State:
+    """What the options of one invocation gathered, and the connection it opened."""
+
+    def __init__(self) -> None:
+        self.dsn: str | None = None
+        self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        self.debug = os.environ.get("PGQUE_DEBUG", "") not in ("", "0")
+        self._client: pgque.Client | None = None
+
+    def require_dsn(self) -> str:
+        """The DSN, or a usage error naming both ways to give one."""
+        if not self.dsn:
+            raise click.UsageError("no database given: pass --dsn or set PGQUE_DSN",
+                                   click.get_current_context(silent=True))
+        return self.dsn
+
+    def client(self) -> pgque.Client:
+        """The invocation's client, connected on first use (failing fast on a bad DSN)."""
+        if self._client is None:
+            self._client = pgque.connect(
+                self.require_dsn(), timeout=self.connect_timeout, pool_size=0,
+                # libpq's own limit bounds each attempt at an unreachable host
+                # (it rounds values below 2 up to 2).
+                connect_timeout=max(2, math.ceil(self.connect_timeout)),
+                application_name="pgque-cli")
+        return self._client
+
+    def close(self) -> None:
+        """Close the connection, if one was opened; a dead one closes quietly."""
+        client, self._client = self._client, None
+        if client is not None:
+            with suppress(psycopg.Error):
+                client.close()
+
+
+pass_state = click.make_pass_decorator(State, ensure=True)
+
+
+def _set_dsn(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    ctx.ensure_object(State).dsn = value
+
+
+def _set_connect_timeout(ctx: click.Context, param: click.Parameter, value: float) -> None:
+    ctx.ensure_object(State).connect_timeout = value
+
+
+def db_options(command: F) -> F:
+    """Add ``--dsn`` and ``--connect-timeout`` to a command (stored in its State)."""
+    command = click.option(
+        "--connect-timeout", type=click.FloatRange(min=0), default=DEFAULT_CONNECT_TIMEOUT,
+        show_default=True, expose_value=False, callback=_set_connect_timeout,
+        help="Seconds to wait for the server before giving up.")(command)
+    command = click.option(
+        "--dsn", envvar="PGQUE_DSN", show_envvar=True, expose_value=False, callback=_set_dsn,
+        help="PostgreSQL connection string.")(command)
+    return command
+
+
+# -- output helpers -----------------------------------------------------------------
+
+
+def _console() -> Console:
+    console = Console(highlight=False, soft_wrap=True)  # an event line stays one line
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 200  # piped: don't squeeze tables into 80 columns
+    return console
+
+
+def _json_default(value: object) -> object:
+    """JSON for what the info views return: intervals as seconds, times as ISO 8601."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+def _dumps(document: object, *, indent: int | None = 2) -> str:
+    separators = None if indent else (",", ":")
+    return json.dumps(document, default=_json_default, indent=indent, separators=separators)
+
+
+def _payload(data: str | None) -> Any:
+    """A stored payload as a JSON value (the server only stores valid JSON)."""
+    return None if data is None else json.loads(data)
+
+
+def _age(value: timedelta | None) -> str:
+    """A short human duration: 0.35s, 42.0s, 3m07s, 2h05m, 4d03h."""
+    if value is None:
+        return "-"
+    seconds = value.total_seconds()
+    if seconds < 60:
+        return f"{seconds:.2f}s" if seconds < 1 else f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _cell(value: object) -> Text:
+    """A table cell; Text, so user data is never read as rich markup."""
+    if value is None:
+        return Text("-", style="dim")
+    if isinstance(value, timedelta):
+        return Text(_age(value))
+    if isinstance(value, datetime):
+        return Text(value.astimezone().isoformat(sep=" ", timespec="seconds"))
+    return Text(str(value))
+
+
+def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(v if isinstance(v, Text) else _cell(v) for v in row))
+    return table
+
+
+def _queues_table(queues: list[dict[str, Any]], title: str | None = None) -> Table:
+    return _table(
+        title,
+        ["queue", "consumers", "last tick", "tick age", "since tick", "tables", "rotation",
+         "max retries"],
+        ([q["queue_name"], q["consumers"], q["last_tick_id"], q["last_tick_age"],
+          q["events_since_last_tick"], f"{q['current_table']}/{q['event_tables']}",
+          q["rotation_period"], q["max_retries"]] for q in queues))
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _not_installed(exc: psycopg.Error) -> bool:
+    """Whether an error says pgque's schema or one of its objects is missing."""
+    missing = (pg_errors.UndefinedFunction, pg_errors.UndefinedTable,
+               pg_errors.InvalidSchemaName)
+    text = exc.diag.message_primary or str(exc)
+    return isinstance(exc, missing) and ("pgque." in text or '"pgque"' in text)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line saying what went wrong, with the server's hint when it gave one."""
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    if isinstance(cause, psycopg.Error) and _not_installed(cause):
+        return ("pgque is not installed in this database, or is older than this client "
+                "(run 'pgque install')")
+    if isinstance(exc, psycopg.Error):
+        text = exc.diag.message_primary or str(exc) or type(exc).__name__
+    else:
+        text = str(exc) or type(exc).__name__
+    hint = cause.diag.message_hint if isinstance(cause, psycopg.Error) else None
+    return _one_line(f"{text} (hint: {hint})" if hint else text)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {_one_line(message)}", err=True)
+    sys.exit(code)
+
+
+# -- the command group ------------------------------------------------------------------
+
+
+def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.ensure_object(State).debug = True
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(pgque.__version__, "--version", prog_name="pgque",
+                      message="%(prog)s %(version)s")
+@click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug,
+              help="Show tracebacks instead of one-line errors (or set PGQUE_DEBUG=1).")
+def cli() -> None:
+    """pgque: Kafka's partition model inside PostgreSQL."""
+
+
+# -- install ------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--print", "print_script", is_flag=True,
+              help="Write the install script to stdout instead of installing.")
+@db_options
+@pass_state
+def install(state: State, print_script: bool) -> None:
+    """Install or upgrade pgque in the database (idempotent)."""
+    if print_script:
+        click.echo(pgque.install_script())
+        return
+    version = state.client().install()
+    click.echo(f"pgque {version} installed")
+
+
+@cli.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@db_options
+@pass_state
+def uninstall(state: State, yes: bool) -> None:
+    """Drop pgque with every queue, event and consumer in it (roles are kept)."""
+    client = state.client()
+    # The client has no "is it installed" call; ask the catalog.
+    row = client.conn.execute("select to_regnamespace('pgque') is not null").fetchone()
+    if not (row and row[0]):
+        click.echo("pgque is not installed")
+        return
+    if not yes:
+        click.confirm("Drop pgque with every queue and event in this database?", abort=True,
+                      err=True)
+    client.uninstall()
+    click.echo("pgque uninstalled")
+
+
+# -- queues -------------------------------------------------------------------------------
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | str | None:
+    """A duration option: seconds as a float, or an interval literal such as
+    '5 minutes' for the server to judge."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _setting_value(text: str) -> float | str:
+    """A --set value: a JSON number, else text (an interval literal, for the server to judge)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, (int, float, str)) else text
+
+
+def _show_config(config: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(_dumps(config))
+        return
+    _console().print(_table(None, ["setting", "value"], sorted(config.items())))
+
+
+@cli.group()
+def queue() -> None:
+    """Create, drop, list and configure queues."""
+
+
+@queue.command("create")
+@click.argument("name")
+@click.option("--ticker-max-count", type=click.IntRange(min=1),
+              help="Tick once this many events are pending.")
+@click.option("--ticker-max-lag", callback=_duration, metavar="DURATION",
+              help="Tick pending events at most this late (seconds or interval).")
+@click.option("--ticker-idle-period", callback=_duration, metavar="DURATION",
+              help="Tick an idle queue this often (seconds or interval).")
+@click.option("--rotation-period", callback=_duration, metavar="DURATION",
+              help="Switch event tables this often (seconds or interval).")
+@click.option("--max-retries", type=click.IntRange(min=0),
+              help="Retries before an event becomes a dead letter.")
+@click.option("--event-tables", type=click.IntRange(min=2), help="Rotating event tables.")
+@click.option("--exist-ok", is_flag=True, help="Succeed if the queue already exists.")
+@db_options
+@pass_state
+def queue_create(state: State, /, name: str, exist_ok: bool,
+                 **settings: float | str | None) -> None:
+    """Create queue NAME."""
+    config = {key: value for key, value in settings.items() if value is not None}
+    queue_id = state.client().create_queue(name, exist_ok=exist_ok, **config)
+    click.echo(f"queue {name} ready (id {queue_id})")
+
+
+@queue.command("drop")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Drop even while consumers are subscribed.")
+@db_options
+@pass_state
+def queue_drop(state: State, name: str, force: bool) -> None:
+    """Drop queue NAME with all its events, retries and dead letters."""
+    state.client().drop_queue(name, force=force)
+    click.echo(f"queue {name} dropped")
+
+
+@queue.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@db_options
+@pass_state
+def queue_list(state: State, as_json: bool) -> None:
+    """List the queues."""
+    queues = state.client().queue_info()
+    if as_json:
+        click.echo(_dumps(queues))
+    else:
+        _console().print(_queues_table(queues))
+
+
+@queue.command("config")
+@click.argument("name")
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
+              help=f"Change a setting (repeatable): {', '.join(QUEUE_SETTINGS)}.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@db_options
+@pass_state
+def queue_config(state: State, name: str, assignments: tuple[str, ...], as_json: bool) -> None:
+    """Show (or with --set, change) the settings of queue NAME."""
+    changes: dict[str, float | str] = {}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, not {assignment!r}",
+                                     param_hint="'--set'")
+        changes[key.strip().replace("-", "_")] = _setting_value(text.strip())
+    client = state.client()
+    config = client.set_queue_config(name, **changes) if changes else client.queue_config(name)
+    _show_config(config, as_json)
+
+
+# -- send ---------------------------------------------------------------------------------
+
+
+def _read_json_lines(stream: Iterable[bytes]) -> list[bytes]:
+    """Every non-blank line, checked to be UTF-8 JSON; the first bad one fails them all."""
+    lines: list[bytes] = []
+    for number, raw in enumerate(stream, 1):
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            line.decode("utf-8")
+            msgspec.json.decode(line)
+        except (UnicodeDecodeError, msgspec.DecodeError) as exc:
+            raise click.ClickException(
+                f"stdin line {number} is not valid JSON ({exc}); nothing was sent") from exc
+        lines.append(line)
+    return lines
+
+
+@cli.command()
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("event_type", metavar="TYPE")
+@click.argument("payload", required=False)
+@click.option("--key", help="Partition key (events of one key are delivered in order).")
+@click.option("--ids", "print_ids", is_flag=True,
+              help="With stdin: print every event id, one a line, instead of a count.")
+@db_options
+@pass_state
+def send(state: State, queue_name: str, event_type: str, payload: str | None, key: str | None,
+         print_ids: bool) -> None:
+    """Send an event of TYPE with the JSON PAYLOAD; prints its id.
+
+    Without PAYLOAD, reads JSON lines from stdin (one event each, blank lines
+    skipped), checks them all, then sends them in one transaction: all or none.
+    """
+    if payload is not None:
+        try:
+            msgspec.json.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise click.BadParameter(f"not valid JSON ({exc})", param_hint="'PAYLOAD'") from exc
+        client = state.client()
+        click.echo(client.send(queue_name, event_type, payload.encode(), key))
+        return
+    if sys.stdin.isatty():
+        click.echo("reading JSON lines from stdin (Ctrl-D to end)", err=True)
+    lines = _read_json_lines(sys.stdin.buffer)
+    client = state.client()
+    ids: list[int] = []
+    with client.conn.transaction():
+        for start in range(0, len(lines), SEND_CHUNK):
+            chunk = lines[start:start + SEND_CHUNK]
+            ids += client.send_batch(queue_name, [(event_type, line, key) for line in chunk])
+    if print_ids:
+        for event_id in ids:
+            click.echo(event_id)
+    else:
+        click.echo(f"sent {len(ids)} event{'' if len(ids) == 1 else 's'} to {queue_name}")
+
+
+# -- tail ---------------------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGINT/SIGTERM ask a loop to stop at its next check instead of raising in the
+    middle of a database call; a second signal gets the previous behaviour back."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        self.restore()
+
+    def __enter__(self) -> StopSignals:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep, waking early when a stop was requested."""
+        deadline = time.monotonic() + seconds
+        while not self.requested and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+
+
+def _event_json(message: pgque.Message[Any]) -> str:
+    return _dumps({"id": message.id, "time": message.created_at, "type": message.type,
+                   "key": message.partition_key, "retry_count": message.retry_count,
+                   "payload": _payload(message.data)}, indent=None)
+
+
+def _event_line(message: pgque.Message[Any]) -> Text:
+    payload = _dumps(_payload(message.data), indent=None)
+    return Text.assemble(
+        (str(message.id), "bold"), " ",
+        (message.created_at.astimezone().isoformat(sep=" ", timespec="milliseconds"), "dim"),
+        " ", (message.type, "cyan"), " ",
+        (f"key={message.partition_key}" if message.partition_key is not None else "key=-",
+         "yellow"),
+        " ", payload)
+
+
+def _unsubscribe(state: State, queue_name: str, consumer: str) -> None:
+    """Remove the tail's subscription, on a fresh session if the old one is unusable."""
+    try:
+        state.client().unsubscribe(queue_name, consumer)
+        return
+    except psycopg.Error:
+        state.close()  # interrupted mid-call or lost: try once more on a new session
+    state.client().unsubscribe(queue_name, consumer)
+
+
+@cli.command()
+@click.argument("queue_name", metavar="QUEUE")
+@click.option("--key", help="Show only events of this partition key.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event and line.")
+@click.option("--from-now", is_flag=True,
+              help="Skip events sent before tail started that no tick has cut yet.")
+@click.option("--limit", type=click.IntRange(min=1), help="Stop after this many events.")
+@click.option("--poll-interval", type=click.FloatRange(min=0.01), default=0.2,
+              show_default=True, help="Seconds between polls when nothing is ready.")
+@db_options
+@pass_state
+def tail(state: State, queue_name: str, key: str | None, as_json: bool, from_now: bool,
+         limit: int | None, poll_interval: float) -> None:
+    """Follow the events of QUEUE as they arrive, until --limit or Ctrl-C.
+
+    Subscribes a temporary consumer (tail-<pid>-<random>) and always
+    unsubscribes it on the way out, so it never holds back rotation. Ticks the
+    queue itself (within its thresholds), so no ticker or worker has to run.
+    """
+    client = state.client()
+    consumer = f"tail-{os.getpid()}-{secrets.token_hex(3)}"
+    if from_now:
+        client.tick(queue_name)  # the subscription starts at the newest tick: this one
+    console = _console()
+    shown = 0
+    # Signals only set a flag from here on, so nothing interrupts the subscribe
+    # before the try that guarantees the unsubscribe.
+    with StopSignals() as stop:
+        client.subscribe(queue_name, consumer)
+        click.echo(f"tailing {queue_name} as consumer {consumer} (Ctrl-C to stop)", err=True)
+        try:
+            while not stop.requested and (limit is None or shown < limit):
+                batch = client.receive(queue_name, consumer, max_events=500)
+                if batch is None:
+                    if not client.ticker(queue_name):
+                        stop.sleep(poll_interval)
+                    continue
+                for message in batch:
+                    if key is not None and message.partition_key != key:
+                        continue
+                    if as_json:
+                        click.echo(_event_json(message))
+                    else:
+                        console.print(_event_line(message))
+                    shown += 1
+                    if limit is not None and shown >= limit:
+                        break
+                client.ack(batch)
+        finally:
+            _unsubscribe(state, queue_name, consumer)
+
+
+# -- worker and ticker --------------------------------------------------------------------
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def load_handler(path: str) -> Handler:
+    """Import ``module:function`` (the function may be a dotted attribute path).
+
+    Raises click.BadParameter saying what failed: the format, the import, a
+    missing attribute or something that is not callable.
+    """
+    hint = "'MODULE:FUNCTION'"
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise click.BadParameter(f"expected MODULE:FUNCTION, e.g. myapp.handlers:handle, "
+                                 f"not {path!r}", param_hint=hint)
+    # A console script's sys.path starts at its bin directory; handlers usually
+    # live next to where the command is run, as with python -m.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise click.BadParameter(f"cannot import module {module_name!r}: no module named "
+                                     f"{exc.name!r}", param_hint=hint) from exc
+        raise click.BadParameter(f"importing module {module_name!r} failed: {exc}",
+                                 param_hint=hint) from exc
+    except Exception as exc:
+        raise click.BadParameter(f"importing module {module_name!r} failed: "
+                                 f"{type(exc).__name__}: {exc}", param_hint=hint) from exc
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise click.BadParameter(f"module {module_name!r} has no attribute {attribute!r}",
+                                     param_hint=hint) from exc
+    if not callable(target):
+        raise click.BadParameter(f"{path!r} is not callable (it is a {type(target).__name__})",
+                                 param_hint=hint)
+    handler: Handler = target
+    return handler
+
+
+@cli.command()
+@click.argument("handler_path", metavar="MODULE:FUNCTION")
+@click.option("--queue", "queue_name", required=True, help="Queue to consume.")
+@click.option("--consumer", required=True, help="Consumer group name.")
+@click.option("--slots", type=click.IntRange(min=1), required=True,
+              help="Slots of the group (fixed once the group exists).")
+@click.option("--concurrency", type=click.IntRange(min=1),
+              help="Slots handled at the same time [default: all owned].")
+@click.option("--max-events", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Events per receive of a slot.")
+@click.option("--ticker/--no-ticker", "run_ticker", default=True, show_default=True,
+              help="Also run a ticker (standing by while another one is active).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+              default="info", show_default=True)
+@db_options
+@pass_state
+def worker(state: State, handler_path: str, queue_name: str, consumer: str, slots: int,
+           concurrency: int | None, max_events: int, run_ticker: bool, log_level: str) -> None:
+    """Run a worker of consumer group --consumer that calls MODULE:FUNCTION with each
+    message, until SIGTERM or Ctrl-C (it finishes its batches and releases its slots)."""
+    handler = load_handler(handler_path)
+    dsn = state.require_dsn()
+    # Fail fast on a bad DSN, an unknown queue or another slot count; the worker
+    # itself would retry such errors forever. Subscribing is idempotent.
+    state.client().subscribe_slots(queue_name, consumer, slots=slots)
+    state.close()
+    _setup_logging(log_level)
+    pgque.Worker(dsn, queue=queue_name, consumer=consumer, slots=slots, handler=handler,
+                 concurrency=concurrency, max_events=max_events, ticker=run_ticker).run()
+
+
+def _run_until_signal(runner: pgque.Ticker) -> None:
+    """Run the ticker's thread until SIGINT or SIGTERM, then stop it."""
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    if hasattr(signal, "pthread_sigmask"):
+        # Block the signals before the thread starts (it inherits the mask) and
+        # take them with sigwait: no handler interrupts anything half done.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        try:
+            runner.start()
+            signal.sigwait(stop_signals)
+        finally:
+            runner.stop()
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        return
+    with StopSignals() as stop:  # no sigwait (Windows): poll a flag instead
+        runner.start()
+        try:
+            while not stop.requested:
+                stop.sleep(1.0)
+        finally:
+            runner.stop()
+
+
+@cli.command()
+@click.option("--min-interval", type=click.FloatRange(min=0.001), default=0.005,
+              show_default=True, help="Shortest time between two ticks of a queue (seconds).")
+@click.option("--idle-interval", type=click.FloatRange(min=0.001), default=0.05,
+              show_default=True, help="Poll interval once idle (seconds).")
+@click.option("--maintenance-interval", type=click.FloatRange(min=0.01), default=1.0,
+              show_default=True, help="Run maintenance this often (seconds).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+              default="info", show_default=True)
+@db_options
+@pass_state
+def ticker(state: State, min_interval: float, idle_interval: float,
+           maintenance_interval: float, log_level: str) -> None:
+    """Keep every queue ticking (and maintained) until SIGTERM or Ctrl-C.
+
+    Any number may run: one is active, the others stand by and take over.
+    """
+    dsn = state.require_dsn()
+    state.client().queue_info()  # fail fast: reachable, and pgque installed
+    state.close()
+    _setup_logging(log_level)
+    runner = pgque.Ticker(dsn, min_interval=min_interval, idle_interval=idle_interval,
+                          maintenance_interval=maintenance_interval, name="pgque-ticker")
+    _run_until_signal(runner)
+    logging.getLogger("pgque.ticker").info("stopped after %s ticks", runner.ticks)
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+def _status(client: pgque.Client, queue_name: str | None) -> dict[str, list[dict[str, Any]]]:
+    queues = client.queue_info()
+    if queue_name is not None:
+        queues = [q for q in queues if q["queue_name"] == queue_name]
+        if not queues:
+            raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
+    return {"queues": queues, "consumers": client.consumer_info(queue_name),
+            "slots": client.partition_slot_status(queue_name)}
+
+
+def _status_view(status: dict[str, list[dict[str, Any]]]) -> RenderableType:
+    # Slot subscriptions (group#k/N) are shown per slot below, not as consumers.
+    plain = [c for c in status["consumers"] if "#" not in c["consumer_name"]]
+    consumers = _table(
+        "consumers",
+        ["queue", "consumer", "lag", "ticks behind", "pending", "oldest unconsumed",
+         "open batch", "retries", "dead letters"],
+        ([c["queue_name"], c["consumer_name"], c["lag"], c["ticks_behind"],
+          c["pending_events"], c["oldest_unconsumed_age"], c["open_batch_id"],
+          c["retries_waiting"], c["dead_letters"]] for c in plain))
+    slots = _table(
+        "consumer group slots",
+        ["queue", "group", "slot", "owner pid", "pending", "oldest unconsumed", "ticks behind",
+         "retries", ""],
+        ([s["queue_name"], s["consumer_name"], f"{s['slot']}/{s['slots']}",
+          s["owner_pid"] if s["owner_pid"] is not None else Text("unowned", style="dim"),
+          s["pending_events"], s["oldest_unconsumed_age"], s["ticks_behind"],
+          s["retries_waiting"],
+          Text("STALLED", style="bold red") if s["stalled"] else Text("")]
+         for s in status["slots"]))
+    parts: list[RenderableType] = [_queues_table(status["queues"], "queues")]
+    if plain:
+        parts.append(consumers)
+    if status["slots"]:
+        parts.append(slots)
+    return Group(*parts)
+
+
+@cli.command()
+@click.argument("queue_name", metavar="[QUEUE]", required=False)
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON document (with --watch: one per line and refresh).")
+@click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
+              help="Refresh every SECONDS until Ctrl-C.")
+@db_options
+@pass_state
+def status(state: State, queue_name: str | None, as_json: bool, watch: float | None) -> None:
+    """Queues, consumers and the slots of every consumer group (owner, pending
+    events, oldest unconsumed age; STALLED when a slot's events wait and nobody
+    moves it)."""
+    client = state.client()
+    if watch is None:
+        if as_json:
+            click.echo(_dumps(_status(client, queue_name)))
+        else:
+            _console().print(_status_view(_status(client, queue_name)))
+        return
+    try:
+        if as_json:
+            while True:
+                click.echo(_dumps(_status(client, queue_name), indent=None))
+                time.sleep(watch)
+        with Live(_status_view(_status(client, queue_name)), console=_console(),
+                  auto_refresh=False) as live:
+            while True:
+                time.sleep(watch)
+                live.update(_status_view(_status(client, queue_name)), refresh=True)
+    except KeyboardInterrupt:  # the way to leave --watch
+        return
+
+
+# -- dead letters ------------------------------------------------------------------------
+
+
+def _letter_dict(letter: pgque.DeadLetter) -> dict[str, Any]:
+    document: dict[str, Any] = msgspec.structs.asdict(letter)
+    document["payload"] = _payload(document.pop("data"))
+    return document
+
+
+@cli.group()
+def dlq() -> None:
+    """Inspect, replay and purge dead letters."""
+
+
+@dlq.command("list")
+@click.argument("queue_name", metavar="QUEUE")
+@click.option("--consumer", help="Only this consumer's.")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@db_options
+@pass_state
+def dlq_list(state: State, queue_name: str, consumer: str | None, limit: int,
+             as_json: bool) -> None:
+    """List the dead letters of QUEUE, oldest first."""
+    letters = state.client().dead_letters(queue_name, consumer, limit=limit)
+    if as_json:
+        click.echo(_dumps([_letter_dict(letter) for letter in letters]))
+        return
+    _console().print(_table(
+        None, ["id", "consumer", "failed at", "event", "type", "key", "retries", "reason"],
+        ([d.id, d.consumer, d.failed_at, d.event_id, d.type, d.partition_key, d.retry_count,
+          d.reason] for d in letters)))
+
+
+@dlq.command("show")
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("letter_id", metavar="ID", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@db_options
+@pass_state
+def dlq_show(state: State, queue_name: str, letter_id: int, as_json: bool) -> None:
+    """Show dead letter ID of QUEUE with its payload."""
+    # No get-one call in the client: the first letter after ID - 1 is ID if it exists.
+    found = state.client().dead_letters(queue_name, limit=1, after_id=letter_id - 1)
+    if not found or found[0].id != letter_id:
+        raise pgque.DeadLetterNotFound(f"queue {queue_name!r} has no dead letter {letter_id}")
+    document = _letter_dict(found[0])
+    if as_json:
+        click.echo(_dumps(document))
+        return
+    payload = document.pop("payload")
+    console = _console()
+    console.print(_table(None, ["field", "value"], document.items()))
+    console.print(JSON(_dumps(payload)))
+
+
+@dlq.command("replay")
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("letter_ids", metavar="ID...", type=int, nargs=-1, required=True)
+@db_options
+@pass_state
+def dlq_replay(state: State, queue_name: str, letter_ids: tuple[int, ...]) -> None:
+    """Put dead letters back into the log for their consumers (all or none)."""
+    client = state.client()
+    replayed: list[tuple[int, int]] = []
+    with client.conn.transaction():
+        for letter_id in letter_ids:
+            replayed.append((letter_id, client.replay_dead_letter(queue_name, letter_id)))
+    for letter_id, event_id in replayed:
+        click.echo(f"dead letter {letter_id} replayed as event {event_id}")
+
+
+@dlq.command("purge")
+@click.argument("queue_name", metavar="QUEUE")
+@click.option("--consumer", help="Only this consumer's.")
+@click.option("--id", "letter_ids", type=int, multiple=True, help="Only these (repeatable).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@db_options
+@pass_state
+def dlq_purge(state: State, queue_name: str, consumer: str | None,
+              letter_ids: tuple[int, ...], yes: bool) -> None:
+    """Delete dead letters of QUEUE: the given ids, or all (of --consumer)."""
+    client = state.client()
+    if not yes:
+        what = (f"{len(letter_ids)} dead letter(s)" if letter_ids else "all dead letters")
+        whose = f" of consumer {consumer}" if consumer else ""
+        click.confirm(f"Delete {what}{whose} of queue {queue_name}?", abort=True, err=True)
+    count = client.purge_dead_letters(queue_name, consumer, list(letter_ids) or None)
+    click.echo(f"purged {count} dead letter{'' if count == 1 else 's'}")
+
+
+# -- demo and bench ----------------------------------------------------------------------
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--dsn", help="Run on this server instead of a throwaway embedded one (not "
+                            "read from PGQUE_DSN: a workload runs only where it is named).")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def demo(dsn: str | None, args: tuple[str, ...]) -> None:
+    """Run the demo workload, on a throwaway embedded PostgreSQL unless --dsn.
+
+    Further ARGS go to the demo ('python -m pgque.demo --help' lists them).
+    """
+    from pgque import demo as demo_module
+
+    sys.exit(demo_module.main([*(["--dsn", dsn] if dsn else []), *args]))
+
+
+def _bench_dirs() -> Iterator[Path]:
+    """Where the bench package may be: the current directory, or the source
+    checkout this pgque is installed from (editable installs)."""
+    yield Path.cwd()
+    yield Path(pgque.__file__).resolve().parent.parent
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+             add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Run the benchmarks (python -m bench ARGS; 'pgque bench --help' for theirs).
+
+    They live in bench/ of a source checkout, not in the installed package.
+    """
+    root = next((d for d in _bench_dirs() if (d / "bench" / "__main__.py").is_file()), None)
+    if root is None:
+        raise click.ClickException(
+            "the benchmarks are not installed: 'pgque bench' runs bench/ of a pgque source "
+            "checkout; run it from the repository")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    sys.exit(subprocess.call([sys.executable, "-m", "bench", *args], env=env))
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+@contextmanager
+def _closing(state: State) -> Iterator[State]:
+    try:
+        yield state
+    finally:
+        state.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the command line; exits with 0, 1 (runtime error) or 2 (bad usage)."""
+    state = State()
+    try:
+        with _closing(state):
+            result = cli.main(args=None if argv is None else list(argv), prog_name="pgque",
+                              standalone_mode=False, obj=state)
+    except click.UsageError as exc:
+        message = exc.format_message()
+        if exc.ctx is not None and (not isinstance(exc, click.BadParameter)
+                                    or isinstance(exc, click.MissingParameter)):
+            message += f" (see '{exc.ctx.command_path} --help')"
+        _fail(message, exc.exit_code)
+    except click.ClickException as exc:
+        _fail(exc.format_message(), exc.exit_code)
+    except click.Abort as exc:
+        interrupted = isinstance(exc.__cause__, KeyboardInterrupt)
+        _fail("interrupted" if interrupted else "aborted", 130 if interrupted else 1)
+    except (pgque.PgqueError, psycopg.Error) as exc:
+        if state.debug:
+            raise
+        _fail(describe_error(exc), 1)
+    except Exception as exc:
+        if state.debug:
+            raise
+        _fail(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""The ``pgque`` command line, run as a subprocess against the test server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import drain, scalar, wait_for
+
+import pgque
+
+CLI = [sys.executable, "-m", "pgque.cli"]
+TESTS_DIR = str(Path(__file__).resolve().parent)
+BAD_DSN = "postgresql://nobody@127.0.0.1:1/x"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI run: ours, minus anything that would change its behaviour."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PGQUE_DSN", "PGQUE_DEBUG")}
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, input: str | None = None, timeout: float = 60,
+            **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], input=input, capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(**env))
+
+
+@contextmanager
+def cli_process(*args: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """The CLI running in the background; killed if the test leaves it running."""
+    with subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, text=True, env=cli_env(**env)) as proc:
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    """The stdout of a run that must have succeeded."""
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
+    return result.stdout
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int) -> str:
+    """The run failed with ``code`` and said why in one line, without a traceback."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def tail_consumers(client: pgque.Client) -> list[str]:
+    return [c["consumer_name"] for c in client.consumer_info()
+            if c["consumer_name"].startswith("tail-")]
+
+
+def slot_keys(conn: psycopg.Connection[Any], slot: int, slots: int, count: int) -> list[str]:
+    """``count`` partition keys that route to ``slot`` of ``slots``."""
+    rows = conn.execute("select k from (select 'key-' || n as k from generate_series(1, 1000) n) "
+                        "keys where pgque.slot_of(k, %s) = %s limit %s",
+                        (slots, slot, count)).fetchall()
+    assert len(rows) == count
+    return [r[0] for r in rows]
+
+
+# -- install, queues -----------------------------------------------------------------------
+
+
+def test_install_is_idempotent_and_prints_the_version(empty_dsn: str) -> None:
+    first = ok(run_cli("install", "--dsn", empty_dsn))
+    second = ok(run_cli("install", "--dsn", empty_dsn))
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        version = scalar(conn, "select pgque.version()")
+    assert first == second == f"pgque {version} installed\n"
+
+
+def test_install_print_writes_the_script_without_a_database() -> None:
+    assert ok(run_cli("install", "--print")) == pgque.install_script() + "\n"
+
+
+def test_uninstall_asks_unless_yes(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    def installed() -> bool:
+        return bool(scalar(conn, "select to_regnamespace('pgque') is not null"))
+
+    declined = run_cli("uninstall", "--dsn", dsn, input="n\n")
+    assert declined.returncode == 1 and "aborted" in declined.stderr
+    assert installed()
+    assert ok(run_cli("uninstall", "--dsn", dsn, input="y\n")) == "pgque uninstalled\n"
+    assert not installed()
+    assert ok(run_cli("uninstall", "--yes", "--dsn", dsn)) == "pgque is not installed\n"
+
+
+def test_queue_create_list_and_config(dsn: str) -> None:
+    ok(run_cli("queue", "create", "orders", "--max-retries", "3", "--ticker-max-lag", "0.5",
+               "--rotation-period", "10 minutes", "--event-tables", "4", "--dsn", dsn))
+    ok(run_cli("queue", "create", "audit", "--dsn", dsn))
+    queues = json.loads(ok(run_cli("queue", "list", "--json", "--dsn", dsn)))
+    assert [q["queue_name"] for q in queues] == ["audit", "orders"]
+    orders = queues[1]
+    assert orders["max_retries"] == 3
+    assert orders["ticker_max_lag"] == 0.5  # an interval comes out as seconds
+    assert orders["rotation_period"] == 600.0
+    assert orders["event_tables"] == 4
+    assert "orders" in ok(run_cli("queue", "list", "--dsn", dsn))
+
+    line = assert_one_line_error(run_cli("queue", "create", "orders", "--dsn", dsn), 1)
+    assert "already exists" in line
+    ok(run_cli("queue", "create", "orders", "--exist-ok", "--dsn", dsn))
+
+    config = json.loads(ok(run_cli("queue", "config", "orders", "--set", "max_retries=7",
+                                   "--set", "ticker-idle-period=2 minutes", "--json",
+                                   "--dsn", dsn)))
+    assert config["max_retries"] == 7 and config["ticker_idle_period"] == 120.0
+    assert json.loads(ok(run_cli("queue", "config", "orders", "--json", "--dsn", dsn))) == config
+
+    ok(run_cli("queue", "drop", "audit", "--dsn", dsn))
+    queues = json.loads(ok(run_cli("queue", "list", "--json", "--dsn", dsn)))
+    assert [q["queue_name"] for q in queues] == ["orders"]
+
+
+# -- send ------------------------------------------------------------------------------------
+
+
+def test_send_reads_json_lines_from_stdin(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "check")
+    lines = '{"n": 1}\n\n[1, 2]\n"text"\n'
+    out = ok(run_cli("send", "q", "Thing", "--key", "tenant-1", "--dsn", dsn, input=lines))
+    assert out == "sent 3 events to q\n"
+    received = drain(client, "q", "check")
+    assert [(m.type, m.partition_key, m.payload) for m in received] == [
+        ("Thing", "tenant-1", {"n": 1}), ("Thing", "tenant-1", [1, 2]),
+        ("Thing", "tenant-1", "text")]
+
+    event_id = int(ok(run_cli("send", "q", "One", '{"x": true}', "--dsn", dsn)))
+    [message] = drain(client, "q", "check")
+    assert (message.id, message.type, message.partition_key, message.payload) == (
+        event_id, "One", None, {"x": True})
+
+
+def test_send_stdin_with_malformed_line_sends_nothing(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "check")
+    result = run_cli("send", "q", "Thing", "--dsn", dsn, input='{"n": 1}\n[2]\n{"n": 3\n4\n')
+    line = assert_one_line_error(result, 1)
+    assert "line 3" in line
+    assert drain(client, "q", "check") == []
+    assert client.queue_info()[0]["event_seq"] == 0  # not even sent and rolled back
+
+
+# -- tail ------------------------------------------------------------------------------------
+
+
+def test_tail_prints_matching_event_as_json_then_unsubscribes(client: pgque.Client,
+                                                              dsn: str) -> None:
+    client.create_queue("q")
+    with cli_process("tail", "q", "--limit", "1", "--json", "--key", "wanted",
+                     "--dsn", dsn) as proc:
+        wait_for(lambda: tail_consumers(client), timeout=30, what="the tail's consumer")
+        client.send("q", "Other", {"n": 1}, partition_key="unwanted")
+        wanted = client.send("q", "Wanted", {"n": 2, "s": "x"}, partition_key="wanted")
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    [line] = out.splitlines()
+    event = json.loads(line)
+    assert (event["id"], event["type"], event["key"], event["payload"]) == (
+        wanted, "Wanted", "wanted", {"n": 2, "s": "x"})
+    assert event["retry_count"] == 0 and "T" in event["time"]  # ISO 8601
+    assert tail_consumers(client) == []
+
+
+def test_tail_rich_line_shows_id_type_key_and_payload(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q")
+    with cli_process("tail", "q", "--limit", "1", "--dsn", dsn) as proc:
+        wait_for(lambda: tail_consumers(client), timeout=30, what="the tail's consumer")
+        event_id = client.send("q", "FileCreated", {"path": "/a [b].txt"}, partition_key="t-1")
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    [line] = out.splitlines()
+    assert line.startswith(f"{event_id} ")
+    assert "FileCreated" in line and "key=t-1" in line and '{"path":"/a [b].txt"}' in line
+
+
+def test_tail_from_now_skips_events_not_yet_ticked(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q")
+    # Without --from-now, an event sent since the last tick is shown.
+    earlier = client.send("q", "Earlier", 1)
+    out = ok(run_cli("tail", "q", "--limit", "1", "--json", "--dsn", dsn))
+    assert json.loads(out)["id"] == earlier
+    # With it, the same situation is skipped: only what comes after the start is shown.
+    client.send("q", "Skipped", 2)
+    with cli_process("tail", "q", "--from-now", "--limit", "1", "--json",
+                     "--dsn", dsn) as proc:
+        wait_for(lambda: tail_consumers(client), timeout=30, what="the tail's consumer")
+        later = client.send("q", "Later", 3)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["id"] for line in out.splitlines()] == [later]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_tail_unsubscribes_when_interrupted(client: pgque.Client, dsn: str,
+                                            signum: signal.Signals) -> None:
+    client.create_queue("q")
+    with cli_process("tail", "q", "--dsn", dsn) as proc:
+        wait_for(lambda: tail_consumers(client), timeout=30, what="the tail's consumer")
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert tail_consumers(client) == []
+
+
+# -- worker and ticker ------------------------------------------------------------------------
+
+
+def test_worker_runs_handler_from_module_path(client: pgque.Client, dsn: str,
+                                              conn: psycopg.Connection[Any]) -> None:
+    conn.execute("create table cli_handled (ev_id bigint primary key, type text, key text, "
+                 "payload jsonb, pid int)")
+    client.create_queue("q")
+
+    def owners() -> list[int | None]:
+        return [s["owner_pid"] for s in client.partition_slot_status("q")]
+
+    with cli_process("worker", "cli_handlers:record", "--queue", "q", "--consumer", "g",
+                     "--slots", "4", "--concurrency", "2", "--log-level", "warning",
+                     PGQUE_DSN=dsn, PYTHONPATH=TESTS_DIR) as proc:
+        wait_for(lambda: len(owners()) == 4 and None not in owners(), timeout=30,
+                 what="the worker to own every slot")
+        events = [("Job", {"n": n}, f"tenant-{n % 5}") for n in range(30)]
+        ids = client.send_batch("q", events)
+        wait_for(lambda: scalar(conn, "select count(*) from cli_handled") == len(ids),
+                 timeout=30, what="every event handled")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        pid = proc.pid
+    assert proc.returncode == 0, err
+    rows = conn.execute("select ev_id, type, key, payload, pid from cli_handled "
+                        "order by ev_id").fetchall()
+    assert rows == [(i, t, k, p, pid) for i, (t, p, k) in zip(ids, events, strict=True)]
+    assert owners() == [None] * 4  # every slot released on the way out
+
+
+def test_ticker_ticks_until_sigterm(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    with cli_process("ticker", "--log-level", "warning", "--dsn", dsn) as proc:
+        event_id = client.send("q", "e", 1)
+        # Nobody but the ticker ticks here: the event is delivered only if it runs.
+        batch = wait_for(lambda: client.receive("q", "c"), timeout=30, what="a tick")
+        assert [m.id for m in batch] == [event_id]
+        client.ack(batch)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+
+
+# -- status -----------------------------------------------------------------------------------
+
+
+def test_status_json_shows_owners_and_pending_per_slot(client: pgque.Client, dsn: str,
+                                                       conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "audit")
+    client.subscribe_slots("q", "g", slots=2)
+    assert client.claim_slot("q", "g", 0)
+    keys = slot_keys(conn, 1, 2, 3)
+    client.send_batch("q", [("e", {"n": n}, key) for n, key in enumerate(keys)])
+
+    document = json.loads(ok(run_cli("status", "q", "--json", "--dsn", dsn)))
+    assert set(document) == {"queues", "consumers", "slots"}
+    assert [q["queue_name"] for q in document["queues"]] == ["q"]
+    consumers = {c["consumer_name"]: c for c in document["consumers"]}
+    assert set(consumers) == {"audit", "g#0/2", "g#1/2"}
+    assert consumers["audit"]["pending_events"] == 3
+    slot0, slot1 = document["slots"]
+    assert (slot0["consumer_name"], slot0["slot"], slot1["slot"]) == ("g", 0, 1)
+    assert slot0["owner_pid"] == client.conn.info.backend_pid
+    assert slot1["owner_pid"] is None
+    assert (slot0["pending_events"], slot1["pending_events"]) == (0, 3)
+    assert isinstance(slot1["oldest_unconsumed_age"], float)  # seconds, not a string
+    assert slot1["oldest_unconsumed_age"] >= 0
+    assert slot1["stalled"] is False
+
+    text = ok(run_cli("status", "--dsn", dsn))
+    assert str(client.conn.info.backend_pid) in text and "unowned" in text
+    assert "STALLED" not in text
+
+
+def test_status_of_unknown_queue_fails(dsn: str) -> None:
+    assert "nosuch" in assert_one_line_error(run_cli("status", "nosuch", "--dsn", dsn), 1)
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+def test_dlq_list_show_replay_purge(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q", max_retries=0)
+    client.subscribe("q", "c")
+    ids = client.send_batch("q", [("Bad", {"n": 1}, "k1"), ("Bad", {"n": 2}, "k2")])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    assert client.nack(batch, batch.messages, reason="broken") == 2  # straight to dead letters
+    client.ack(batch)
+
+    letters = json.loads(ok(run_cli("dlq", "list", "q", "--json", "--dsn", dsn)))
+    assert [(d["event_id"], d["consumer"], d["payload"], d["partition_key"], d["reason"])
+            for d in letters] == [(ids[0], "c", {"n": 1}, "k1", "broken"),
+                                  (ids[1], "c", {"n": 2}, "k2", "broken")]
+    first, second = (d["id"] for d in letters)
+    shown = json.loads(ok(run_cli("dlq", "show", "q", str(second), "--json", "--dsn", dsn)))
+    assert shown == letters[1]
+
+    out = ok(run_cli("dlq", "replay", "q", str(first), "--dsn", dsn))
+    assert out == f"dead letter {first} replayed as event {ids[0]}\n"
+    assert [d.id for d in client.dead_letters("q")] == [second]
+    [again] = drain(client, "q", "c")  # back in the log for its consumer
+    assert (again.id, again.payload) == (ids[0], {"n": 1})
+
+    missing = assert_one_line_error(run_cli("dlq", "replay", "q", str(first), "--dsn", dsn), 1)
+    assert str(first) in missing
+    assert ok(run_cli("dlq", "purge", "q", "--yes", "--dsn", dsn)) == "purged 1 dead letter\n"
+    assert client.dead_letters("q") == []
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "stdin", "code", "says"), [
+    pytest.param(["queue", "list", "--dsn", BAD_DSN, "--connect-timeout", "1"], None, 1,
+                 "cannot connect", id="bad-dsn"),
+    pytest.param(["queue", "list", "--dsn", "not a dsn"], None, 1, "invalid DSN",
+                 id="malformed-dsn"),
+    pytest.param(["queue", "list"], None, 2, "PGQUE_DSN", id="no-dsn"),
+    pytest.param(["send", "nosuch", "t", "{}", "--dsn", "{dsn}"], None, 1, "'nosuch'",
+                 id="unknown-queue"),
+    pytest.param(["send", "q", "t", "--dsn", "{dsn}"], "1\n2\n{oops\n", 1, "line 3",
+                 id="malformed-stdin"),
+    pytest.param(["send", "q", "t", "{oops", "--dsn", "{dsn}"], None, 2, "PAYLOAD",
+                 id="malformed-payload"),
+    pytest.param(["queue", "create", "q", "--dsn", "{dsn}"], None, 1, "already exists",
+                 id="queue-exists"),
+    pytest.param(["queue", "config", "q", "--set", "colour=blue", "--dsn", "{dsn}"], None, 1,
+                 "colour", id="unknown-setting"),
+    pytest.param(["worker", "no_such_module_xyz:handle", "--queue", "q", "--consumer", "g",
+                  "--slots", "2", "--dsn", "{dsn}"], None, 2, "no_such_module_xyz",
+                 id="handler-not-importable"),
+    pytest.param(["worker", "cli_handlers:missing", "--queue", "q", "--consumer", "g",
+                  "--slots", "2", "--dsn", "{dsn}"], None, 2, "no attribute",
+                 id="handler-missing"),
+    pytest.param(["worker", "cli_handlers:NOT_CALLABLE", "--queue", "q", "--consumer", "g",
+                  "--slots", "2", "--dsn", "{dsn}"], None, 2, "not callable",
+                 id="handler-not-callable"),
+    pytest.param(["worker", "cli_handlers:record", "--queue", "nosuch", "--consumer", "g",
+                  "--slots", "2", "--dsn", "{dsn}"], None, 1, "'nosuch'",
+                 id="worker-unknown-queue"),
+    pytest.param(["queue", "create"], None, 2, "NAME", id="missing-argument"),
+    pytest.param(["frobnicate"], None, 2, "frobnicate", id="unknown-command"),
+])
+def test_errors_are_one_line_without_traceback(client: pgque.Client, dsn: str, args: list[str],
+                                                stdin: str | None, code: int,
+                                                says: str) -> None:
+    client.create_queue("q")
+    started = time.monotonic()
+    result = run_cli(*(a.replace("{dsn}", dsn) for a in args), input=stdin,
+                     PYTHONPATH=TESTS_DIR)
+    assert says in assert_one_line_error(result, code)
+    assert time.monotonic() - started < 20  # a bad DSN fails fast, not after a long wait
+    assert client.queue_info()[0]["event_seq"] == 0  # nothing was sent
+
+
+def test_not_installed_is_one_line(empty_dsn: str) -> None:
+    line = assert_one_line_error(run_cli("queue", "list", "--dsn", empty_dsn), 1)
+    assert "pgque install" in line
+
+
+def test_debug_shows_the_traceback(dsn: str) -> None:
+    result = run_cli("--debug", "send", "nosuch", "t", "1", "--dsn", dsn)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "QueueNotFound" in result.stderr
+    result = run_cli("send", "nosuch", "t", "1", "--dsn", dsn, PGQUE_DEBUG="1")
+    assert result.returncode == 1 and "Traceback" in result.stderr
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
+def test_version() -> None:
+    assert ok(run_cli("--version")) == f"pgque {pgque.__version__}\n"
+
+
+def test_installed_console_script(dsn: str) -> None:
+    script = Path(sys.executable).with_name("pgque")
+    if not script.exists():
+        pytest.skip(f"no console script at {script} (package not installed in this venv)")
+    result = subprocess.run([str(script), "queue", "list", "--json"], capture_output=True,
+                            text=True, timeout=60, env=cli_env(PGQUE_DSN=dsn))
+    assert json.loads(ok(result)) == []

@@ -1,0 +1,242 @@
+"""The demo: a small run against the test server passes every check and leaves
+nothing behind; and the checks themselves (pure, over records) catch what they
+should: an event never handled, a pair out of send order, overlapping handlers
+of one tenant, a retry that never came, a missing dead letter, an idle worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import scalar
+
+from pgque.demo import (
+    CHECK_DEAD_LETTER,
+    CHECK_EXCLUSIVE,
+    CHECK_HANDLED,
+    CHECK_ORDER,
+    CHECK_RETRIES,
+    CHECK_SPREAD,
+    CHECK_TITLES,
+    DOOMED_REASON,
+    Handling,
+    Letter,
+    Sent,
+    verify,
+)
+
+# -- the demo itself ----------------------------------------------------------------------------
+
+
+def run_demo(dsn: str, *args: str) -> str:
+    """Run the demo as a subprocess against ``dsn``; returns its output after
+    asserting that it exited 0 and reported every check as passed."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONIOENCODING": "utf-8"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pgque.demo", "--dsn", dsn, "--timeout", "90", *args],
+        capture_output=True, text=True, encoding="utf-8", env=env, timeout=240, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo failed:\n{out}\n{proc.stderr}"
+    for title in CHECK_TITLES:
+        lines = [line for line in out.splitlines() if f" {title} " in line]
+        assert lines, f"check {title!r} missing from the report:\n{out}"
+        assert all("✔" in line and "✘" not in line for line in lines), lines
+    assert "✘" not in out
+    assert f"all {len(CHECK_TITLES)} checks passed" in out
+    return out
+
+
+def roles(conn: psycopg.Connection[Any]) -> list[str]:
+    return [r for (r,) in conn.execute(
+        "select rolname from pg_roles where rolname like 'pgque%%' order by 1")]
+
+
+@pytest.mark.slow
+def test_demo_passes_every_check_and_leaves_nothing_behind(dsn: str) -> None:
+    run_demo(dsn, "--events", "2000")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # pgque was installed before the demo, so it stays; the demo's queue and
+        # scratch schema go.
+        assert scalar(conn, "select to_regnamespace('pgque') is not null")
+        assert scalar(conn, "select count(*) from pgque.queue") == 0
+        assert scalar(conn, "select count(*) from pgque.consumer_group") == 0
+        assert scalar(conn, "select count(*) from pg_namespace "
+                            "where starts_with(nspname, 'pgque_demo_')") == 0
+
+
+@pytest.mark.slow
+def test_demo_uninstalls_pgque_where_it_installed_it(empty_dsn: str) -> None:
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        before = roles(conn)
+    out = run_demo(empty_dsn, "--events", "1000", "--no-restart")
+    assert "uninstalled pgque" in out
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert not scalar(conn, "select to_regnamespace('pgque') is not null")
+        assert scalar(conn, "select count(*) from pg_namespace "
+                            "where starts_with(nspname, 'pgque_demo_')") == 0
+        assert roles(conn) == before  # roles that existed (other databases use them) stay
+
+
+# -- the checks -------------------------------------------------------------------------------
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+MS = timedelta(milliseconds=1)
+SLOT_OF = {"t0": 0, "t1": 1, "t2": 0, "t3": 1}
+WORKER_OF_SLOT = {0: 1, 1: 2}
+FLAKY = (0, 3)  # (producer, seq) of the event that fails once
+DOOMED = (1, 5)  # (producer, seq) of the event that always fails
+
+
+def clean_run() -> tuple[list[Sent], list[Handling], list[Letter]]:
+    """Two producers, four tenants on two slots, two workers; one event fails once
+    and one always. Events are handled one after another in send order (10 ms
+    apart, 5 ms each); the retries come at the end."""
+    sent: list[Sent] = []
+    for seq in range(10):
+        for producer in (0, 1):
+            fate = ("flaky" if (producer, seq) == FLAKY
+                    else "doomed" if (producer, seq) == DOOMED else "ok")
+            tenant = f"t{(seq + producer) % 4}"
+            sent.append(Sent(100 + len(sent), producer, seq, tenant, fate))
+    handlings: list[Handling] = []
+    clock = T0
+
+    def handle(event: Sent, attempt: int, ok: bool) -> None:
+        nonlocal clock
+        handlings.append(Handling(event.event_id, event.tenant, event.producer, event.seq,
+                                  WORKER_OF_SLOT[SLOT_OF[event.tenant]], 4000, attempt, ok,
+                                  clock, clock + 5 * MS))
+        clock += 10 * MS
+
+    for event in sent:
+        handle(event, 0, event.fate == "ok")
+    for event in sent:
+        if event.fate == "flaky":
+            handle(event, 1, True)
+        elif event.fate == "doomed":
+            handle(event, 1, False)
+            handle(event, 2, False)
+    doomed = next(s for s in sent if s.fate == "doomed")
+    letters = [Letter(doomed.event_id, doomed.tenant, 2,
+                      f"SimulatedFailure: event {doomed.event_id} {DOOMED_REASON}")]
+    return sent, handlings, letters
+
+
+def failing(sent: list[Sent], handlings: list[Handling], letters: list[Letter],
+            workers: tuple[int, ...] = (1, 2), slot_of: dict[str, int] | None = None) -> set[str]:
+    """The titles of the checks that fail on these records."""
+    checks = verify(sent, handlings, letters, max_retries=2, workers=workers,
+                    slot_of=slot_of or SLOT_OF)
+    return {c.title for c in checks if not c.passed}
+
+
+def test_a_clean_run_passes_every_check() -> None:
+    checks = verify(*clean_run(), max_retries=2, workers=(1, 2), slot_of=SLOT_OF)
+    assert [c.title for c in checks] == [t for t in CHECK_TITLES if t != "workers stopped cleanly"]
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+
+
+def test_an_event_never_handled_fails_the_first_check() -> None:
+    sent, handlings, letters = clean_run()
+    lost = sent[7].event_id
+    assert failing(sent, [h for h in handlings if h.event_id != lost], letters) == {CHECK_HANDLED}
+
+
+def test_a_run_cut_short_fails_the_first_check() -> None:
+    sent, handlings, letters = clean_run()
+    checks = verify(sent, handlings, letters, max_retries=2, workers=(1, 2), slot_of=SLOT_OF,
+                    planned=len(sent) + 100)
+    assert {c.title for c in checks if not c.passed} == {CHECK_HANDLED}
+    assert "only 20 of 120 events were sent" in checks[0].detail
+
+
+def test_a_duplicate_delivery_is_allowed_and_counted() -> None:
+    sent, handlings, letters = clean_run()
+    again = dataclasses.replace(handlings[-1], event_id=sent[-1].event_id, tenant=sent[-1].tenant,
+                                worker=WORKER_OF_SLOT[SLOT_OF[sent[-1].tenant]], attempt=0,
+                                ok=True, started=T0 + timedelta(seconds=9),
+                                ended=T0 + timedelta(seconds=9) + MS)
+    checks = verify(sent, [*handlings, again], letters, max_retries=2, workers=(1, 2),
+                    slot_of=SLOT_OF)
+    assert all(c.passed for c in checks)
+    assert "1 duplicate deliveries" in checks[0].detail
+
+
+def test_a_pair_out_of_send_order_fails_the_order_check() -> None:
+    sent, handlings, letters = clean_run()
+    # Two consecutive events of producer 0 for one tenant: swap their handling times.
+    stream = [s for s in sent if s.producer == 0 and s.tenant == "t1" and s.fate == "ok"]
+    a, b = stream[0].event_id, stream[1].event_id
+    ha = next(h for h in handlings if h.event_id == a)
+    hb = next(h for h in handlings if h.event_id == b)
+    swapped = [dataclasses.replace(h, started=hb.started, ended=hb.ended) if h is ha
+               else dataclasses.replace(h, started=ha.started, ended=ha.ended) if h is hb
+               else h for h in handlings]
+    assert failing(sent, swapped, letters) == {CHECK_ORDER}
+
+
+def test_overlapping_handlers_of_one_tenant_fail_the_exclusivity_check() -> None:
+    sent, handlings, letters = clean_run()
+    # The second handling of tenant t2 starts while the first one still runs,
+    # on the other worker (order is kept: it still starts after the first).
+    first, second = [h for h in handlings if h.tenant == "t2"][:2]
+    overlapping = [dataclasses.replace(h, worker=2, started=first.started + MS,
+                                       ended=first.started + 3 * MS) if h is second else h
+                   for h in handlings]
+    assert failing(sent, overlapping, letters) == {CHECK_EXCLUSIVE}
+
+
+def test_an_overlap_with_an_earlier_long_call_is_caught() -> None:
+    sent, handlings, letters = clean_run()
+    # The first call of t0 runs long, past its successor's successor.
+    calls = [h for h in handlings if h.tenant == "t0"]
+    long_call = dataclasses.replace(calls[0], ended=calls[2].started + MS)
+    mutated = [long_call if h is calls[0] else h for h in handlings]
+    assert failing(sent, mutated, letters) == {CHECK_EXCLUSIVE}
+
+
+def test_a_retry_that_never_came_fails_the_retry_check() -> None:
+    sent, handlings, letters = clean_run()
+    flaky = next(s for s in sent if s.fate == "flaky").event_id
+    without_retry = [h for h in handlings if not (h.event_id == flaky and h.attempt == 1)]
+    assert failing(sent, without_retry, letters) == {CHECK_HANDLED, CHECK_RETRIES}
+
+
+def test_an_unexpected_failure_fails_the_retry_check() -> None:
+    sent, handlings, letters = clean_run()
+    victim = next(h for h in handlings if h.attempt == 0 and h.ok)
+    retried = dataclasses.replace(victim, attempt=1, started=T0 + timedelta(seconds=5),
+                                  ended=T0 + timedelta(seconds=5) + MS)
+    mutated = [dataclasses.replace(h, ok=False) if h is victim else h for h in handlings]
+    assert failing(sent, [*mutated, retried], letters) == {CHECK_RETRIES}
+
+
+def test_a_missing_or_wrong_dead_letter_fails_its_check() -> None:
+    sent, handlings, letters = clean_run()
+    assert failing(sent, handlings, []) == {CHECK_DEAD_LETTER}
+    wrong_reason = [dataclasses.replace(letters[0], reason="KeyError: 'path'")]
+    assert failing(sent, handlings, wrong_reason) == {CHECK_DEAD_LETTER}
+    stray = Letter(sent[0].event_id, sent[0].tenant, 2, DOOMED_REASON)
+    assert failing(sent, handlings, [*letters, stray]) == {CHECK_DEAD_LETTER}
+    # Given up after one retry when the queue allows two.
+    doomed = letters[0].event_id
+    early = [h for h in handlings if not (h.event_id == doomed and h.attempt == 2)]
+    assert failing(sent, early, letters) == {CHECK_DEAD_LETTER}
+
+
+def test_an_idle_worker_fails_the_spread_check() -> None:
+    sent, handlings, letters = clean_run()
+    four_slots = {"t0": 0, "t1": 1, "t2": 2, "t3": 3}
+    assert failing(sent, handlings, letters, workers=(1, 2, 3),
+                   slot_of=four_slots) == {CHECK_SPREAD}
+    # With more workers than slots (three for two here) some must idle: no failure.
+    assert failing(sent, handlings, letters, workers=(1, 2, 3)) == set()
+    # Events handled by a worker that is not one of the run's.
+    assert failing(sent, handlings, letters, workers=(1,)) == {CHECK_SPREAD}
