@@ -315,6 +315,11 @@ class Client:
         """Remove a consumer group with all its slots; returns how many were removed."""
         return int(self._value("select pgque.unsubscribe_slots(%s, %s)", (queue, consumer)))
 
+    def slot_lock_key(self, queue: str, consumer: str, slot: int) -> int:
+        """The bigint session advisory-lock key that owns a slot (see docs/design-notes.md)."""
+        return int(self._value("select pgque.slot_lock_key(%s, %s, %s)",
+                               (queue, consumer, slot)))
+
     def claim_slot(self, queue: str, consumer: str, slot: int) -> bool:
         """Try to own a slot: a non-blocking session advisory lock on this client's
         connection. False at once when another session holds it."""

@@ -400,6 +400,9 @@ begin
     with locks as materialized (
         select l.classid, l.objid, l.pid from pg_locks l
          where l.locktype = 'advisory' and l.granted and l.objsubid = 1
+           -- Advisory locks are per database, but pg_locks shows the whole
+           -- cluster: without this, another database's slots would look owned.
+           and l.database = (select oid from pg_database where datname = current_database())
            and l.classid in (pgque._slot_lock_class()::oid, pgque._group_lock_class()::oid))
     select k::integer,
            o.pid,

@@ -137,6 +137,7 @@ select q.queue_name,
   left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick
   left join pg_locks l
     on l.locktype = 'advisory' and l.granted and l.objsubid = 1
+   and l.database = (select oid from pg_database where datname = current_database())
    and l.classid = pgque._slot_lock_class()::oid and l.objid = s.sub_id::oid;
 
 -- The info views read event tables and sequences that callers have no

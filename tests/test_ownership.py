@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+import pgtest
 import psycopg
 import pytest
 from helpers import scalar, wait_for
@@ -181,3 +182,26 @@ def test_group_status_counts_members(group: pgque.Client, dsn: str) -> None:
         assert status[1].owner_pid == other.conn.info.backend_pid
         assert not status[1].mine
     wait_for(lambda: group.group_status("q", "g")[0].members == 1, what="member to leave")
+
+
+def test_other_databases_slots_are_not_ours(group: pgque.Client, dsn: str, pg_server: Any,
+                                            template_db: str) -> None:
+    """Advisory locks are per database while pg_locks shows the whole cluster: the
+    same group in another database (same ids, same lock keys) must not look like
+    an owner or a member here, nor block a claim."""
+    other_db = pgtest.scratch_name("t")
+    pgtest.create_database(pg_server, other_db, template=template_db)
+    try:
+        with pgque.connect(pg_server.dsn(other_db)) as other:
+            other.create_queue("q")
+            other.subscribe_slots("q", "g", slots=2)
+            other.join_group("q", "g")
+            assert other.claim_slot("q", "g", 0)
+            assert other.slot_lock_key("q", "g", 0) == group.slot_lock_key("q", "g", 0)
+            status = group.group_status("q", "g")
+            assert [s.owner_pid for s in status] == [None, None]
+            assert status[0].members == 0
+            assert [r["owner_pid"] for r in group.partition_slot_status("q")] == [None, None]
+            assert group.claim_slot("q", "g", 0) is True
+    finally:
+        pgtest.drop_database(pg_server, other_db)

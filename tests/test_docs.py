@@ -1,0 +1,375 @@
+"""The documentation's examples run, so they cannot rot.
+
+Every fenced block marked ``python`` or ``sql`` in README.md and docs/*.md is a
+test case of its own (id: file and block number). Blocks of one file build on
+each other, the way a reader goes through the page:
+
+- the ``python`` blocks of a file run in order in one namespace, seeded with
+  nothing but ``dsn``: a fresh database with pgque installed, made like the
+  ``dsn`` fixture's (cloned from the run's template) but kept for the whole file;
+- the ``sql`` blocks of a file run in order on one connection to another such
+  database, statement by statement in autocommit, as psql would run them.
+
+Running one block alone (``-k``) first runs the blocks of its file before it.
+A block that cannot run in a test at all (shell, configuration files) is marked
+``sh``, ``ini`` or ``text``; any other fence language, an untagged fence or an
+indented code block fails :func:`test_every_code_block_has_a_known_language`,
+so an example cannot slip out of the suite by accident.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pgtest
+import psycopg
+import pytest
+from markdown_it import MarkdownIt
+
+import pgque
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUNNABLE = ("python", "sql")
+NOT_RUNNABLE = ("sh", "ini", "text")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of a Markdown file."""
+
+    path: Path
+    language: str
+    code: str
+    line: int  # 1-based line of the block's first code line in the file
+    number: int = 0  # 1-based among the runnable blocks of its file (0: not runnable)
+
+    @property
+    def name(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
+
+    @property
+    def test_id(self) -> str:
+        return f"{self.name}#{self.number}-{self.language}"
+
+
+def extract(path: Path, text: str | None = None) -> tuple[list[Block], list[str]]:
+    """The fenced blocks of a Markdown file, and a list of problems (indented code
+    blocks, fences without a language, unknown languages)."""
+    if text is None:
+        text = path.read_text("utf-8")
+    blocks: list[Block] = []
+    problems: list[str] = []
+    number = 0
+    for token in MarkdownIt("commonmark").parse(text):
+        if token.map is None:
+            continue
+        where = f"{path.name}:{token.map[0] + 1}"
+        if token.type == "code_block":
+            problems.append(f"{where}: indented code block; use a fence with a language")
+            continue
+        if token.type != "fence":
+            continue
+        language = token.info.split()[0] if token.info.strip() else ""
+        if language not in RUNNABLE + NOT_RUNNABLE:
+            problems.append(f"{where}: fence language {language!r} is none of "
+                            f"{RUNNABLE + NOT_RUNNABLE}")
+            continue
+        runnable = language in RUNNABLE
+        number += runnable
+        blocks.append(Block(path, language, token.content, token.map[0] + 2,
+                            number if runnable else 0))
+    return blocks, problems
+
+
+def split_sql(script: str) -> list[str]:
+    """The statements of a script, split at top-level semicolons: not inside
+    quotes, quoted identifiers, dollar quotes or comments. Statements that are
+    only comments and blanks are dropped."""
+    statements: list[str] = []
+    current: list[str] = []
+    i, n = 0, len(script)
+    while i < n:
+        c = script[i]
+        if c == ";":
+            statements.append("".join(current))
+            current = []
+            i += 1
+            continue
+        if script.startswith("--", i):
+            end = script.find("\n", i)
+            end = n if end < 0 else end
+        elif script.startswith("/*", i):
+            depth, end = 1, i + 2
+            while depth and end < n:
+                if script.startswith("/*", end):
+                    depth, end = depth + 1, end + 2
+                elif script.startswith("*/", end):
+                    depth, end = depth - 1, end + 2
+                else:
+                    end += 1
+        elif c in "'\"":
+            end = i + 1
+            while end < n:
+                if script[end] == c:
+                    if script[end + 1:end + 2] == c:  # doubled quote inside
+                        end += 2
+                        continue
+                    end += 1
+                    break
+                end += 1
+        elif c == "$" and (tag := _dollar_tag(script, i)):
+            close = script.find(tag, i + len(tag))
+            end = n if close < 0 else close + len(tag)
+        else:
+            end = i + 1
+        current.append(script[i:end])
+        i = end
+    statements.append("".join(current))
+    return [s.strip() for s in statements if _has_code(s)]
+
+
+def _dollar_tag(script: str, i: int) -> str | None:
+    """The dollar-quote tag ($$ or $name$) starting at i, if one does."""
+    if i > 0 and (script[i - 1].isalnum() or script[i - 1] == "_"):
+        return None  # part of an identifier such as a$b
+    end = i + 1
+    while end < len(script) and (script[end].isalnum() or script[end] == "_"):
+        end += 1
+    if end < len(script) and script[end] == "$" and not script[i + 1:end][:1].isdigit():
+        return script[i:end + 1]
+    return None
+
+
+def _has_code(statement: str) -> bool:
+    lines = [line.split("--", 1)[0].strip() for line in statement.splitlines()]
+    return any(lines)
+
+
+ALL_BLOCKS = {path: extract(path) for path in DOC_FILES}
+RUN_BLOCKS = [b for blocks, _ in ALL_BLOCKS.values() for b in blocks if b.language in RUNNABLE]
+
+
+# -- running the blocks of one file ---------------------------------------------------
+
+
+class BlockFailed(Exception):
+    """A block of the same file that this one builds on failed."""
+
+
+@dataclass
+class Track:
+    """The python (or the sql) blocks of one file, run in order on one database."""
+
+    blocks: list[Block]
+    server: Any
+    template: str
+    database: str = ""
+    done: int = 0
+    failed: Block | None = None
+    namespace: dict[str, Any] = field(default_factory=dict)
+    conn: psycopg.Connection[Any] | None = None
+    threads_before: set[threading.Thread] = field(default_factory=set)
+
+    def dsn(self) -> str:
+        if not self.database:
+            self.database = pgtest.scratch_name("doc")
+            pgtest.create_database(self.server, self.database, template=self.template)
+            self.threads_before = set(threading.enumerate())
+        return str(self.server.dsn(self.database))
+
+    def run_up_to(self, block: Block) -> None:
+        """Run the blocks before ``block`` that have not run yet, then ``block``."""
+        index = self.blocks.index(block)
+        if index < self.done:  # already ran (a re-run in the same session): run it again
+            self.done = index
+        while self.done <= index:
+            current = self.blocks[self.done]
+            if self.failed is not None:
+                raise BlockFailed(f"not run: {self.failed.test_id} (line {self.failed.line}), "
+                                  "which this block builds on, failed")
+            try:
+                self._run(current)
+            except BaseException as exc:
+                self.failed = current
+                if current is not block:
+                    raise BlockFailed(f"{current.test_id} (line {current.line}), which this "
+                                      f"block builds on, failed: {exc!r}") from exc
+                raise
+            self.done += 1
+
+    def _run(self, block: Block) -> None:
+        if block.language == "python":
+            if not self.namespace:
+                self.namespace = {"dsn": self.dsn()}
+            # Padded so that tracebacks name the line of the Markdown file.
+            source = "\n" * (block.line - 1) + block.code
+            exec(compile(source, str(block.path), "exec"), self.namespace)
+        else:
+            if self.conn is None:
+                self.conn = psycopg.connect(self.dsn(), autocommit=True)
+            for statement in split_sql(block.code):
+                with self.conn.cursor() as cur:
+                    try:
+                        cur.execute(statement.encode())
+                    except psycopg.Error as exc:
+                        raise AssertionError(
+                            f"{block.test_id} (line {block.line}) failed at:\n{statement}\n"
+                            f"{type(exc).__name__}: {exc}") from exc
+                    while True:  # read every result, as psql would
+                        if cur.description is not None:
+                            cur.fetchall()
+                        if not cur.nextset():
+                            break
+
+    def leftover_threads(self, timeout: float = 10.0) -> list[str]:
+        """Names of pgque threads started by this file's examples that are still
+        running after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [t.name for t in threading.enumerate()
+                    if t not in self.threads_before and t.is_alive()
+                    and t.name.startswith("pgque")]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop whatever an example left running, close connections, drop the database."""
+        for value in self.namespace.values():
+            try:
+                if isinstance(value, (pgque.Worker, pgque.Ticker)):
+                    value.stop(5)
+                elif isinstance(value, pgque.Client):
+                    value.close()
+                    value.conn.close()
+                elif isinstance(value, psycopg.Connection):
+                    value.close()
+            except Exception:  # cleaning up after a failed example: best effort
+                pass
+        if self.conn is not None:
+            self.conn.close()
+        if self.database:
+            pgtest.drop_database(self.server, self.database)
+
+
+@pytest.fixture(scope="session")
+def tracks(pg_server: Any, template_db: str) -> Iterator[dict[tuple[Path, str], Track]]:
+    """One Track per (file, language), made on first use, closed at the end of the run."""
+    made: dict[tuple[Path, str], Track] = {}
+    for path, (blocks, _) in ALL_BLOCKS.items():
+        for language in RUNNABLE:
+            mine = [b for b in blocks if b.language == language]
+            if mine:
+                made[path, language] = Track(mine, pg_server, template_db)
+    yield made
+    for track in made.values():
+        track.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.test_id for b in RUN_BLOCKS])
+def test_doc_block(block: Block, tracks: dict[tuple[Path, str], Track]) -> None:
+    track = tracks[block.path, block.language]
+    try:
+        track.run_up_to(block)
+    except BlockFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    if block is track.blocks[-1] and block.language == "python":
+        left = track.leftover_threads()
+        assert not left, (f"the examples of {block.name} left threads running: {left}; "
+                          "stop workers and tickers in the example that starts them")
+
+
+# -- the extractor itself ---------------------------------------------------------------
+
+
+def test_every_code_block_has_a_known_language() -> None:
+    problems = [p for _, found in ALL_BLOCKS.values() for p in found]
+    assert problems == []
+
+
+def test_the_examples_were_found() -> None:
+    """Guards against a parser bug that would make test_doc_block pass vacuously."""
+    by_file: dict[str, dict[str, int]] = {}
+    for block in RUN_BLOCKS:
+        counts = by_file.setdefault(block.name, {"python": 0, "sql": 0})
+        counts[block.language] += 1
+    assert by_file.get("README.md", {}).get("python", 0) >= 2
+    assert by_file.get("README.md", {}).get("sql", 0) >= 1
+    for name in ("docs/concepts.md", "docs/guarantees.md", "docs/operations.md",
+                 "docs/api.md"):
+        assert sum(by_file.get(name, {}).values()) >= 1, f"no runnable example in {name}"
+    assert sum(1 for b in RUN_BLOCKS if b.language == "python") >= 12
+    assert sum(1 for b in RUN_BLOCKS if b.language == "sql") >= 6
+    # Every block has code, and its line points at that code in the file.
+    for block in RUN_BLOCKS:
+        assert block.code.strip(), block.test_id
+        lines = block.path.read_text("utf-8").splitlines()
+        first = block.code.splitlines()[0]
+        assert lines[block.line - 1].strip() == first.strip(), block.test_id
+
+
+def test_extract_handles_lists_long_fences_and_tildes() -> None:
+    text = "\n".join([
+        "# t",
+        "",
+        "1. step",
+        "",
+        "   ```python",
+        "   x = 1",
+        "   ```",
+        "",
+        "````text",
+        "```python",
+        "not code",
+        "```",
+        "````",
+        "",
+        "~~~sql",
+        "select 1;",
+        "~~~",
+        "",
+        "```",
+        "untagged",
+        "```",
+        "",
+        "```py",
+        "y = 2",
+        "```",
+        "",
+        "    indented",
+        "",
+    ])
+    blocks, problems = extract(ROOT / "x.md", text)
+    assert [(b.language, b.code, b.line, b.number) for b in blocks] == [
+        ("python", "x = 1\n", 6, 1),
+        ("text", "```python\nnot code\n```\n", 10, 0),
+        ("sql", "select 1;\n", 16, 2),
+    ]
+    assert len(problems) == 3
+    assert "''" in problems[0] and "'py'" in problems[1] and "indented" in problems[2]
+
+
+def test_split_sql() -> None:
+    script = """
+        -- a comment; with a semicolon
+        select 'a;b', "odd;name", $$ ; $$, $fn$ select 1; $fn$;
+        /* block; /* nested; */ comment */ select 2;
+        do $body$ begin perform 1; end $body$;
+        select 'it''s; fine' as x ;
+        -- only a comment at the end;
+    """
+    assert split_sql(script) == [
+        """-- a comment; with a semicolon
+        select 'a;b', "odd;name", $$ ; $$, $fn$ select 1; $fn$""",
+        "/* block; /* nested; */ comment */ select 2",
+        "do $body$ begin perform 1; end $body$",
+        "select 'it''s; fine' as x",
+    ]
+    assert split_sql("select $1::int, a$b$c from t") == ["select $1::int, a$b$c from t"]
