@@ -217,7 +217,8 @@ class Client:
         if not types:
             return []
         with self._producer(conn) as target:
-            ids = self._value("select pgque.send_batch(%s, %s::text[], %s::text[], %s::text[])",
+            # Binary (%b) arrays: psycopg encodes them several times faster than text.
+            ids = self._value("select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
                               (queue, types, payloads, keys), target)
         return [int(i) for i in ids]
 
@@ -336,7 +337,7 @@ class Client:
 
     def group_status(self, queue: str, consumer: str) -> list[SlotOwner]:
         """Who owns each slot of the group now, and how many members are alive."""
-        return [SlotOwner(slot=r[0], owner_pid=r[1], mine=r[2], members=r[3])
+        return [SlotOwner(slot=r[0], owner_pid=r[1], mine=r[2], members=r[3], my_rank=r[4])
                 for r in self._rows("select * from pgque.group_status(%s, %s)",
                                     (queue, consumer))]
 

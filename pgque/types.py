@@ -111,9 +111,18 @@ class DeadLetter(msgspec.Struct, frozen=True):
 
 
 class SlotOwner(msgspec.Struct, frozen=True):
-    """One slot of a consumer group as group_status sees it."""
+    """One slot of a consumer group as group_status sees it, with the group's live
+    member count and this session's rank among them (None if not a member)."""
 
     slot: int
     owner_pid: int | None
     mine: bool
     members: int
+    my_rank: int | None = None
+
+    def fair_share(self, slots: int) -> int:
+        """How many slots this session should own: the members' integer share, plus
+        one for the first ``slots % members`` ranks (so the shares add up to slots)."""
+        if self.my_rank is None or self.members == 0:
+            return 0
+        return slots // self.members + (1 if self.my_rank < slots % self.members else 0)

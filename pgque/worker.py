@@ -5,8 +5,9 @@ How slots are shared
 --------------------
 There is no leader and no assignor. Each worker joins the group (a shared
 advisory lock, so workers can count each other) and claims free slots with a
-non-blocking ``pg_try_advisory_lock`` until it owns its fair share,
-``ceil(N / live workers)``. A worker that owns more than its share releases
+non-blocking ``pg_try_advisory_lock`` until it owns its fair share:
+``N // M`` for M live workers, plus one for the first ``N % M`` of them by
+backend pid, so the shares always add up to N. A worker that owns more than its share releases
 the surplus at a batch boundary, and newcomers pick those slots up. A worker
 that dies loses its session and with it its locks: its slots are free at once.
 
@@ -31,7 +32,6 @@ and claims again.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import signal
 import threading
@@ -267,8 +267,8 @@ class Worker(Generic[T]):
         if client is None:
             raise _ConnectionLost("no connection")
         status = client.group_status(self.queue, self.consumer)
-        members = max(1, status[0].members if status else 1)
-        share = math.ceil(self.slots / members)
+        members = status[0].members
+        share = status[0].fair_share(self.slots)
         with self._lock:
             self._owned = {s.slot for s in status if s.mine}
             owned = set(self._owned)

@@ -34,8 +34,8 @@ begin
 end
 $$;
 
--- pgque._queue(name): the queue row, or PQ001.
-create or replace function pgque._queue(p_queue text)
+-- pgque._queue_row(name): the queue row, or PQ001.
+create or replace function pgque._queue_row(p_queue text)
 returns pgque.queue
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -63,9 +63,9 @@ as $$
                 else 'event_' || p_queue_id::text || '_' || p_n::text end
 $$;
 
--- pgque._cursor(sub_id): the subscription's current cursor state (the newest
+-- pgque._current_cursor(sub_id): the subscription's current cursor state (the newest
 -- row of its cursor log, read backwards along the primary key).
-create or replace function pgque._cursor(p_sub_id integer)
+create or replace function pgque._current_cursor(p_sub_id integer)
 returns pgque.cursor
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -86,19 +86,19 @@ as $$
             p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end)
 $$;
 
--- pgque._subscription(queue, consumer, lock): the queue row, the subscription
+-- pgque._find_subscription(queue, consumer, lock): the queue row, the subscription
 -- row and its current cursor; PQ001 or PQ002 when the queue or subscription
 -- is missing. With lock, the subscription row is taken FOR UPDATE first: this
 -- is the receive lock that serializes a consumer, and the cursor is read
 -- after it is granted (a new statement, so a fresh snapshot).
-create or replace function pgque._subscription(
+create or replace function pgque._find_subscription(
     p_queue text, p_consumer text, p_lock boolean,
     out queue pgque.queue, out sub pgque.subscription, out cur pgque.cursor)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    queue := pgque._queue(p_queue);
+    queue := pgque._queue_row(p_queue);
     if p_lock then
         select * into sub from pgque.subscription s
          where s.sub_queue = queue.queue_id and s.sub_consumer = p_consumer
@@ -112,7 +112,7 @@ begin
             errcode = 'PQ002',
             message = format('consumer %L is not subscribed to queue %L', p_consumer, p_queue);
     end if;
-    cur := pgque._cursor(sub.sub_id);
+    cur := pgque._current_cursor(sub.sub_id);
 end
 $$;
 

@@ -164,7 +164,7 @@ begin
     v_queue.queue_event_seq := ('pgque.' || v_seq)::regclass;
     perform pgque._store_config(v_queue);
 
-    perform pgque._tick(v_queue);
+    perform pgque._make_tick(v_queue);
     return v_queue.queue_id;
 end
 $$;
@@ -178,7 +178,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
     perform pgque._store_config(pgque._configure(v_queue, p_config, false));
     return pgque.queue_config(p_queue);
@@ -194,7 +194,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
     return jsonb_build_object(
         'ticker_max_count', v_queue.queue_ticker_max_count,
@@ -216,7 +216,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_parent text := pgque._event_table(v_queue.queue_id);
 begin
     if not p_force and exists (select 1 from pgque.subscription where sub_queue = v_queue.queue_id) then

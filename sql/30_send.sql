@@ -63,7 +63,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_id bigint;
 begin
     perform pgque._check_payloads(array[p_payload]);
@@ -100,7 +100,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_ids bigint[];
 begin
     if coalesce(cardinality(p_types), 0) <> coalesce(cardinality(p_payloads), 0)

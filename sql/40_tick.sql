@@ -27,12 +27,12 @@ returns text
 language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
-as $$ select pgque._tick_channel((pgque._queue(p_queue)).queue_id) $$;
+as $$ select pgque._tick_channel((pgque._queue_row(p_queue)).queue_id) $$;
 
--- pgque._tick(queue): makes a tick for the queue now, unconditionally, and
+-- pgque._make_tick(queue): makes a tick for the queue now, unconditionally, and
 -- returns its id. Raises PQ008 outside READ COMMITTED, where the snapshot
 -- would be the transaction's and could predate the previous tick.
-create or replace function pgque._tick(p_queue pgque.queue)
+create or replace function pgque._make_tick(p_queue pgque.queue)
 returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -65,7 +65,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return pgque._tick(pgque._queue(p_queue));
+    return pgque._make_tick(pgque._queue_row(p_queue));
 end
 $$;
 
@@ -107,10 +107,10 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
     if pgque._tick_due(v_queue, pgque._last_tick(v_queue.queue_id)) then
-        return pgque._tick(v_queue);
+        return pgque._make_tick(v_queue);
     end if;
     return null;
 end
@@ -130,7 +130,7 @@ declare
 begin
     for v_queue in select * from pgque.queue order by queue_id loop
         if pgque._tick_due(v_queue, pgque._last_tick(v_queue.queue_id)) then
-            perform pgque._tick(v_queue);
+            perform pgque._make_tick(v_queue);
             v_count := v_count + 1;
         end if;
     end loop;

@@ -17,7 +17,7 @@ declare
     v_sub_id integer;
 begin
     if v_tick is null then
-        v_tick := pgque._tick(p_queue);
+        v_tick := pgque._make_tick(p_queue);
     end if;
     insert into pgque.subscription (sub_queue, sub_consumer)
     values (p_queue.queue_id, p_consumer)
@@ -42,7 +42,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     perform pgque._check_name('consumer', p_consumer);
-    return pgque._subscribe(pgque._queue(p_queue), p_consumer);
+    return pgque._subscribe(pgque._queue_row(p_queue), p_consumer);
 end
 $$;
 
@@ -76,7 +76,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
     if position('#' in p_consumer) > 0 then
         raise exception using errcode = 'PQ021',

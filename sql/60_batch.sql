@@ -252,7 +252,7 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._subscription(p_queue, p_consumer, true);
+    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
     perform pgque._refuse_slot(v.sub);
     return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events);
 end
@@ -269,7 +269,7 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._subscription(p_queue, p_consumer, true);
+    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
     perform pgque._refuse_slot(v.sub);
     return pgque._ack(v.sub, v.cur, p_batch_id);
 end
@@ -289,7 +289,7 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._subscription(p_queue, p_consumer, true);
+    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
     perform pgque._refuse_slot(v.sub);
     return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, p_retry_after, p_reason);
 end

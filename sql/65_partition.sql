@@ -122,7 +122,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_new integer := 0;
     k integer;
 begin
@@ -152,7 +152,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
     perform pgque._check_name('consumer', p_consumer);
     perform pgque._check_slot(p_slot, p_slots);
@@ -175,7 +175,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v_count integer;
 begin
@@ -201,9 +201,9 @@ declare
     v record;
 begin
     perform pgque._check_slot(p_slot, p_slots);
-    perform pgque._group(pgque._queue(p_queue), p_consumer, p_slots);
+    perform pgque._group(pgque._queue_row(p_queue), p_consumer, p_slots);
     select * into v
-      from pgque._subscription(p_queue, pgque._slot_name(p_consumer, p_slot, p_slots), p_lock);
+      from pgque._find_subscription(p_queue, pgque._slot_name(p_consumer, p_slot, p_slots), p_lock);
     queue := v.queue;
     sub := v.sub;
     cur := v.cur;
@@ -219,7 +219,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v record;
 begin
@@ -368,7 +368,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_group pgque.consumer_group := pgque._group(pgque._queue(p_queue), p_consumer, null);
+    v_group pgque.consumer_group := pgque._group(pgque._queue_row(p_queue), p_consumer, null);
     v_key bigint := (pgque._group_lock_class() << 32) | v_group.cg_id;
 begin
     if exists (select 1 from pg_locks
@@ -384,16 +384,20 @@ $$;
 
 -- pgque.group_status(queue, consumer): one row per slot of the group: slot,
 -- owner backend pid (null when unowned), whether this session is the owner,
--- and the number of live members (sessions that joined the group).
+-- the number of live members (sessions that joined the group), and this
+-- session's rank among them by backend pid (0-based; null if not a member).
+-- A member's fair share is members' integer share of the slots, plus one for
+-- the first (slots % members) ranks, so the shares always add up to slots.
 create or replace function pgque.group_status(p_queue text, p_consumer text)
-returns table (slot integer, owner_pid integer, mine boolean, members integer)
+returns table (slot integer, owner_pid integer, mine boolean, members integer,
+               my_rank integer)
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
 #variable_conflict use_column
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
 begin
     return query
@@ -403,13 +407,17 @@ begin
            -- Advisory locks are per database, but pg_locks shows the whole
            -- cluster: without this, another database's slots would look owned.
            and l.database = (select oid from pg_database where datname = current_database())
-           and l.classid in (pgque._slot_lock_class()::oid, pgque._group_lock_class()::oid))
+           and l.classid in (pgque._slot_lock_class()::oid, pgque._group_lock_class()::oid)),
+    members as (
+        select array_agg(distinct m.pid order by m.pid) as pids from locks m
+         where m.classid = pgque._group_lock_class()::oid and m.objid = v_group.cg_id::oid)
     select k::integer,
            o.pid,
            coalesce(o.pid = pg_backend_pid(), false),
-           (select count(distinct m.pid)::integer from locks m
-             where m.classid = pgque._group_lock_class()::oid and m.objid = v_group.cg_id::oid)
+           coalesce(cardinality(members.pids), 0),
+           array_position(members.pids, pg_backend_pid()) - 1
       from generate_series(0, v_group.cg_slots - 1) k
+      cross join members
       left join pgque.subscription s
         on s.sub_queue = v_queue.queue_id
        and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)

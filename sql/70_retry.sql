@@ -54,7 +54,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
     return query
         select d.dl_id, d.dl_consumer, d.dl_time, d.dl_reason, d.ev_id, d.ev_time, d.ev_retry,
@@ -80,7 +80,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_dead pgque.dead_letter;
     v_owner integer;
 begin
@@ -119,7 +119,7 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue(p_queue);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
     v_count bigint;
 begin
     delete from pgque.dead_letter

@@ -22,7 +22,7 @@ as $$
     select case when exists (select 1 from pgque.subscription where sub_queue = p_queue_id)
            then (select min(pg_snapshot_xmin(t.tick_snapshot))
                    from pgque.subscription s
-                   cross join lateral pgque._cursor(s.sub_id) c
+                   cross join lateral pgque._current_cursor(s.sub_id) c
                    join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick
                   where s.sub_queue = p_queue_id)
            else pg_snapshot_xmin((pgque._last_tick(p_queue_id)).tick_snapshot)
@@ -100,7 +100,7 @@ declare
     v_count bigint;
 begin
     select coalesce((select min(c.cur_last_tick)
-                       from pgque.subscription s cross join lateral pgque._cursor(s.sub_id) c
+                       from pgque.subscription s cross join lateral pgque._current_cursor(s.sub_id) c
                       where s.sub_queue = p_queue.queue_id),
                     (pgque._last_tick(p_queue.queue_id)).tick_id)
       into v_keep;
@@ -123,7 +123,7 @@ begin
     delete from pgque.cursor c
      using pgque.subscription s
      where s.sub_queue = p_queue.queue_id and c.cur_sub = s.sub_id
-       and c.cur_seq < (pgque._cursor(s.sub_id)).cur_seq;
+       and c.cur_seq < (pgque._current_cursor(s.sub_id)).cur_seq;
     get diagnostics v_count = row_count;
     return v_count;
 end
@@ -144,7 +144,7 @@ declare
     v_amount bigint;
 begin
     if p_queue is not null then
-        perform pgque._queue(p_queue);
+        perform pgque._queue_row(p_queue);
     end if;
     for v_queue in select * from pgque.queue q
                     where p_queue is null or q.queue_name = p_queue

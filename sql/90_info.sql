@@ -75,7 +75,7 @@ select q.queue_name,
          where d.dl_queue = q.queue_id and d.dl_consumer = s.sub_consumer) as dead_letters
   from pgque.subscription s
   join pgque.queue q on q.queue_id = s.sub_queue
-  cross join lateral pgque._cursor(s.sub_id) c
+  cross join lateral pgque._current_cursor(s.sub_id) c
   left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick;
 
 -- pgque._pending_events(queue_id, sub_id, snapshot, slot, slots): how many
@@ -133,7 +133,7 @@ select q.queue_name,
   cross join lateral generate_series(0, g.cg_slots - 1) as k(slot)
   join pgque.subscription s
     on s.sub_queue = g.cg_queue and s.sub_consumer = pgque._slot_name(g.cg_consumer, k.slot, g.cg_slots)
-  cross join lateral pgque._cursor(s.sub_id) c
+  cross join lateral pgque._current_cursor(s.sub_id) c
   left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick
   left join pg_locks l
     on l.locktype = 'advisory' and l.granted and l.objsubid = 1

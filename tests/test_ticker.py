@@ -97,7 +97,8 @@ def test_lost_wakeups_cost_latency_only(client: pgque.Client, dsn: str,
                 raise AssertionError("not delivered by polling alone")
             assert handled[-1] == ev
         listeners = scalar(conn, "select count(*) from pg_stat_activity "
-                                 "where application_name like '%%listener'")
+                                 "where application_name like '%%listener' "
+                                 "and datname = current_database()")
     assert listeners == 0
 
 
