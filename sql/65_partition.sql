@@ -110,6 +110,25 @@ begin
 end
 $$;
 
+-- pgque._ensure_group(queue, consumer, slot, slots): validates the name, the
+-- slot and the count, and registers the group with its count unless it exists
+-- (PQ020 if it exists with another count).
+create or replace function pgque._ensure_group(
+    p_queue pgque.queue, p_consumer text, p_slot integer, p_slots integer)
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform pgque._check_name('consumer', p_consumer);
+    perform pgque._check_slot(p_slot, p_slots);
+    insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots)
+    values (p_queue.queue_id, p_consumer, p_slots)
+    on conflict (cg_queue, cg_consumer) do nothing;
+    perform pgque._group(p_queue, p_consumer, p_slots);
+end
+$$;
+
 -- pgque.subscribe_slots(queue, consumer, slots): subscribes consumer group
 -- consumer with slots slots (all of them), persisting the count. Idempotent
 -- for the same count; returns how many slot subscriptions were new. Raises
@@ -126,12 +145,7 @@ declare
     v_new integer := 0;
     k integer;
 begin
-    perform pgque._check_name('consumer', p_consumer);
-    perform pgque._check_slot(0, p_slots);
-    insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots)
-    values (v_queue.queue_id, p_consumer, p_slots)
-    on conflict (cg_queue, cg_consumer) do nothing;
-    perform pgque._group(v_queue, p_consumer, p_slots);
+    perform pgque._ensure_group(v_queue, p_consumer, 0, p_slots);
     for k in 0 .. p_slots - 1 loop
         if pgque._subscribe(v_queue, pgque._slot_name(p_consumer, k, p_slots)) then
             v_new := v_new + 1;
@@ -154,12 +168,7 @@ as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
-    perform pgque._check_name('consumer', p_consumer);
-    perform pgque._check_slot(p_slot, p_slots);
-    insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots)
-    values (v_queue.queue_id, p_consumer, p_slots)
-    on conflict (cg_queue, cg_consumer) do nothing;
-    perform pgque._group(v_queue, p_consumer, p_slots);
+    perform pgque._ensure_group(v_queue, p_consumer, p_slot, p_slots);
     return pgque._subscribe(v_queue, pgque._slot_name(p_consumer, p_slot, p_slots));
 end
 $$;
@@ -228,8 +237,9 @@ begin
 end
 $$;
 
--- pgque._holds_slot(sub_id): whether this session holds the slot's lock.
-create or replace function pgque._holds_slot(p_sub_id integer)
+-- pgque._holds_lock(class, id): whether this session holds the bigint
+-- advisory lock (class << 32) | id (in any mode).
+create or replace function pgque._holds_lock(p_class bigint, p_id integer)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -237,8 +247,15 @@ as $$
     select exists (
         select 1 from pg_locks
          where locktype = 'advisory' and pid = pg_backend_pid() and granted
-           and classid = pgque._slot_lock_class()::oid and objid = p_sub_id::oid and objsubid = 1)
+           and classid = p_class::oid and objid = p_id::oid and objsubid = 1)
 $$;
+
+-- pgque._holds_slot(sub_id): whether this session holds the slot's lock.
+create or replace function pgque._holds_slot(p_sub_id integer)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$ select pgque._holds_lock(pgque._slot_lock_class(), p_sub_id) $$;
 
 -- pgque._require_owner(sub, slot): PQ024 unless this session holds the lock.
 create or replace function pgque._require_owner(p_sub pgque.subscription)
@@ -371,10 +388,7 @@ declare
     v_group pgque.consumer_group := pgque._group(pgque._queue_row(p_queue), p_consumer, null);
     v_key bigint := (pgque._group_lock_class() << 32) | v_group.cg_id;
 begin
-    if exists (select 1 from pg_locks
-                where locktype = 'advisory' and pid = pg_backend_pid() and granted
-                  and classid = pgque._group_lock_class()::oid and objid = v_group.cg_id::oid
-                  and objsubid = 1) then
+    if pgque._holds_lock(pgque._group_lock_class(), v_group.cg_id) then
         return false;
     end if;
     perform pg_advisory_lock_shared(v_key);
