@@ -39,16 +39,18 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_tick_id bigint;
+    v_event_seq bigint;
 begin
     if current_setting('transaction_isolation') <> 'read committed' then
         raise exception using errcode = 'PQ008',
             message = 'pgque ticks must be made in a READ COMMITTED transaction';
     end if;
     perform pg_advisory_xact_lock(pgque._tick_lock_class(), p_queue.queue_id);
-    -- A new statement, hence a snapshot taken after the lock was granted.
+    -- The sequence position, read before the snapshot is taken: the insert
+    -- below is a new statement, hence a new snapshot, after the lock too.
+    v_event_seq := coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
     insert into pgque.tick (tick_queue, tick_id, tick_snapshot, tick_event_seq)
-    values (p_queue.queue_id, nextval('pgque.tick_id_seq'), pg_current_snapshot(),
-            coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0))
+    values (p_queue.queue_id, nextval('pgque.tick_id_seq'), pg_current_snapshot(), v_event_seq)
     returning tick_id into v_tick_id;
     -- Wake the queue's consumers. The notification carries nothing: it only
     -- says "look now", and the consumers' poll covers for a lost one.
@@ -78,9 +80,35 @@ as $$
     select * from pgque.tick where tick_queue = p_queue_id order by tick_id desc limit 1
 $$;
 
+-- pgque._uncovered_events(queue_id, snapshot): whether any committed event of
+-- the queue is not covered by a tick of snapshot, i.e. belongs to a
+-- transaction not visible in it (at or past its xmax, or in its xip list).
+-- Counting by sequence position cannot tell: an event whose ev_id was taken
+-- before a tick by a transaction that committed after it lies below the
+-- tick's position yet is not in its batch. An index probe on ev_txid;
+-- transactions still in progress are invisible here and simply skipped.
+create or replace function pgque._uncovered_events(p_queue_id integer, p_snapshot pg_snapshot)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_found boolean;
+begin
+    execute format('select exists (select 1 from pgque.%I e'
+                   ' where e.ev_txid >= $1 or e.ev_txid = any($2))',
+                   pgque._event_table(p_queue_id))
+       into v_found
+      using pg_snapshot_xmax(p_snapshot), array(select pg_snapshot_xip(p_snapshot));
+    return v_found;
+end
+$$;
+
 -- pgque._tick_due(queue, last_tick): whether the queue's thresholds ask for a
 -- tick now: enough events pending (ticker_max_count), or some pending for
--- longer than ticker_max_lag, or none for ticker_idle_period.
+-- longer than ticker_max_lag, or none for ticker_idle_period. Pending is
+-- counted by sequence position since the last tick; when that says none, an
+-- index probe checks for committed events the last tick did not cover.
 create or replace function pgque._tick_due(p_queue pgque.queue, p_last pgque.tick)
 returns boolean
 language plpgsql stable
@@ -91,6 +119,10 @@ declare
                         - coalesce(p_last.tick_event_seq, 0);
     v_age interval := now() - p_last.tick_time;
 begin
+    if v_pending <= 0 and p_last.tick_id is not null
+       and pgque._uncovered_events(p_queue.queue_id, p_last.tick_snapshot) then
+        v_pending := 1;
+    end if;
     return p_last.tick_id is null
         or v_pending >= p_queue.queue_ticker_max_count
         or (v_pending > 0 and v_age >= p_queue.queue_ticker_max_lag)

@@ -42,6 +42,13 @@ def dump_state(dsn: str | None = None) -> None:
                     "select pid, application_name, state, wait_event_type, wait_event, "
                     "left(query, 120) from pg_stat_activity where datname = current_database()"):
                 print("session:", row, flush=True)
+            for view in ("queue_info", "consumer_info", "partition_slot_status"):
+                for row in conn.execute(f"select * from pgque.{view}"):
+                    print(f"{view}:", row, flush=True)
+            for row in conn.execute("select tick_queue, tick_id, tick_time, tick_snapshot, "
+                                    "tick_event_seq from pgque.tick order by tick_id desc "
+                                    "limit 5"):
+                print("tick:", row, flush=True)
     except Exception as exc:
         print("could not read pg_stat_activity:", exc, flush=True)
 

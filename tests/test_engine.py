@@ -199,3 +199,20 @@ def test_tick_refuses_repeatable_read(client: pgque.Client, dsn: str) -> None:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         with pytest.raises(pgque.NotReadCommitted):
             pgque.Client(conn).tick("q")
+
+
+def test_ticker_sees_events_of_a_transaction_open_during_the_last_tick(
+        client: pgque.Client, dsn: str) -> None:
+    """An event whose ev_id was taken before a tick but whose transaction committed
+    after it is not covered by that tick; the ticker must still see it as pending
+    (counting by sequence alone would strand it until the idle tick)."""
+    client.create_queue("q", ticker_max_lag=0, ticker_idle_period=3600)
+    client.subscribe("q", "c")
+    with psycopg.connect(dsn) as producer:
+        late = client.send("q", "late", 1, conn=producer)  # ev_id taken, not committed
+        client.tick("q")  # covers nothing: the producer is still in progress
+        assert client.ticker() == 0  # nothing new has committed yet
+        producer.commit()
+    assert client.ticker() == 1, "the committed late event was not seen as pending"
+    assert [m.id for m in drain(client, "q", "c", tick=False)] == [late]
+    assert client.ticker() == 0  # and once covered, it is not pending any more

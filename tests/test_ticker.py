@@ -30,7 +30,7 @@ def test_only_one_ticker_ticks_and_standby_takes_over(client: pgque.Client, dsn:
         for n in range(20):
             before = max_tick(conn)
             client.send("q", "e", n)
-            wait_for(lambda b=before: max_tick(conn) > b, what="a tick after a send")
+            wait_for(lambda b=before: max_tick(conn) > b, what="a tick after a send", dsn=dsn)
         assert first.ticks >= 20
         assert second.ticks == 0
         assert not second.active
@@ -43,7 +43,7 @@ def test_only_one_ticker_ticks_and_standby_takes_over(client: pgque.Client, dsn:
         took_over = time.monotonic() - died
         before = max_tick(conn)
         client.send("q", "e", "after")
-        wait_for(lambda: max_tick(conn) > before, what="ticks from the new active ticker")
+        wait_for(lambda: max_tick(conn) > before, what="ticks from the new active ticker", dsn=dsn)
         assert second.ticks >= 1
         assert took_over < 1.0
     finally:
@@ -58,13 +58,13 @@ def test_idle_queue_costs_almost_nothing(client: pgque.Client, dsn: str,
     with pgque.Ticker(dsn) as ticker:
         assert ticker.wait_active(10)
         client.send("q", "e", 0)
-        wait_for(lambda: ticker.ticks >= 1, what="the first tick")
+        wait_for(lambda: ticker.ticks >= 1, what="the first tick", dsn=dsn)
         # WAL is cluster-wide: let earlier tests' background work (autovacuum of
         # their databases, a pending checkpoint) settle before measuring.
         conn.execute("checkpoint")
         wait_for(lambda: scalar(conn, "select count(*) = 0 from pg_stat_activity "
                                       "where backend_type = 'autovacuum worker'"),
-                 timeout=60, what="autovacuum to be idle")
+                 timeout=60, what="autovacuum to be idle", dsn=dsn)
         ticks_before = max_tick(conn)
         lsn_before = scalar(conn, "select pg_current_wal_lsn()")
         time.sleep(30)  # the quiet period being measured, not a synchronization
@@ -117,6 +117,6 @@ def test_worker_alone_delivers_and_retries(client: pgque.Client, dsn: str) -> No
         ids = [client.send("q", "e", "flaky" if n == 4 else n, partition_key=f"k{n}")
                for n in range(10)]
         wait_for(lambda: attempts.get(ids[4], 0) == 2 and len(attempts) == 10, timeout=20,
-                 what="every event handled and the flaky one retried")
+                 what="every event handled and the flaky one retried", dsn=dsn)
     assert all(attempts[i] == 1 for i in ids if i != ids[4])
     assert attempts[ids[4]] == 2

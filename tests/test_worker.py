@@ -48,7 +48,7 @@ def test_skip_policy_retries_failed_event_on_its_slot_then_dead_letters(
                           retry_after=0, poll_interval=0.05,
                           ticker=pgque.Ticker(dsn, maintenance_interval=0.1))
     with worker:
-        wait_for(lambda: client.dead_letters("q"), timeout=30, what="the dead letter")
+        wait_for(lambda: client.dead_letters("q"), timeout=30, what="the dead letter", dsn=dsn)
     handled = Counter(i for i, _ in seen)
     assert all(handled[i] == 1 for i in ids if i != poison)  # the rest of each batch went on
     assert [r for i, r in seen if i == poison] == [0, 1, 2]  # retried, then given up
@@ -81,22 +81,23 @@ def test_two_workers_share_eight_slots_and_a_third_joins(
     a, b = worker("a"), worker("b")
     with a, b:
         wait_for(lambda: len(a.owned_slots) == 4 and len(b.owned_slots) == 4,
-                 what="an even split")
+                 what="an even split", dsn=dsn)
         assert a.owned_slots.isdisjoint(b.owned_slots)
         ids = client.send_batch("q", [("e", i, f"k{i}") for i in range(400)])
         wait_for(lambda: sum(len(v) for v in handled.values()) >= 400, timeout=30,
-                 what="all events handled")
+                 what="all events handled", dsn=dsn)
         assert sorted(handled["a"] + handled["b"]) == ids
         with worker("c") as c:
-            wait_for(lambda: len(c.owned_slots) >= 2, what="the newcomer to get slots")
+            wait_for(lambda: len(c.owned_slots) >= 2, what="the newcomer to get slots", dsn=dsn)
             wait_for(lambda: sorted(len(w.owned_slots) for w in (a, b, c)) == [2, 3, 3],
-                     what="a fair split of 8 slots over 3 workers")
+                     what="a fair split of 8 slots over 3 workers", dsn=dsn)
             more = client.send_batch("q", [("e", i, f"k{i}") for i in range(300)])
             wait_for(lambda: sum(len(v) for v in handled.values()) >= 700, timeout=30,
-                     what="all events handled")
+                     what="all events handled", dsn=dsn)
             assert handled["c"], "the newcomer handled nothing"
         # c stopped: its slots go back to a and b.
-        wait_for(lambda: len(a.owned_slots | b.owned_slots) == 8, what="slots to be taken back")
+        wait_for(lambda: len(a.owned_slots | b.owned_slots) == 8,
+                 what="slots to be taken back", dsn=dsn)
     everything = handled["a"] + handled["b"] + handled["c"]
     assert sorted(everything) == ids + more
     no_batch_open_no_lock(conn)
@@ -111,12 +112,14 @@ def test_sigterm_stops_a_worker_process_cleanly(client: pgque.Client, dsn: str,
                  "ended timestamptz)")
     proc = subprocess.Popen([sys.executable, WORKER_SCRIPT, dsn, "q", "g", "4", "5", "1"])
     try:
-        wait_for(lambda: client.group_status("q", "g")[0].members == 1, what="worker to join")
+        wait_for(lambda: client.group_status("q", "g")[0].members == 1,
+                 what="worker to join", dsn=dsn)
         ids = client.send_batch("q", [("e", {"p": 0, "s": i}, f"k{i % 9}") for i in range(200)])
         wait_for(lambda: scalar(conn, "select count(distinct ev_id) from handled") == 200,
-                 timeout=30, what="events handled")
+                 timeout=30, what="events handled", dsn=dsn)
         wait_for(lambda: scalar(conn, "select count(*) from pgque.partition_slot_status "
-                                      "where owner_pid is not null") == 4, what="4 owned slots")
+                                      "where owner_pid is not null") == 4,
+                 what="4 owned slots", dsn=dsn)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
@@ -193,12 +196,12 @@ def test_newcomer_gets_slots_while_the_others_are_busy(client: pgque.Client, dsn
     ids = client.send_batch("q", [("e", i, f"k{i}") for i in range(1500)])
     a, b = worker("a"), worker("b")
     with a, b:
-        wait_for(lambda: len(handled["a"]) + len(handled["b"]) >= 100, what="a busy start")
+        wait_for(lambda: len(handled["a"]) + len(handled["b"]) >= 100, what="a busy start", dsn=dsn)
         with worker("c") as c:
             wait_for(lambda: len(c.owned_slots) >= 1, timeout=10,
-                     what="the newcomer to get a slot under load")
+                     what="the newcomer to get a slot under load", dsn=dsn)
             wait_for(lambda: sum(len(v) for v in handled.values()) >= 1500, timeout=60,
-                     what="the backlog to drain")
+                     what="the backlog to drain", dsn=dsn)
     assert handled["c"], "the newcomer handled nothing"
     assert sorted(handled["a"] + handled["b"] + handled["c"]) == ids
     no_batch_open_no_lock(conn)
