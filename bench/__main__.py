@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import BenchServer, git_commit, load_average, machine_info
+from bench.measure import EVENTS_PER_SECOND
 from bench.registry import Suite, SuiteContext, all_suites
 from bench.report import summary_table, write_chart, write_json
 
@@ -53,6 +54,7 @@ def _run_suite(suite: Suite, server: BenchServer, args: argparse.Namespace,
         result = suite.run(SuiteContext(dsn=dsn, quick=args.quick, repeats=REPEATS))
     duration = time.perf_counter() - start
     machine = machine_info()
+    units = {m.unit for m in result.measurements}
 
     document = {
         "suite": suite.name,
@@ -65,12 +67,15 @@ def _run_suite(suite: Suite, server: BenchServer, args: argparse.Namespace,
         "load_average": {"before": load_before, "after": load_average()},
         "server": server_info,
         "parameters": result.parameters,
-        "unit": "events/s",
+        # One unit for the whole suite when there is one; otherwise each
+        # measurement's "unit" says (latencies in ms next to rates, say).
+        "unit": units.pop() if len(units) == 1 else "per measurement",
         "measurements": [
-            {"name": m.name, "label": m.label, "events_per_run": m.events,
+            {"name": m.name, "label": m.label, "events_per_run": m.events, "unit": m.unit,
              "median": round(m.median, 1), "values": [round(v, 1) for v in m.values],
-             "us_per_event": round(1e6 / m.median, 2), "baseline": m.baseline,
-             "ratio": None if m.ratio is None else round(m.ratio, 3)}
+             "us_per_event": (round(1e6 / m.median, 2) if m.unit == EVENTS_PER_SECOND
+                              else None),
+             "baseline": m.baseline, "ratio": None if m.ratio is None else round(m.ratio, 3)}
             for m in result.measurements
         ],
     }

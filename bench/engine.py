@@ -117,7 +117,7 @@ class _Producers:
         def run(count: int) -> int:
             ids = [self.client.send(queue, etype, data, partition_key=key)
                    for etype, data, key in itertools.islice(itertools.cycle(self.rows), count)]
-            return len(set(ids))
+            return len(set(ids))  # one new id per call, or the count comes out short
         return run
 
     def plain_insert(self, table: str) -> Workload:
@@ -186,6 +186,7 @@ class _Drain:
 
 
 def run(ctx: SuiteContext) -> SuiteResult:
+    """Measure send, send_batch and drain with their baselines, one group after the other."""
     sizes = Sizes.for_run(ctx.quick)
     rows = _rows(POOL_SIZE)
     with pgque.connect(ctx.dsn, pool_size=0) as client, \

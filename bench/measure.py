@@ -14,7 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["BenchError", "Case", "Measurement", "Workload", "events_per_second", "measure"]
+__all__ = [
+    "EVENTS_PER_SECOND", "BenchError", "Case", "Measurement", "Workload", "events_per_second",
+    "measure",
+]
 
 #: Does the work for ``count`` events and returns how many it handled.
 Workload = Callable[[int], int]
@@ -42,9 +45,19 @@ class Case:
     baseline: str | None = None
 
 
+#: The unit of measure() and of every Measurement that does not say otherwise.
+EVENTS_PER_SECOND = "events/s"
+
+
 @dataclass(frozen=True)
 class Measurement:
-    """The result of a case: events/s of every repetition, their median, the ratio."""
+    """The result of a case: the value of every repetition, their median, the ratio.
+
+    Values are events/s unless ``unit`` says otherwise (a latency in ms, a CPU
+    share). ``group`` names the chart panel a measurement is drawn in (None:
+    the single panel of a suite that has no groups); ``target`` is a value
+    drawn as a line across its bar, such as a latency goal.
+    """
 
     name: str
     label: str
@@ -53,6 +66,9 @@ class Measurement:
     median: float
     baseline: str | None = None
     ratio: float | None = None
+    unit: str = EVENTS_PER_SECOND
+    group: str | None = None
+    target: float | None = None
 
 
 def events_per_second(run: Workload, count: int) -> float:

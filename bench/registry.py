@@ -17,7 +17,7 @@ from bench.measure import Measurement
 __all__ = ["Suite", "SuiteContext", "SuiteResult", "all_suites", "register"]
 
 # Imported by all_suites(), not at the top: the suite modules import this one.
-_SUITE_MODULES = ("bench.engine",)
+_SUITE_MODULES = ("bench.engine", "bench.partition", "bench.latency")
 
 
 @dataclass(frozen=True)

@@ -362,7 +362,9 @@ def queue_list(state: State, as_json: bool) -> None:
 @queue.command("config")
 @click.argument("name")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
-              help=f"Change a setting (repeatable): {', '.join(QUEUE_SETTINGS)}.")
+              help="Change a setting (repeatable): "
+                   f"{', '.join(k for k in QUEUE_SETTINGS if k != 'event_tables')} "
+                   "(event_tables is fixed when the queue is created).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @db_options
 @pass_state

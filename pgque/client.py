@@ -73,7 +73,8 @@ def connect(dsn: str, *, timeout: float = 30.0, pool_size: int = 4, **kwargs: An
     arguments go to ``psycopg.connect``.
     """
     conn = open_connection(dsn, timeout=timeout, **kwargs)
-    return Client(conn, dsn=dsn, pool_size=pool_size, owns_connection=True)
+    return Client(conn, dsn=dsn, pool_size=pool_size, owns_connection=True,
+                  connect_kwargs=kwargs)
 
 
 class Client:
@@ -86,9 +87,11 @@ class Client:
         dsn: str | None = None,
         pool_size: int = 0,
         owns_connection: bool = False,
+        connect_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.conn = conn
         self._dsn = dsn
+        self._connect_kwargs = {**(connect_kwargs or {}), "autocommit": True}
         self._pool_size = pool_size if dsn is not None else 0
         self._pool: ConnectionPool[Conn] | None = None
         self._owns_connection = owns_connection
@@ -125,9 +128,10 @@ class Client:
         elif self._pool_size > 0:
             if self._pool is None:
                 assert self._dsn is not None
+                # The same connection settings as the client's own connection.
                 self._pool = ConnectionPool(
                     self._dsn, min_size=1, max_size=self._pool_size,
-                    kwargs={"autocommit": True}, open=True, name="pgque-producers")
+                    kwargs=self._connect_kwargs, open=True, name="pgque-producers")
             with self._pool.connection() as pooled:
                 yield pooled
         else:

@@ -74,6 +74,11 @@ class Ticker:
         """Whether this ticker is the database's active one right now."""
         return self._active.is_set()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the background thread started by start() is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait_active(self, timeout: float | None = None) -> bool:
         """Block until this ticker is the active one; False on timeout."""
         return self._active.wait(timeout)
@@ -137,6 +142,14 @@ class Ticker:
                     backoff = 0.1
                     self.backend_pid = conn.info.backend_pid
                     self._serve(Client(conn))
+            except psycopg.errors.InsufficientPrivilege as exc:
+                # Retrying cannot help: say so once and stop (a reader-role worker
+                # leaves ticking to an admin-role process).
+                log.error("%s: this role may not tick (%s); the ticker stops. Run the "
+                          "worker with ticker=False, or tick with a pgque_admin role.",
+                          self.name, str(exc).strip())
+                self._stopping.set()
+                break
             except (psycopg.OperationalError, ConnectError) as exc:
                 log.warning("%s: connection lost (%s); retrying in %.1fs", self.name,
                             str(exc).strip() or type(exc).__name__, backoff)

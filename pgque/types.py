@@ -86,6 +86,11 @@ class Batch(Generic[T]):
     def __len__(self) -> int:
         return len(self.messages)
 
+    def __bool__(self) -> bool:
+        # A batch with no messages still has to be acked: never let
+        # `while batch := client.receive(...)` stop at an empty one.
+        return True
+
     def __iter__(self) -> Iterator[Message[T]]:
         return iter(self.messages)
 

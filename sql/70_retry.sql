@@ -42,7 +42,8 @@ end
 $$;
 
 -- pgque.dead_letters(queue, consumer, limit, after_id): dead letters of a
--- queue (of one consumer when given), oldest first, after dl_id after_id.
+-- queue (of one consumer, or of every slot of a consumer group, when given),
+-- oldest first, after dl_id after_id.
 create or replace function pgque.dead_letters(
     p_queue text, p_consumer text default null, p_limit integer default 100,
     p_after_id bigint default 0)
@@ -61,7 +62,8 @@ begin
                d.ev_type, d.ev_data, d.ev_extra1, d.ev_extra2, d.ev_extra3, d.ev_extra4
           from pgque.dead_letter d
          where d.dl_queue = v_queue.queue_id
-           and (p_consumer is null or d.dl_consumer = p_consumer)
+           and (p_consumer is null or d.dl_consumer = p_consumer
+                or split_part(d.dl_consumer, '#', 1) = p_consumer)
            and d.dl_id > coalesce(p_after_id, 0)
          order by d.dl_id
          limit p_limit;
@@ -109,8 +111,8 @@ end
 $$;
 
 -- pgque.purge_dead_letters(queue, consumer, dl_ids): deletes dead letters of
--- a queue: the given ids, or all (of the consumer, when given) when ids is
--- null. Returns how many.
+-- a queue: the given ids, or all (of the consumer or group, when given) when
+-- ids is null. Returns how many.
 create or replace function pgque.purge_dead_letters(
     p_queue text, p_consumer text default null, p_dl_ids bigint[] default null)
 returns bigint
@@ -124,7 +126,8 @@ declare
 begin
     delete from pgque.dead_letter
      where dl_queue = v_queue.queue_id
-       and (p_consumer is null or dl_consumer = p_consumer)
+       and (p_consumer is null or dl_consumer = p_consumer
+            or split_part(dl_consumer, '#', 1) = p_consumer)
        and (p_dl_ids is null or dl_id = any(p_dl_ids));
     get diagnostics v_count = row_count;
     return v_count;

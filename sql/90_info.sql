@@ -125,9 +125,10 @@ select q.queue_name,
        c.cur_batch as open_batch_id,
        c.cur_time as last_active,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
-       (now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot, k.slot,
-                                         g.cg_slots) > interval '1 minute'
-        and (l.pid is null or now() - c.cur_time > interval '1 minute')) as stalled
+       coalesce(now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot,
+                                                  k.slot, g.cg_slots) > interval '1 minute'
+                and (l.pid is null or now() - c.cur_time > interval '1 minute'),
+                false) as stalled
   from pgque.consumer_group g
   join pgque.queue q on q.queue_id = g.cg_queue
   cross join lateral generate_series(0, g.cg_slots - 1) as k(slot)

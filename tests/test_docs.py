@@ -10,7 +10,10 @@ each other, the way a reader goes through the page:
 - the ``sql`` blocks of a file run in order on one connection to another such
   database, statement by statement in autocommit, as psql would run them.
 
-Running one block alone (``-k``) first runs the blocks of its file before it.
+A python block followed by the paragraph "It prints:" and a ``text`` block must
+print exactly that text. Running one block alone (``-k``) first runs the blocks
+of its file before it.
+
 A block that cannot run in a test at all (shell, configuration files) is marked
 ``sh``, ``ini`` or ``text``; any other fence language, an untagged fence or an
 indented code block fails :func:`test_every_code_block_has_a_known_language`,
@@ -19,6 +22,11 @@ so an example cannot slip out of the suite by accident.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
+import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNABLE = ("python", "sql")
 NOT_RUNNABLE = ("sh", "ini", "text")
+PRINTS = "It prints:"  # a paragraph between a python block and the text it prints
+# Roles are cluster-wide: the ones an example creates are dropped after its file ran,
+# so that the examples also run twice on a server given by PGQUE_TEST_DSN.
+CREATE_ROLE = re.compile(r'^\s*create\s+(?:role|user)\s+("[^"]+"|\w+)',
+                         re.IGNORECASE | re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,7 @@ class Block:
     code: str
     line: int  # 1-based line of the block's first code line in the file
     number: int = 0  # 1-based among the runnable blocks of its file (0: not runnable)
+    prints: str | None = None  # what a python block must print, when the page says so
 
     @property
     def name(self) -> str:
@@ -55,18 +69,28 @@ class Block:
 
     @property
     def test_id(self) -> str:
-        return f"{self.name}#{self.number}-{self.language}"
+        return f"{self.name}-block{self.number}-{self.language}"
 
 
 def extract(path: Path, text: str | None = None) -> tuple[list[Block], list[str]]:
     """The fenced blocks of a Markdown file, and a list of problems (indented code
-    blocks, fences without a language, unknown languages)."""
+    blocks, fences without a language, unknown languages).
+
+    A python block followed by a paragraph "It prints:" and a ``text`` block
+    must print exactly that text.
+    """
     if text is None:
         text = path.read_text("utf-8")
     blocks: list[Block] = []
     problems: list[str] = []
     number = 0
-    for token in MarkdownIt("commonmark").parse(text):
+    tokens = MarkdownIt("commonmark").parse(text)
+    for index, token in enumerate(tokens):
+        if (token.type == "fence" and token.info.strip() == "text" and blocks
+                and blocks[-1].language == "python" and index >= 4
+                and tokens[index - 2].content.strip() == PRINTS
+                and tokens[index - 4].type == "fence" and tokens[index - 4].info == "python"):
+            blocks[-1] = dataclasses.replace(blocks[-1], prints=token.content)
         if token.map is None:
             continue
         where = f"{path.name}:{token.map[0] + 1}"
@@ -174,6 +198,7 @@ class Track:
     failed: Block | None = None
     namespace: dict[str, Any] = field(default_factory=dict)
     conn: psycopg.Connection[Any] | None = None
+    roles: list[str] = field(default_factory=list)
     threads_before: set[threading.Thread] = field(default_factory=set)
 
     def dsn(self) -> str:
@@ -186,8 +211,8 @@ class Track:
     def run_up_to(self, block: Block) -> None:
         """Run the blocks before ``block`` that have not run yet, then ``block``."""
         index = self.blocks.index(block)
-        if index < self.done:  # already ran (a re-run in the same session): run it again
-            self.done = index
+        if index < self.done:  # ran already in this session: start the file over
+            self.close()
         while self.done <= index:
             current = self.blocks[self.done]
             if self.failed is not None:
@@ -209,11 +234,21 @@ class Track:
                 self.namespace = {"dsn": self.dsn()}
             # Padded so that tracebacks name the line of the Markdown file.
             source = "\n" * (block.line - 1) + block.code
-            exec(compile(source, str(block.path), "exec"), self.namespace)
+            output = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(output):
+                    exec(compile(source, str(block.path), "exec"), self.namespace)
+            finally:
+                print(output.getvalue(), end="")  # pytest shows it when the test fails
+            if block.prints is not None:
+                assert output.getvalue() == block.prints, (
+                    f"{block.test_id} (line {block.line}) printed\n{output.getvalue()}"
+                    f"where the page says it prints\n{block.prints}")
         else:
             if self.conn is None:
                 self.conn = psycopg.connect(self.dsn(), autocommit=True)
             for statement in split_sql(block.code):
+                self.roles += CREATE_ROLE.findall(statement)
                 with self.conn.cursor() as cur:
                     try:
                         cur.execute(statement.encode())
@@ -228,19 +263,22 @@ class Track:
                             break
 
     def leftover_threads(self, timeout: float = 10.0) -> list[str]:
-        """Names of pgque threads started by this file's examples that are still
-        running after ``timeout`` seconds."""
+        """Names of pgque threads (workers, tickers, their helpers) started by this
+        file's examples that are still running after ``timeout`` seconds. A
+        client's producer pool is not counted: it lives as long as the client."""
         deadline = time.monotonic() + timeout
         while True:
             left = [t.name for t in threading.enumerate()
                     if t not in self.threads_before and t.is_alive()
-                    and t.name.startswith("pgque")]
+                    and t.name.startswith("pgque")
+                    and not t.name.startswith("pgque-producers")]
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.05)
 
     def close(self) -> None:
-        """Stop whatever an example left running, close connections, drop the database."""
+        """Stop whatever an example left running, close connections, drop the database
+        and the roles the examples made; the track can then start over."""
         for value in self.namespace.values():
             try:
                 if isinstance(value, (pgque.Worker, pgque.Ticker)):
@@ -256,11 +294,18 @@ class Track:
             self.conn.close()
         if self.database:
             pgtest.drop_database(self.server, self.database)
+        if self.roles:
+            with pgtest.admin(self.server) as conn:
+                for role in self.roles:
+                    conn.execute(f"drop role if exists {role}".encode())
+        self.namespace, self.conn, self.database, self.roles = {}, None, "", []
+        self.done, self.failed = 0, None
 
 
 @pytest.fixture(scope="session")
 def tracks(pg_server: Any, template_db: str) -> Iterator[dict[tuple[Path, str], Track]]:
-    """One Track per (file, language), made on first use, closed at the end of the run."""
+    """One Track per (file, language). Each is closed after its last block ran, or
+    at the end of the run (when a block failed, or only some blocks were selected)."""
     made: dict[tuple[Path, str], Track] = {}
     for path, (blocks, _) in ALL_BLOCKS.items():
         for language in RUNNABLE:
@@ -280,10 +325,85 @@ def test_doc_block(block: Block, tracks: dict[tuple[Path, str], Track]) -> None:
         track.run_up_to(block)
     except BlockFailed as exc:
         pytest.fail(str(exc), pytrace=False)
-    if block is track.blocks[-1] and block.language == "python":
-        left = track.leftover_threads()
-        assert not left, (f"the examples of {block.name} left threads running: {left}; "
-                          "stop workers and tickers in the example that starts them")
+    if block is not track.blocks[-1]:
+        return
+    try:
+        if block.language == "python":
+            left = track.leftover_threads()
+            assert not left, (f"the examples of {block.name} left threads running: {left}; "
+                              "stop workers and tickers in the example that starts them")
+    finally:
+        track.close()  # the file is done: free its database and connections now
+
+
+def test_api_reference_is_complete(conn: psycopg.Connection[Any]) -> None:
+    """docs/api.md names every public Python name, Client method and SQL routine."""
+    text = (ROOT / "docs" / "api.md").read_text("utf-8")
+    missing = [name for name in pgque.__all__ if f"`{name}" not in text]
+    missing += [f"Client.{name}" for name in dir(pgque.Client)
+                if not name.startswith("_") and f"`{name}(" not in text]
+    rows = conn.execute(
+        "select distinct p.proname from pg_proc p"
+        " where p.pronamespace = 'pgque'::regnamespace and p.proname !~ '^_'"
+        " union all select c.relname from pg_class c"
+        " where c.relnamespace = 'pgque'::regnamespace and c.relkind = 'v'"
+        " and c.relname !~ '^_'").fetchall()
+    missing += [f"pgque.{name}" for (name,) in rows
+                if f"`{name}(" not in text and f"view `{name}`" not in text]
+    assert missing == [], "add these to docs/api.md"
+
+
+def test_benchmark_figures_are_those_of_the_recorded_runs() -> None:
+    """docs/benchmarks.md shows every suite in bench/results/, from the run recorded
+    there: when the results are regenerated, the page must be updated with them."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text("utf-8")
+    results = sorted((ROOT / "bench" / "results").glob("*.json"))
+    assert results, "no benchmark results recorded"
+    for result in results:
+        data = json.loads(result.read_text("utf-8"))
+        heading = f"## Suite `{data['suite']}`"
+        assert heading in text, f"docs/benchmarks.md has no section {heading!r}"
+        section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+        where = f"docs/benchmarks.md, suite {data['suite']}"
+        assert "Not measured yet" not in section, f"{where}: results exist now"
+        assert data["git"]["commit"] in section, f"{where}: not the run of {result.name}"
+        if data.get("unit") == "events/s":
+            for measurement in data["measurements"]:
+                median = f"{round(measurement['median']):,}"
+                assert median in section, f"{where}: {measurement['name']} median {median}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _headings(path: Path) -> set[str]:
+    tokens = MarkdownIt("commonmark").parse(path.read_text("utf-8"))
+    return {_slug(tokens[i + 1].content) for i, token in enumerate(tokens)
+            if token.type == "heading_open"}
+
+
+def test_links_between_pages_resolve() -> None:
+    """Every relative link points at a file that exists, and at a heading of it."""
+    broken, checked = [], 0
+    for path in DOC_FILES:
+        tokens = MarkdownIt("commonmark").parse(path.read_text("utf-8"))
+        links = [str(child.attrs["href"]) for token in tokens if token.type == "inline"
+                 for child in token.children or () if child.type == "link_open"]
+        for href in links:
+            if re.match(r"[a-z]+:", href):
+                continue  # an external address
+            checked += 1
+            target, _, anchor = href.partition("#")
+            file = (path.parent / target).resolve() if target else path
+            if not file.exists():
+                broken.append(f"{path.name}: {href} (no such file)")
+            elif anchor and anchor not in _headings(file):
+                broken.append(f"{path.name}: {href} (no such heading)")
+    assert broken == []
+    assert checked >= 20
 
 
 # -- the extractor itself ---------------------------------------------------------------
@@ -345,12 +465,23 @@ def test_extract_handles_lists_long_fences_and_tildes() -> None:
         "",
         "    indented",
         "",
+        "```python",
+        "print(1)",
+        "```",
+        "",
+        "It prints:",
+        "",
+        "```text",
+        "1",
+        "```",
     ])
     blocks, problems = extract(ROOT / "x.md", text)
-    assert [(b.language, b.code, b.line, b.number) for b in blocks] == [
-        ("python", "x = 1\n", 6, 1),
-        ("text", "```python\nnot code\n```\n", 10, 0),
-        ("sql", "select 1;\n", 16, 2),
+    assert [(b.language, b.code, b.line, b.number, b.prints) for b in blocks] == [
+        ("python", "x = 1\n", 6, 1, None),
+        ("text", "```python\nnot code\n```\n", 10, 0, None),
+        ("sql", "select 1;\n", 16, 2, None),
+        ("python", "print(1)\n", 30, 3, "1\n"),
+        ("text", "1\n", 36, 0, None),
     ]
     assert len(problems) == 3
     assert "''" in problems[0] and "'py'" in problems[1] and "indented" in problems[2]

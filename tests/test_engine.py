@@ -39,6 +39,7 @@ def test_send_receive_ack_roundtrip(client: pgque.Client) -> None:
     client.tick("orders")
     empty = client.receive("orders", "billing")
     assert empty is not None and len(empty) == 0
+    assert empty  # truthy though empty: `while batch := receive(...)` must ack it
     assert client.ack(empty) is True
 
 

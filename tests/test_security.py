@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -121,3 +122,14 @@ def test_hostile_search_path_is_ignored(users: dict[str, pgque.Client], dsn: str
         row = su.execute("select ev_time > 'epoch'::timestamptz + interval '1 year' "
                          "from pgque.event_1 where ev_id = %s", (ev,)).fetchone()
     assert row == (True,)
+
+
+def test_reader_role_ticker_gives_up_instead_of_looping(users: dict[str, pgque.Client],
+                                                        dsn: str) -> None:
+    """A worker running as a reader may not tick: its ticker must say so and stop,
+    not reconnect in a tight loop holding the election lock."""
+    reader_dsn = users["reader"].conn.info.dsn
+    ticker = pgque.Ticker(reader_dsn, maintenance_interval=0)
+    ticker.start()
+    wait_for(lambda: not ticker.alive, timeout=10, what="the reader's ticker to give up")
+    assert not ticker.active and ticker.ticks == 0

@@ -53,6 +53,7 @@ def test_skip_policy_retries_failed_event_on_its_slot_then_dead_letters(
     assert all(handled[i] == 1 for i in ids if i != poison)  # the rest of each batch went on
     assert [r for i, r in seen if i == poison] == [0, 1, 2]  # retried, then given up
     [letter] = client.dead_letters("q")
+    assert client.dead_letters("q", "g") == [letter]  # found by the group's name too
     slot = scalar(conn, "select pgque.slot_of(%s, 4)", (letter.partition_key,))
     assert letter.event_id == poison
     assert letter.consumer == f"g#{slot}/4"  # retried and dead-lettered on its own slot
