@@ -26,7 +26,7 @@ from typing import Any
 
 import pgque
 from bench.measure import BenchError, Measurement
-from bench.processes import WorkerProcess, WorkerResult, wait_for_group
+from bench.processes import WorkerProcess, WorkerResult, machine_cpu, wait_for_group
 from bench.registry import Suite, SuiteContext, SuiteResult, register
 
 __all__ = ["SUITE"]
@@ -135,10 +135,12 @@ class _WorkerDrain:
         try:
             # Start-up (interpreters, connections, claiming) is not part of the figure.
             wait_for_group(client, queue, CONSUMER, procs)
+            busy_before, total_before = machine_cpu()
             started = time.perf_counter()
             sent, first_tick_time, last_tick = self.queues.produce(queue, rows)
             produced = time.perf_counter() - started
             drained_at = self._wait_drained(queue, last_tick, procs)
+            busy_after, total_after = machine_cpu()
             for proc in procs:
                 proc.request_stop()
             results = [proc.stop() for proc in procs]
@@ -151,7 +153,10 @@ class _WorkerDrain:
         if timed:
             self.details.append({
                 "drain_s": round(seconds, 3), "produce_s": round(produced, 3),
-                "handled_per_worker": sorted((r.handled for r in results), reverse=True)})
+                "handled_per_worker": sorted((r.handled for r in results), reverse=True),
+                # Both cores, this process's producing and polling included.
+                "machine_cpu_busy_pct": round(
+                    100 * (busy_after - busy_before) / (total_after - total_before), 1)})
         return count / seconds
 
     def _wait_drained(self, queue: str, last_tick: int, procs: list[WorkerProcess]) -> datetime:

@@ -22,7 +22,7 @@ from typing import IO, Any
 import pgque
 from bench.measure import BenchError
 
-__all__ = ["WorkerProcess", "WorkerResult", "cpu_seconds", "wait_for_group"]
+__all__ = ["WorkerProcess", "WorkerResult", "cpu_seconds", "machine_cpu", "wait_for_group"]
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _STOP_TIMEOUT = 60.0  # seconds: a stopping worker finishes its batches in flight first
@@ -145,3 +145,17 @@ def cpu_seconds(pid: int) -> float:
     fields = text[text.rindex(")") + 2:].split()
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the line
     return (utime + stime) / _CLOCK_TICKS
+
+
+def machine_cpu() -> tuple[float, float]:
+    """The whole machine's busy and total CPU seconds so far (all cores, from /proc/stat).
+
+    Busy is everything but idle and iowait; the share of two readings' deltas
+    says whether a run was CPU-bound (near 100%) or waiting on something else.
+    """
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is already in user)
+    total = sum(fields[:8])
+    busy = total - fields[3] - fields[4]
+    return busy / _CLOCK_TICKS, total / _CLOCK_TICKS

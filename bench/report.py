@@ -132,7 +132,7 @@ def _draw_panel(ax: Any, group: str, members: list[Measurement], labels: dict[st
     for row, m in zip(rows, members, strict=True):
         text = f"{_value(m.median)} {unit}"
         if m.ratio is not None and m.baseline is not None:
-            text += f"   {m.ratio:.2f}× {labels.get(m.baseline, m.baseline)}"
+            text += f"   {m.ratio:.2f}× vs {labels.get(m.baseline, m.baseline)}"
         ax.text(max(m.values) * (1.1 if log else 1.0) + (0 if log else largest * 0.02), row,
                 text, va="center", fontsize=8)
         if m.target is not None:

@@ -52,11 +52,62 @@ begin
 end
 $$;
 
+-- pgque._next_tick(queue, cur): the tick that closes the next batch of a
+-- cursor with no open batch, or null: the furthest tick whose sequence
+-- position is at most ticker_max_count past the cursor's, so a consumer that
+-- fell several ticks behind takes them in one batch of bounded size, and at
+-- least the very next tick.
+create or replace function pgque._next_tick(p_queue pgque.queue, p_cur pgque.cursor)
+returns bigint
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce(
+        (select t.tick_id from pgque.tick t
+          where t.tick_queue = p_queue.queue_id and t.tick_id > p_cur.cur_last_tick
+            and t.tick_event_seq <= (select l.tick_event_seq from pgque.tick l
+                                      where l.tick_queue = p_queue.queue_id
+                                        and l.tick_id = p_cur.cur_last_tick)
+                                    + p_queue.queue_ticker_max_count
+          order by t.tick_id desc limit 1),
+        (select t.tick_id from pgque.tick t
+          where t.tick_queue = p_queue.queue_id and t.tick_id > p_cur.cur_last_tick
+          order by t.tick_id limit 1))
+$$;
+
+-- pgque._check_max_events(max_events): 22023 unless null or at least 1.
+create or replace function pgque._check_max_events(p_max_events integer)
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_max_events is not null and p_max_events < 1 then
+        raise exception using errcode = '22023', message = 'max_events must be at least 1';
+    end if;
+end
+$$;
+
+-- pgque._has_next_tick(queue_id, cur): whether a cursor has a batch to open
+-- or an open one: the check receive makes before taking any lock, so an idle
+-- consumer's poll writes nothing and uses no transaction id.
+create or replace function pgque._has_next_tick(p_queue_id integer, p_cur pgque.cursor)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select p_cur.cur_batch is not null
+        or exists (select 1 from pgque.tick t
+                    where t.tick_queue = p_queue_id and t.tick_id > p_cur.cur_last_tick)
+$$;
+
 -- pgque._receive(queue, sub, cur, max_events, slot, slots): opens the next
 -- batch of the locked subscription sub (cursor cur), or continues its open
 -- one, and returns up to max_events of its events not yet acked, as rows
--- (batch_id, event...). An open batch with nothing left yields one row whose
--- ev_id is null; no rows means there is no batch (no tick after the last one).
+-- (batch_id, event...). Batches with no events for this subscription (or
+-- slot) are consumed on the spot, several in one call, so consumers never
+-- see them. An open batch with nothing left yields one row whose ev_id is
+-- null; no rows means there is no batch (no tick after the last one).
 create or replace function pgque._receive(
     p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_max_events integer,
     p_slot integer default null, p_slots integer default null)
@@ -70,30 +121,46 @@ as $$
 declare
     v_events pgque.event_template[];
     v_count integer;
+    v_moved boolean := false;
+    v_steps integer := 0;
 begin
-    if p_max_events is not null and p_max_events < 1 then
-        raise exception using errcode = '22023', message = 'max_events must be at least 1';
-    end if;
+    perform pgque._check_max_events(p_max_events);
     if p_cur.cur_batch is null then
-        select t.tick_id into p_cur.cur_next_tick
-          from pgque.tick t
-         where t.tick_queue = p_queue.queue_id and t.tick_id > p_cur.cur_last_tick
-         order by t.tick_id
-         limit 1;
-        if p_cur.cur_next_tick is null then
+        loop
+            p_cur.cur_next_tick := pgque._next_tick(p_queue, p_cur);
+            exit when p_cur.cur_next_tick is null;
+            -- Ask for one more than max_events: that tells whether the batch goes on.
+            v_events := pgque._batch_events(
+                p_queue.queue_id, p_sub.sub_id,
+                pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
+                pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
+                0, null, p_max_events + 1, null, p_slot, p_slots);
+            exit when coalesce(cardinality(v_events), 0) > 0;
+            -- Nothing here for us: consume the batch now instead of a round
+            -- trip to hand out and ack nothing (bounded, to keep calls short).
+            p_cur.cur_last_tick := p_cur.cur_next_tick;
+            v_moved := true;
+            v_steps := v_steps + 1;
+            exit when v_steps >= 100;
+        end loop;
+        if coalesce(cardinality(v_events), 0) = 0 then
+            if v_moved then
+                p_cur.cur_next_tick := null;
+                perform pgque._save_cursor(p_cur);
+            end if;
             return;
         end if;
         p_cur.cur_batch := nextval('pgque.batch_id_seq');
         p_cur.cur_pos := 0;
         p_cur.cur_end := null;
+    else
+        v_events := pgque._batch_events(
+            p_queue.queue_id, p_sub.sub_id,
+            pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
+            pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
+            p_cur.cur_pos, null, p_max_events + 1, null, p_slot, p_slots);
     end if;
 
-    -- Ask for one more than max_events: that tells whether the batch goes on.
-    v_events := pgque._batch_events(
-        p_queue.queue_id, p_sub.sub_id,
-        pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
-        pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
-        p_cur.cur_pos, null, p_max_events + 1, null, p_slot, p_slots);
     v_count := coalesce(cardinality(v_events), 0);
     if p_max_events is not null and v_count > p_max_events then
         v_events := v_events[1:p_max_events];
@@ -252,8 +319,13 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
+    perform pgque._check_max_events(p_max_events);
+    select * into v from pgque._find_subscription(p_queue, p_consumer, false);
     perform pgque._refuse_slot(v.sub);
+    if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
+        return;  -- idle: no lock taken, nothing written
+    end if;
+    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
     return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events);
 end
 $$;

@@ -326,9 +326,14 @@ as $$
 declare
     v record;
 begin
-    -- Check ownership before taking the row lock, so a non-owner never waits.
+    -- Check ownership before taking the row lock, so a non-owner never waits,
+    -- and whether there is anything to receive, so an idle poll writes nothing.
+    perform pgque._check_max_events(p_max_events);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, false);
     perform pgque._require_owner(v.sub);
+    if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
+        return;  -- idle: no lock taken, nothing written
+    end if;
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
                                               p_slots);

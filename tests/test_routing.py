@@ -41,9 +41,11 @@ def test_event_is_delivered_to_its_slot_only(client: pgque.Client, key: str, slo
     for k in range(slots):
         assert client.claim_slot("q", "g", k)
         batch = client.receive_partitioned("q", "g", slot=k, slots=slots)
-        assert batch is not None
-        assert [m.id for m in batch] == ([ev] if k == slot else [])
-        client.ack(batch)
+        if k == slot:
+            assert batch is not None and [m.id for m in batch] == [ev]
+            client.ack(batch)
+        else:  # nothing for this slot: the batch was consumed inside receive
+            assert batch is None
 
 
 def test_null_key_goes_to_slot_zero(client: pgque.Client) -> None:
@@ -55,8 +57,7 @@ def test_null_key_goes_to_slot_zero(client: pgque.Client) -> None:
     for k in range(4):
         client.claim_slot("q", "g", k)
         batch = client.receive_partitioned("q", "g", slot=k, slots=4)
-        assert batch is not None
-        got[k] = [m.id for m in batch]
+        got[k] = [m.id for m in batch] if batch is not None else []
     assert got == {0: [ev], 1: [], 2: [], 3: []}
 
 
