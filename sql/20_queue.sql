@@ -224,9 +224,11 @@ begin
             message = format('queue %L still has consumers', p_queue),
             hint = 'Unsubscribe them first, or drop with force.';
     end if;
-    delete from pgque.retry_queue where ev_queue = v_queue.queue_id;
-    delete from pgque.cursor
-     where cur_sub in (select sub_id from pgque.subscription where sub_queue = v_queue.queue_id);
+    -- Subscriptions go the one way they always go (cursors and retries with
+    -- them); groups, ticks and dead letters go with the queue row.
+    perform pgque._unsubscribe(
+        v_queue.queue_id,
+        array(select sub_consumer from pgque.subscription where sub_queue = v_queue.queue_id));
     delete from pgque.queue where queue_id = v_queue.queue_id;
     execute format('drop table pgque.%I cascade', v_parent);
     execute format('drop sequence pgque.%I', v_parent || '_id_seq');

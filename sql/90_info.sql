@@ -119,14 +119,12 @@ select q.queue_name,
            as pending_events,
        (select count(*) from pgque.tick n
          where n.tick_queue = q.queue_id and n.tick_id > c.cur_last_tick) as ticks_behind,
-       now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot, k.slot,
-                                         g.cg_slots) as oldest_unconsumed_age,
+       o.age as oldest_unconsumed_age,
        now() - t.tick_time as lag,
        c.cur_batch as open_batch_id,
        c.cur_time as last_active,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
-       coalesce(now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot,
-                                                  k.slot, g.cg_slots) > interval '1 minute'
+       coalesce(o.age > interval '1 minute'
                 and (l.pid is null or now() - c.cur_time > interval '1 minute'),
                 false) as stalled
   from pgque.consumer_group g
@@ -136,6 +134,9 @@ select q.queue_name,
     on s.sub_queue = g.cg_queue and s.sub_consumer = pgque._slot_name(g.cg_consumer, k.slot, g.cg_slots)
   cross join lateral pgque._current_cursor(s.sub_id) c
   left join pgque.tick t on t.tick_queue = s.sub_queue and t.tick_id = c.cur_last_tick
+  -- Read once: both the age column and the stalled flag need it.
+  cross join lateral (select now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id,
+                                        t.tick_snapshot, k.slot, g.cg_slots) as age) o
   left join pg_locks l
     on l.locktype = 'advisory' and l.granted and l.objsubid = 1
    and l.database = (select oid from pg_database where datname = current_database())

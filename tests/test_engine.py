@@ -219,3 +219,28 @@ def test_ticker_sees_events_of_a_transaction_open_during_the_last_tick(
     assert client.ticker() == 1, "the committed late event was not seen as pending"
     assert [m.id for m in drain(client, "q", "c", tick=False)] == [late]
     assert client.ticker() == 0  # and once covered, it is not pending any more
+
+
+def test_drop_queue_with_force_leaves_nothing_behind(client: pgque.Client,
+                                                     conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q")
+    client.create_queue("other")
+    client.subscribe("q", "c")
+    client.subscribe("other", "c")
+    client.subscribe_slots("q", "g", slots=2)
+    client.send("q", "e", 1)
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    client.nack(batch, batch.messages, retry_after=3600)
+    with pytest.raises(pgque.QueueInUse):
+        client.drop_queue("q")
+    client.drop_queue("q", force=True)
+    counts = conn.execute(
+        "select (select count(*) from pgque.subscription),"
+        " (select count(*) from pgque.cursor),"
+        " (select count(*) from pgque.retry_queue),"
+        " (select count(*) from pgque.consumer_group),"
+        " (select count(*) from pg_class where relname like 'event\\_1%%')").fetchone()
+    assert counts == (1, 1, 0, 0, 0)  # only "other"'s consumer and its cursor remain
+    assert [m.id for m in drain(client, "other", "c")] == []
