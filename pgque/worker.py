@@ -117,7 +117,12 @@ class Worker(Generic[T]):
         self._signalled: int | None = None  # set by SIGTERM/SIGINT when run() owns them
         self._stopped = threading.Event()
         self._wake = threading.Event()  # a slot step finished, a tick was announced, or stop
-        self._notified = threading.Event()  # a tick was announced: every slot may have work
+        # Tick notifications heard so far (only the listener thread counts). A
+        # slot step that comes back empty goes idle only if no tick was heard
+        # while it ran: otherwise the tick it missed would wait a whole poll.
+        self._ticks_heard = 0
+        self._ticks_acted_on = 0
+        self._heard_at_start: dict[int, int] = {}
         self.ticker: Ticker | None
         if isinstance(ticker, Ticker):
             self.ticker = ticker
@@ -257,8 +262,8 @@ class Worker(Generic[T]):
             if now >= next_rebalance:
                 self._rebalance()
                 next_rebalance = now + self.rebalance_interval
-            if self._notified.is_set():
-                self._notified.clear()
+            if self._ticks_heard != self._ticks_acted_on:
+                self._ticks_acted_on = self._ticks_heard
                 with self._lock:
                     self._idle_until.clear()  # a new tick: every slot may have a batch
             self._dispatch(executor)
@@ -314,6 +319,7 @@ class Worker(Generic[T]):
                 if len(self._busy) >= self.concurrency:
                     break
                 self._last_started[slot] = now
+                self._heard_at_start[slot] = self._ticks_heard
                 future = executor.submit(self._work_slot, slot, generation)
                 future.add_done_callback(lambda _: self._wake.set())
                 self._busy[slot] = future
@@ -322,7 +328,7 @@ class Worker(Generic[T]):
         """Record a finished slot step; re-raise a lost connection. Holds self._lock."""
         exc = future.exception()
         if exc is None:
-            if not future.result():
+            if not future.result() and self._heard_at_start.get(slot) == self._ticks_heard:
                 self._idle_until[slot] = time.monotonic() + self.poll_interval
             return
         if isinstance(exc, SlotNotOwned):
@@ -363,7 +369,7 @@ class Worker(Generic[T]):
                     backoff = 0.1
                     while not self._stopping.is_set():
                         for _ in conn.notifies(timeout=0.5, stop_after=1):
-                            self._notified.set()
+                            self._ticks_heard += 1
                             self._wake.set()
             except Exception as exc:  # the poll covers for us meanwhile
                 log.debug("%s: listener: %s", self.name, exc)
