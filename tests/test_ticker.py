@@ -86,6 +86,9 @@ def test_lost_wakeups_cost_latency_only(client: pgque.Client, dsn: str,
         handled.append(message.id)
         got.set()
 
+    # Subscribed before the worker starts: a group subscribed later would start
+    # after events sent in the meantime (a new subscription starts at the newest tick).
+    client.subscribe_slots("q", "g", slots=2)
     worker = pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handler,
                           listen=False, poll_interval=0.3)
     with worker:
@@ -112,12 +115,13 @@ def test_worker_alone_delivers_and_retries(client: pgque.Client, dsn: str) -> No
         if message.payload == "flaky" and message.retry_count == 0:
             raise RuntimeError("first attempt fails")
 
+    client.subscribe_slots("q", "g", slots=3)  # before the worker starts (see above)
     worker = pgque.Worker(dsn, queue="q", consumer="g", slots=3, handler=handler,
                           retry_after=0.2)
     with worker:
         ids = [client.send("q", "e", "flaky" if n == 4 else n, partition_key=f"k{n}")
                for n in range(10)]
         wait_for(lambda: attempts.get(ids[4], 0) == 2 and len(attempts) == 10, timeout=20,
-                 what="every event handled and the flaky one retried", dsn=dsn)
+                 what=f"every event handled and the flaky one retried ({attempts})", dsn=dsn)
     assert all(attempts[i] == 1 for i in ids if i != ids[4])
     assert attempts[ids[4]] == 2
