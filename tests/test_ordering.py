@@ -56,6 +56,11 @@ class WorkerPool:
         proc = self.procs[index % len(self.procs)]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        # The dead worker's session (and its group membership) ends a moment
+        # after the process: wait for that, or wait_members would count it in
+        # place of its replacement.
+        wait_for(lambda: self.monitor.group_status(self.queue, "g")[0].members
+                 == len(self.procs) - 1, timeout=30, what="the killed worker's session to end")
         self.procs[index % len(self.procs)] = self._spawn()
 
     def stop(self) -> list[int]:
