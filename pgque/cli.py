@@ -17,6 +17,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -79,6 +80,11 @@ class State:
                 connect_timeout=max(2, math.ceil(self.connect_timeout)),
                 application_name="pgque-cli")
         return self._client
+
+    def broken(self) -> bool:
+        """Whether the connection was lost (or was never opened, or was closed)."""
+        client = self._client
+        return client is None or client.conn.closed or client.conn.broken
 
     def close(self) -> None:
         """Close the connection, if one was opened; a dead one closes quietly."""
@@ -253,8 +259,28 @@ def install(state: State, print_script: bool) -> None:
     if print_script:
         click.echo(pgque.install_script())
         return
-    version = state.client().install()
+    client = state.client()
+    # The server says what the install could not do (e.g. a role the installer
+    # may not create, whose grants are skipped) only in notices: pass them on.
+    client.conn.add_notice_handler(_echo_notice)
+    try:
+        version = client.install()
+    finally:
+        client.conn.remove_notice_handler(_echo_notice)
     click.echo(f"pgque {version} installed")
+
+
+# What CREATE ... IF NOT EXISTS says each time the idempotent script runs again:
+# duplicate schema, duplicate table (relations, sequences, indexes), duplicate object.
+_RERUN_NOTICES = frozenset({"42P06", "42P07", "42710"})
+
+
+def _echo_notice(diag: psycopg.errors.Diagnostic) -> None:
+    """Print a server notice or warning to stderr as one line, 'notice: ...'."""
+    if diag.sqlstate in _RERUN_NOTICES:
+        return
+    severity = (diag.severity_nonlocalized or diag.severity or "notice").lower()
+    click.echo(f"{severity}: {_one_line(diag.message_primary or '')}", err=True)
 
 
 @cli.command()
@@ -444,18 +470,41 @@ def send(state: State, queue_name: str, event_type: str, payload: str | None, ke
 
 # -- tail ---------------------------------------------------------------------------------
 
+# Pause before reconnecting after a lost connection; it doubles after each failed
+# attempt, up to the maximum.
+RECONNECT_DELAY = 0.1
+RECONNECT_DELAY_MAX = 5.0
+TAIL_MAX_EVENTS = 500  # events per receive
+
+
+class StopRequested(BaseException):
+    """A stop signal arrived inside :meth:`StopSignals.interruptible`.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on
+    the way up swallows it.
+    """
+
 
 class StopSignals:
     """SIGINT/SIGTERM ask a loop to stop at its next check instead of raising in the
-    middle of a database call; a second signal gets the previous behaviour back."""
+    middle of a database call; a second signal gets the previous behaviour back.
+
+    Inside :meth:`interruptible`, a stop signal raises :class:`StopRequested` at
+    once instead: for waits whose work may be abandoned (a sleep, a connect, a
+    call to a server that may never answer).
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self._interruptible = False
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
         self.restore()
+        if self._interruptible:
+            self._interruptible = False
+            raise StopRequested
 
     def __enter__(self) -> StopSignals:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -470,6 +519,20 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A block that a stop ends at once, raising StopRequested (at the start,
+        too, if the stop came earlier)."""
+        if self.requested:
+            raise StopRequested
+        outer, self._interruptible = self._interruptible, True
+        try:
+            if self.requested:  # arrived between the check and the switch
+                raise StopRequested
+            yield
+        finally:
+            self._interruptible = outer
 
     def sleep(self, seconds: float) -> None:
         """Sleep, waking early when a stop was requested."""
@@ -495,14 +558,185 @@ def _event_line(message: pgque.Message[Any]) -> Text:
         " ", payload)
 
 
-def _unsubscribe(state: State, queue_name: str, consumer: str) -> None:
-    """Remove the tail's subscription, on a fresh session if the old one is unusable."""
-    try:
-        state.client().unsubscribe(queue_name, consumer)
+def _sql_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _tick_privileges(client: pgque.Client) -> tuple[bool, bool]:
+    """Whether this role may call pgque.ticker(queue) and pgque.tick(queue):
+    pgque_admin may, pgque_reader may not."""
+    row = client.conn.execute(
+        "select has_function_privilege('pgque.ticker(text)', 'execute'),"
+        " has_function_privilege('pgque.tick(text)', 'execute')").fetchone()
+    assert row is not None
+    return bool(row[0]), bool(row[1])
+
+
+def _wait_for_next_tick(client: pgque.Client, queue_name: str, stop: StopSignals,
+                        poll_interval: float) -> None:
+    """--from-now for a role that may not tick: wait until someone else's ticker
+    has cut what was sent so far (at once when nothing was sent since the last tick)."""
+    first = _queue_row(client, queue_name)
+    if not first["events_since_last_tick"]:
         return
-    except psycopg.Error:
-        state.close()  # interrupted mid-call or lost: try once more on a new session
-    state.client().unsubscribe(queue_name, consumer)
+    click.echo(f"waiting for the next tick of {queue_name} (this role may not tick; "
+               "a ticker or a worker must run)", err=True)
+    while (not stop.requested
+           and _queue_row(client, queue_name)["last_tick_id"] == first["last_tick_id"]):
+        stop.sleep(poll_interval)
+
+
+class _Tail:
+    """The receive loop of ``pgque tail``: shows each event once, until the limit or
+    a stop, and reconnects (with backoff) whenever its connection is lost."""
+
+    def __init__(self, state: State, stop: StopSignals, queue_name: str, consumer: str, *,
+                 key: str | None, as_json: bool, limit: int | None, poll_interval: float,
+                 may_tick: bool) -> None:
+        self.state = state
+        self.stop = stop
+        self.queue_name = queue_name
+        self.consumer = consumer
+        self.key = key
+        self.as_json = as_json
+        self.limit = limit
+        self.poll_interval = poll_interval
+        self.may_tick = may_tick
+        self.shown = 0
+        self._console = _console()
+        self._batch_id: int | None = None
+        self._printed: set[int] = set()  # events of the open batch already shown
+
+    @property
+    def finished(self) -> bool:
+        return self.stop.requested or (self.limit is not None and self.shown >= self.limit)
+
+    def run(self) -> None:
+        """Receive, show and ack until finished; StopRequested ends it at once."""
+        delay = RECONNECT_DELAY
+        lost = False
+        while not self.finished:
+            try:
+                with self.stop.interruptible():
+                    client = self.state.client()
+                    if lost:
+                        click.echo("reconnected", err=True)
+                        lost, delay = False, RECONNECT_DELAY
+                    self._step(client)
+            except (psycopg.OperationalError, pgque.ConnectError) as exc:
+                if not self._connection_lost(exc):
+                    raise
+                if not lost:
+                    click.echo(f"connection lost ({describe_error(exc)}); reconnecting",
+                               err=True)
+                    lost = True
+                self.state.close()
+                with self.stop.interruptible():
+                    self.stop.sleep(delay)
+                delay = min(delay * 2, RECONNECT_DELAY_MAX)
+
+    def _connection_lost(self, exc: Exception) -> bool:
+        """Whether an error means the server is out of reach for now (so reconnect),
+        rather than a refusal that retrying cannot change."""
+        if isinstance(exc, pgque.ConnectError):
+            return exc.transient
+        return self.state.broken()
+
+    def _step(self, client: pgque.Client) -> None:
+        batch = client.receive(self.queue_name, self.consumer, max_events=TAIL_MAX_EVENTS)
+        if batch is None:
+            if not self._tick(client):
+                self.stop.sleep(self.poll_interval)
+            return
+        if batch.batch_id != self._batch_id:
+            self._batch_id, self._printed = batch.batch_id, set()
+        for message in batch:
+            if self.limit is not None and self.shown >= self.limit:
+                break
+            if message.id in self._printed:
+                continue  # shown before the connection was lost, and the batch not acked
+            self._printed.add(message.id)
+            if self.key is not None and message.partition_key != self.key:
+                continue
+            if self.as_json:
+                click.echo(_event_json(message))
+            else:
+                self._console.print(_event_line(message))
+            self.shown += 1
+        client.ack(batch)
+
+    def _tick(self, client: pgque.Client) -> bool:
+        """Tick the queue if its thresholds ask for it and this role may; whether it did."""
+        if not self.may_tick:
+            return False
+        try:
+            return bool(client.ticker(self.queue_name))
+        except pg_errors.InsufficientPrivilege:
+            self.may_tick = False
+            click.echo(_NO_TICKS_NOTE, err=True)
+            return False
+
+
+_NO_TICKS_NOTE = ("note: this role may not tick (pgque_admin may): events show up as a "
+                  "running ticker or worker ticks them")
+
+
+def _remove_subscription(state: State, stop: StopSignals, queue_name: str, consumer: str, *,
+                         raising: bool) -> None:
+    """Unsubscribe the tail's consumer: on its session, or on a new one when that one
+    is unusable (lost, or left in the middle of a call by a stop).
+
+    Waits at most --connect-timeout seconds (a signal ends the wait sooner), then
+    leaves the consumer behind and says how to remove it: as a ClickException
+    when ``raising``, else as a warning (another error is on its way out).
+    """
+    outcome: list[BaseException | None] = []
+
+    def unsubscribe() -> None:
+        try:
+            try:
+                state.client().unsubscribe(queue_name, consumer)
+            except psycopg.Error:
+                state.close()
+                state.client().unsubscribe(queue_name, consumer)
+        except pgque.QueueNotFound:
+            outcome.append(None)  # dropped with its queue
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    # A thread, so that a server that does not answer cannot hold the exit.
+    remover = threading.Thread(target=unsubscribe, name="pgque-tail-unsubscribe", daemon=True)
+    remover.start()
+    deadline = time.monotonic() + max(state.connect_timeout, 1.0)
+
+    def wait() -> None:
+        remover.join(0.5)
+        if remover.is_alive():
+            again = " again" if stop.requested else ""
+            click.echo(f"removing consumer {consumer} (Ctrl-C{again} to leave it)", err=True)
+            remover.join(max(deadline - time.monotonic(), 0))
+
+    reason = "the server did not answer in time"
+    try:
+        if stop.requested:  # a second signal now has its usual effect (SIGINT: this)
+            wait()
+        else:
+            with stop.interruptible():
+                wait()
+    except (StopRequested, KeyboardInterrupt):
+        reason = "interrupted"
+    if outcome:
+        if (failure := outcome[0]) is None:
+            return
+        reason = describe_error(failure)
+    message = (f"could not remove the tail's consumer {consumer} ({reason}); it holds back "
+               f"rotation of {queue_name} until removed: select pgque.unsubscribe("
+               f"{_sql_literal(queue_name)}, {_sql_literal(consumer)})")
+    if raising:
+        raise click.ClickException(message)
+    click.echo(f"warning: {_one_line(message)}", err=True)
 
 
 @cli.command()
@@ -510,7 +744,8 @@ def _unsubscribe(state: State, queue_name: str, consumer: str) -> None:
 @click.option("--key", help="Show only events of this partition key.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per event and line.")
 @click.option("--from-now", is_flag=True,
-              help="Skip events sent before tail started that no tick has cut yet.")
+              help="Skip events sent before tail started that no tick has cut yet "
+                   "(a role that may not tick waits for the next tick).")
 @click.option("--limit", type=click.IntRange(min=1), help="Stop after this many events.")
 @click.option("--poll-interval", type=click.FloatRange(min=0.01), default=0.2,
               show_default=True, help="Seconds between polls when nothing is ready.")
@@ -518,43 +753,44 @@ def _unsubscribe(state: State, queue_name: str, consumer: str) -> None:
 @pass_state
 def tail(state: State, queue_name: str, key: str | None, as_json: bool, from_now: bool,
          limit: int | None, poll_interval: float) -> None:
-    """Follow the events of QUEUE as they arrive, until --limit or Ctrl-C.
+    """Follow the events of QUEUE as they arrive, until --limit, Ctrl-C or SIGTERM.
 
-    Subscribes a temporary consumer (tail-<pid>-<random>) and always
-    unsubscribes it on the way out, so it never holds back rotation. Ticks the
-    queue itself (within its thresholds), so no ticker or worker has to run.
+    Subscribes a temporary consumer (tail-<pid>-<random>) and unsubscribes it
+    on the way out, also after an error, so it does not hold back rotation.
+    Events need ticks: tail ticks the queue itself (within its thresholds) when
+    its role may (pgque_admin); for a role that may not (pgque_reader) a ticker
+    or a worker must run. A lost connection is retried until it comes back.
     """
-    client = state.client()
+    client = state.client()  # fail fast: reachable, and pgque installed
+    may_tick, may_force = _tick_privileges(client)
     consumer = f"tail-{os.getpid()}-{secrets.token_hex(3)}"
-    if from_now:
-        client.tick(queue_name)  # the subscription starts at the newest tick: this one
-    console = _console()
-    shown = 0
-    # Signals only set a flag from here on, so nothing interrupts the subscribe
-    # before the try that guarantees the unsubscribe.
+    # Signals only set a flag or, inside interruptible(), raise StopRequested
+    # within the try that guarantees the unsubscribe.
     with StopSignals() as stop:
-        client.subscribe(queue_name, consumer)
-        click.echo(f"tailing {queue_name} as consumer {consumer} (Ctrl-C to stop)", err=True)
         try:
-            while not stop.requested and (limit is None or shown < limit):
-                batch = client.receive(queue_name, consumer, max_events=500)
-                if batch is None:
-                    if not client.ticker(queue_name):
-                        stop.sleep(poll_interval)
-                    continue
-                for message in batch:
-                    if key is not None and message.partition_key != key:
-                        continue
-                    if as_json:
-                        click.echo(_event_json(message))
-                    else:
-                        console.print(_event_line(message))
-                    shown += 1
-                    if limit is not None and shown >= limit:
-                        break
-                client.ack(batch)
-        finally:
-            _unsubscribe(state, queue_name, consumer)
+            with stop.interruptible():
+                if from_now and may_force:
+                    client.tick(queue_name)  # the subscription starts at the newest tick
+                elif from_now:
+                    _wait_for_next_tick(client, queue_name, stop, poll_interval)
+        except StopRequested:
+            return  # nothing subscribed yet
+        follower = _Tail(state, stop, queue_name, consumer, key=key, as_json=as_json,
+                         limit=limit, poll_interval=poll_interval, may_tick=may_tick)
+        try:
+            with stop.interruptible():
+                client.subscribe(queue_name, consumer)
+            click.echo(f"tailing {queue_name} as consumer {consumer} (Ctrl-C to stop)",
+                       err=True)
+            if not may_tick:
+                click.echo(_NO_TICKS_NOTE, err=True)
+            follower.run()
+        except StopRequested:
+            pass
+        except BaseException:
+            _remove_subscription(state, stop, queue_name, consumer, raising=False)
+            raise
+        _remove_subscription(state, stop, queue_name, consumer, raising=True)
 
 
 # -- worker and ticker --------------------------------------------------------------------
@@ -626,36 +862,16 @@ def worker(state: State, handler_path: str, queue_name: str, consumer: str, slot
     message, until SIGTERM or Ctrl-C (it finishes its batches and releases its slots)."""
     handler = load_handler(handler_path)
     dsn = state.require_dsn()
-    # Fail fast on a bad DSN, an unknown queue or another slot count; the worker
-    # itself would retry such errors forever. Subscribing is idempotent.
+    # Check the DSN, the queue and the slot count before logging starts, so a
+    # mistake is one line; the worker stops on such errors by itself too (run()
+    # raises them) but only after its log lines. Subscribing is idempotent.
     state.client().subscribe_slots(queue_name, consumer, slots=slots)
     state.close()
     _setup_logging(log_level)
+    # Runs until SIGTERM or Ctrl-C; raises what cannot heal (a pooler, a
+    # dropped queue), which main() reports as one line with a non-zero exit.
     pgque.Worker(dsn, queue=queue_name, consumer=consumer, slots=slots, handler=handler,
                  concurrency=concurrency, max_events=max_events, ticker=run_ticker).run()
-
-
-def _run_until_signal(runner: pgque.Ticker) -> None:
-    """Run the ticker's thread until SIGINT or SIGTERM, then stop it."""
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    if hasattr(signal, "pthread_sigmask"):
-        # Block the signals before the thread starts (it inherits the mask) and
-        # take them with sigwait: no handler interrupts anything half done.
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-        try:
-            runner.start()
-            signal.sigwait(stop_signals)
-        finally:
-            runner.stop()
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        return
-    with StopSignals() as stop:  # no sigwait (Windows): poll a flag instead
-        runner.start()
-        try:
-            while not stop.requested:
-                stop.sleep(1.0)
-        finally:
-            runner.stop()
 
 
 @cli.command()
@@ -681,21 +897,34 @@ def ticker(state: State, min_interval: float, idle_interval: float,
     _setup_logging(log_level)
     runner = pgque.Ticker(dsn, min_interval=min_interval, idle_interval=idle_interval,
                           maintenance_interval=maintenance_interval, name="pgque-ticker")
-    _run_until_signal(runner)
-    logging.getLogger("pgque.ticker").info("stopped after %s ticks", runner.ticks)
+    try:
+        runner.run()  # until SIGTERM or Ctrl-C; raises what cannot heal
+    finally:
+        logging.getLogger("pgque.ticker").info("stopped after %s ticks", runner.ticks)
 
 
 # -- status -------------------------------------------------------------------------------
 
 
+def _queue_row(client: pgque.Client, queue_name: str) -> dict[str, Any]:
+    """The queue_info row of one queue; QueueNotFound when there is none."""
+    for row in client.queue_info():
+        if row["queue_name"] == queue_name:
+            return row
+    raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
+
+
 def _status(client: pgque.Client, queue_name: str | None) -> dict[str, list[dict[str, Any]]]:
-    queues = client.queue_info()
-    if queue_name is not None:
-        queues = [q for q in queues if q["queue_name"] == queue_name]
-        if not queues:
-            raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
-    return {"queues": queues, "consumers": client.consumer_info(queue_name),
-            "slots": client.partition_slot_status(queue_name)}
+    queues = client.queue_info() if queue_name is None else [_queue_row(client, queue_name)]
+    consumers = client.consumer_info(queue_name)
+    slots = client.partition_slot_status(queue_name)
+    # A slot's retries and dead letters are those of its slot subscription,
+    # which consumer_info lists as <group>#<slot>/<slots>.
+    letters = {(c["queue_name"], c["consumer_name"]): c["dead_letters"] for c in consumers}
+    for s in slots:
+        name = f"{s['consumer_name']}#{s['slot']}/{s['slots']}"
+        s.setdefault("dead_letters", letters.get((s["queue_name"], name), 0))
+    return {"queues": queues, "consumers": consumers, "slots": slots}
 
 
 def _status_view(status: dict[str, list[dict[str, Any]]]) -> RenderableType:
@@ -711,11 +940,11 @@ def _status_view(status: dict[str, list[dict[str, Any]]]) -> RenderableType:
     slots = _table(
         "consumer group slots",
         ["queue", "group", "slot", "owner pid", "pending", "oldest unconsumed", "ticks behind",
-         "retries", ""],
+         "retries", "dead letters", ""],
         ([s["queue_name"], s["consumer_name"], f"{s['slot']}/{s['slots']}",
           s["owner_pid"] if s["owner_pid"] is not None else Text("unowned", style="dim"),
           s["pending_events"], s["oldest_unconsumed_age"], s["ticks_behind"],
-          s["retries_waiting"],
+          s["retries_waiting"], s["dead_letters"],
           Text("STALLED", style="bold red") if s["stalled"] else Text("")]
          for s in status["slots"]))
     parts: list[RenderableType] = [_queues_table(status["queues"], "queues")]

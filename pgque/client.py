@@ -12,8 +12,10 @@ decodes rows and maps the engine's SQLSTATEs to :mod:`pgque.errors`.
 
 from __future__ import annotations
 
+import secrets
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar, overload
@@ -24,7 +26,7 @@ from psycopg_pool import ConnectionPool
 
 from pgque import schema
 from pgque.codec import encode_payload
-from pgque.errors import ConnectError, translated
+from pgque.errors import ConnectError, SessionUnstable, translated
 from pgque.types import Batch, DeadLetter, Event, Message, SlotOwner
 
 __all__ = ["Client", "connect"]
@@ -37,30 +39,48 @@ Conn = psycopg.Connection[Any]
 # the database system is starting up / shutting down, too many connections.
 _TRANSIENT_STATES = {None, "57P03", "57P01", "53300", "08001", "08006"}
 
+# A connection in one of these states is inside a transaction the caller opened.
+_IN_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
+
 
 def _seconds(value: float | timedelta) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
-def open_connection(dsn: str, *, timeout: float = 30.0, **kwargs: Any) -> Conn:
+def open_connection(dsn: str, *, timeout: float = 30.0, stop: threading.Event | None = None,
+                    **kwargs: Any) -> Conn:
     """Open an autocommit psycopg connection, retrying while the server starts.
 
     Retries with capped exponential backoff for up to ``timeout`` seconds when
     the server refuses connections or says it is starting; fails at once on a
-    malformed DSN, bad credentials or a missing database. Raises ConnectError.
+    malformed DSN, bad credentials or a missing database. A set ``stop`` event
+    ends the retries early. Raises ConnectError (``transient`` tells which kind).
+    Each attempt is bounded (libpq ``connect_timeout``, from ``timeout`` unless
+    given), so a server that drops packets cannot hold it for minutes.
     """
     deadline = time.monotonic() + timeout
     delay = 0.05
     kwargs.setdefault("autocommit", True)
+    kwargs.setdefault("connect_timeout", max(2, min(int(timeout), 10)))
     while True:
         try:
             return psycopg.connect(dsn, **kwargs)
         except psycopg.ProgrammingError as exc:  # malformed DSN
-            raise ConnectError(f"invalid DSN: {exc}") from exc
+            error = ConnectError(f"invalid DSN: {exc}")
+            error.transient = False
+            raise error from exc
         except psycopg.OperationalError as exc:
-            if exc.sqlstate not in _TRANSIENT_STATES or time.monotonic() + delay > deadline:
-                raise ConnectError(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
-            time.sleep(delay)
+            transient = exc.sqlstate in _TRANSIENT_STATES
+            if not transient or time.monotonic() + delay > deadline:
+                error = ConnectError(f"cannot connect to PostgreSQL: {exc}".strip())
+                error.transient = transient
+                raise error from exc
+            if stop is not None:
+                if stop.wait(delay):
+                    error = ConnectError("stopped while connecting")
+                    raise error from exc
+            else:
+                time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
 
@@ -95,6 +115,9 @@ class Client:
         self._pool_size = pool_size if dsn is not None else 0
         self._pool: ConnectionPool[Conn] | None = None
         self._owns_connection = owns_connection
+        # (backend pid, token) once pin_session() ran: slot and ticker calls
+        # then check that they still reach that server session.
+        self._pinned: tuple[int, str] | None = None
 
     # -- lifecycle -------------------------------------------------------
 
@@ -114,7 +137,18 @@ class Client:
 
     def _rows(self, sql: str, params: Sequence[Any] = (), conn: Conn | None = None) -> list[Any]:
         with translated(), (conn or self.conn).cursor() as cur:
-            cur.execute(sql.encode(), params)
+            try:
+                cur.execute(sql.encode(), params)
+            except (psycopg.errors.InvalidSqlStatementName,
+                    psycopg.errors.DuplicatePreparedStatement) as exc:
+                if self._pinned is None:
+                    raise
+                # A statement prepared on this connection is missing from (or
+                # already on) the server session: the session changed under us.
+                raise SessionUnstable(
+                    f"the server session behind this connection changed ({exc}): is a "
+                    "transaction-mode pooler in between? Connect directly, or through "
+                    "a pooler in session mode.") from exc
             return cur.fetchall()
 
     def _value(self, sql: str, params: Sequence[Any] = (), conn: Conn | None = None) -> Any:
@@ -125,6 +159,10 @@ class Client:
     def _producer(self, conn: Conn | None) -> Iterator[Conn]:
         if conn is not None:
             yield conn
+        elif self.conn.info.transaction_status in _IN_TRANSACTION:
+            # The caller opened a transaction on the client's own connection
+            # (the outbox pattern): the event must commit or roll back with it.
+            yield self.conn
         elif self._pool_size > 0:
             if self._pool is None:
                 assert self._dsn is not None
@@ -193,7 +231,9 @@ class Client:
         """Append one event and return its id.
 
         With ``conn``, the event is written in that connection's current
-        transaction and exists only if it commits.
+        transaction and exists only if it commits. Without it, a transaction
+        open on the client's own connection (``with client.conn.transaction():``)
+        is joined the same way; otherwise the event commits on its own.
         """
         data = encode_payload(payload)
         with self._producer(conn) as target:
@@ -205,7 +245,8 @@ class Client:
         """Append several events in one round trip; returns their ids in order.
 
         Each event is a :class:`~pgque.Event` or a ``(type, payload[, partition_key])``
-        tuple. Nothing is written if any of them is invalid.
+        tuple. Nothing is written if any of them is invalid. Transactions as
+        for :meth:`send`.
         """
         types: list[str] = []
         payloads: list[str] = []
@@ -236,7 +277,25 @@ class Client:
         """Tick every queue (or one) whose thresholds ask for it; returns how many ticked."""
         if queue is not None:
             return int(self._value("select pgque.ticker(%s) is not null", (queue,)))
-        return int(self._value("select pgque.ticker()"))
+        check, params = self._checked(None)
+        if self._pinned is None:
+            return int(self._value("select pgque.ticker()"))
+        return int(self._value(f"select pgque.ticker() from (select {check}) s", params))
+
+    def tick_overdue(self, after: float | timedelta) -> int:
+        """Tick every queue whose pending events have waited ``after`` since its last
+        tick, whatever its thresholds (a standby ticker's safety net); returns how
+        many ticked."""
+        check, params = self._checked(None)
+        return int(self._value(
+            f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
+            (_seconds(after), *params)))
+
+    def try_ticker_lock(self, key: int) -> bool:
+        """Try, without waiting, to take the session advisory lock ``key`` (the one
+        that elects the active ticker); checks a pinned session first."""
+        check, params = self._checked(str(key))
+        return bool(self._value(f"select pg_try_advisory_lock(({check})::bigint)", params))
 
     def start_cron(self) -> int:
         """Tick from inside the database with pg_cron (job 'pgque-ticker'); returns the
@@ -250,7 +309,9 @@ class Client:
     def maintenance(self, queue: str | None = None) -> list[tuple[str, str, int]]:
         """Run rotation, retry re-insertion and tick cleanup; returns what was done
         as (queue, step, amount) rows."""
-        return [(q, s, int(n)) for q, s, n in self._rows("select * from pgque.maint(%s)", (queue,))]
+        check, params = self._checked(queue)
+        return [(q, s, int(n))
+                for q, s, n in self._rows(f"select * from pgque.maint({check})", params)]
 
     # -- consuming -------------------------------------------------------
 
@@ -274,18 +335,39 @@ class Client:
                           (queue, consumer, max_events))
         return _batch(queue, consumer, rows, payload_type)
 
-    def ack(self, batch: Batch[Any]) -> bool:
+    def ack(self, batch: Batch[Any], *,
+            nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
+            retry_after: float | timedelta = 0.0) -> bool:
         """Ack the batch piece; True when that finished the whole batch.
 
-        A slot's batch is acked through the partition layer, which checks that
-        this session still owns the slot (SlotNotOwned otherwise).
+        ``nack`` names events of the piece that failed: ids or messages, or a
+        mapping of event id to reason. They go to retry (or dead letters) in the
+        same transaction as the ack, so a crash cannot leave them nacked but the
+        batch unacked. A slot's batch is acked through the partition layer,
+        which checks that this session still owns the slot (SlotNotOwned).
         """
+        if isinstance(nack, Mapping):
+            ids, reasons = list(nack), list(nack.values())
+        else:
+            ids, reasons = _message_ids(nack), [None]
         if batch.slot is not None:
-            return bool(self._value("select pgque.ack_partitioned(%s, %s, %s, %s, %s)",
-                                    (batch.queue, batch.consumer, batch.slot, batch.slots,
-                                     batch.batch_id)))
-        return bool(self._value("select pgque.ack(%s, %s, %s)",
-                                (batch.queue, batch.consumer, batch.batch_id)))
+            check, params = self._checked(batch.queue)
+            if not ids:
+                return bool(self._value(
+                    f"select pgque.ack_partitioned({check}, %s, %s, %s, %s)",
+                    (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id)))
+            return bool(self._value(
+                f"select pgque.ack_partitioned({check}, %s, %s, %s, %s, %s::bigint[], "
+                "%s::text[], make_interval(secs => %s))",
+                (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                 reasons, _seconds(retry_after))))
+        if not ids:
+            return bool(self._value("select pgque.ack(%s, %s, %s)",
+                                    (batch.queue, batch.consumer, batch.batch_id)))
+        return bool(self._value(
+            "select pgque.ack(%s, %s, %s, %s::bigint[], %s::text[], make_interval(secs => %s))",
+            (batch.queue, batch.consumer, batch.batch_id, ids, reasons,
+             _seconds(retry_after))))
 
     def nack(self, batch: Batch[Any], messages: Message[Any] | int | Iterable[Message[Any] | int],
              *, retry_after: float | timedelta = 0.0, reason: str | None = None) -> int:
@@ -296,10 +378,11 @@ class Client:
         """
         ids = _message_ids(messages)
         if batch.slot is not None:
+            check, params = self._checked(batch.queue)
             return int(self._value(
-                "select pgque.nack_partitioned(%s, %s, %s, %s, %s, %s::bigint[], "
+                f"select pgque.nack_partitioned({check}, %s, %s, %s, %s, %s::bigint[], "
                 "make_interval(secs => %s), %s)",
-                (batch.queue, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
                  _seconds(retry_after), reason)))
         return int(self._value(
             "select pgque.nack(%s, %s, %s, %s::bigint[], make_interval(secs => %s), %s)",
@@ -325,25 +408,61 @@ class Client:
         return int(self._value("select pgque.slot_lock_key(%s, %s, %s)",
                                (queue, consumer, slot)))
 
+    def pin_session(self) -> int:
+        """Pin the server session behind this client's connection; returns its pid.
+
+        Slot ownership and the ticker election are session locks. Once pinned,
+        every slot call (claim, receive, ack, nack, release, group) and every
+        ticker call checks, in the same statement, that it still runs on that
+        session, and raises SessionUnstable when it does not (a transaction-mode
+        pooler, or another client pinning the same backend). claim_slot pins
+        on first use.
+        """
+        token = secrets.token_hex(8)
+        pid = int(self._value("select pgque.pin_session(%s)", (token,)))
+        self._pinned = (pid, token)
+        return pid
+
+    @property
+    def pinned_pid(self) -> int | None:
+        """The backend pid pinned by pin_session(), or None."""
+        return None if self._pinned is None else self._pinned[0]
+
+    def _checked(self, value: str | None) -> tuple[str, tuple[Any, ...]]:
+        """SQL and parameters for a text argument that, on a pinned session, passes
+        through pgque.session_checked: arguments are evaluated before the call,
+        so a call on the wrong session fails before it takes effect."""
+        if self._pinned is None:
+            return "%s", (value,)
+        return "pgque.session_checked(%s, %s, %s)", (value, *self._pinned)
+
     def claim_slot(self, queue: str, consumer: str, slot: int) -> bool:
         """Try to own a slot: a non-blocking session advisory lock on this client's
-        connection. False at once when another session holds it."""
-        return bool(self._value("select pgque.claim_slot(%s, %s, %s)", (queue, consumer, slot)))
+        connection. False at once when another session holds it. Pins the
+        session first (see pin_session)."""
+        if self._pinned is None:
+            self.pin_session()
+        check, params = self._checked(queue)
+        return bool(self._value(f"select pgque.claim_slot({check}, %s, %s)",
+                                (*params, consumer, slot)))
 
     def release_slot(self, queue: str, consumer: str, slot: int) -> bool:
         """Give up a slot this session owns; False if it did not own it."""
-        return bool(self._value("select pgque.release_slot(%s, %s, %s)",
-                                (queue, consumer, slot)))
+        check, params = self._checked(queue)
+        return bool(self._value(f"select pgque.release_slot({check}, %s, %s)",
+                                (*params, consumer, slot)))
 
     def join_group(self, queue: str, consumer: str) -> bool:
         """Register this session as a live member of the group (see group_status)."""
-        return bool(self._value("select pgque.join_group(%s, %s)", (queue, consumer)))
+        check, params = self._checked(queue)
+        return bool(self._value(f"select pgque.join_group({check}, %s)", (*params, consumer)))
 
     def group_status(self, queue: str, consumer: str) -> list[SlotOwner]:
         """Who owns each slot of the group now, and how many members are alive."""
+        check, params = self._checked(queue)
         return [SlotOwner(slot=r[0], owner_pid=r[1], mine=r[2], members=r[3], my_rank=r[4])
-                for r in self._rows("select * from pgque.group_status(%s, %s)",
-                                    (queue, consumer))]
+                for r in self._rows(f"select * from pgque.group_status({check}, %s)",
+                                    (*params, consumer))]
 
     @overload
     def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
@@ -360,8 +479,9 @@ class Client:
                             payload_type: type[T] | None = None) -> Batch[Any] | None:
         """The open (or next) batch of one slot, holding only the events whose
         partition key routes to it. The session must own the slot (SlotNotOwned)."""
-        rows = self._rows("select * from pgque.receive_partitioned(%s, %s, %s, %s, %s)",
-                          (queue, consumer, slot, slots, max_events))
+        check, params = self._checked(queue)
+        rows = self._rows(f"select * from pgque.receive_partitioned({check}, %s, %s, %s, %s)",
+                          (*params, consumer, slot, slots, max_events))
         return _batch(queue, consumer, rows, payload_type, slot, slots)
 
     def partition_slot_status(self, queue: str | None = None) -> list[dict[str, Any]]:

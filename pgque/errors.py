@@ -32,6 +32,7 @@ __all__ = [
     "QueueExists",
     "QueueInUse",
     "QueueNotFound",
+    "SessionUnstable",
     "SlotCountMismatch",
     "SlotNotOwned",
     "SlotSubscriptionError",
@@ -49,7 +50,14 @@ class PgqueError(Exception):
 
 
 class ConnectError(PgqueError):
-    """The database could not be reached (bad DSN, or not up within the timeout)."""
+    """The database could not be reached (bad DSN, or not up within the timeout).
+
+    ``transient`` tells whether trying again later may help (the server is
+    down or starting) or not (a malformed DSN, bad credentials, no such
+    database): long-running services retry the first and stop on the second.
+    """
+
+    transient: bool = True
 
 
 class QueueNotFound(PgqueError):
@@ -158,6 +166,18 @@ class SlotNotOwned(PgqueError):
     sqlstate = "PQ024"
 
 
+class SessionUnstable(PgqueError):
+    """The server session behind the connection changed under the client (PQ025).
+
+    Slot ownership and the ticker election are session locks, so they need
+    every call of a client to reach one server session. A transaction-mode
+    pooler breaks that; so does a backend that another client pinned. Connect
+    directly, or through a pooler in session mode. Not retried: it cannot heal.
+    """
+
+    sqlstate = "PQ025"
+
+
 class CronUnavailable(PgqueError):
     """pg_cron is not installed in this database (PQ030)."""
 
@@ -176,7 +196,8 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
         QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
         QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
         QueueInUse, PartitionKeyTooLong, SlotSubscriptionError, SlotCountMismatch,
-        InvalidSlotCount, InvalidSlot, SlotNotOwned, CronUnavailable, InvalidArgument,
+        InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, CronUnavailable,
+        InvalidArgument,
     )
     if cls.sqlstate is not None
 }

@@ -14,21 +14,25 @@ speeds up again at the next tick. Each tick sends a NOTIFY that wakes the
 queue's workers. It also runs ``pgque.maint()`` every
 ``maintenance_interval``, so retries come back and old tables are reclaimed
 without anyone scheduling anything.
+
+An active ticker can stop working while keeping its lock: its process frozen
+(SIGSTOP, a debugger, a swap storm) or its network cut without a FIN. So the
+standbys also tick, through ``pgque.tick_overdue``, every queue whose pending
+events have waited ``overdue_after`` seconds: delivery goes on, a little
+slower, until the active ticker's session ends. Ticks of one queue are
+serialized in the database, so the two never collide.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
-from types import FrameType, TracebackType
-from typing import Any
 
 import psycopg
 
-from pgque.client import Client, open_connection
-from pgque.errors import ConnectError
+from pgque.client import Client
+from pgque.lifecycle import Service, client_keepalives, set_server_timeouts
 
 __all__ = ["TICKER_LOCK_KEY", "Ticker"]
 
@@ -36,11 +40,15 @@ __all__ = ["TICKER_LOCK_KEY", "Ticker"]
 #: active ticker of a database.
 TICKER_LOCK_KEY = 0x7067716B << 32
 
-log = logging.getLogger("pgque.ticker")
 
+class Ticker(Service):
+    """Keep every queue of the database at ``dsn`` ticking; see the module docstring.
 
-class Ticker:
-    """Keep every queue of the database at ``dsn`` ticking; see the module docstring."""
+    ``network_timeout`` bounds how long a ticker whose network went silent
+    keeps the election (see :class:`~pgque.Worker`).
+    """
+
+    log = logging.getLogger("pgque.ticker")
 
     def __init__(
         self,
@@ -50,134 +58,72 @@ class Ticker:
         idle_interval: float = 0.05,
         idle_after: float = 2.0,
         standby_interval: float = 0.25,
+        overdue_after: float = 1.0,
         maintenance_interval: float = 1.0,
         connect_timeout: float = 30.0,
+        network_timeout: float = 30.0,
         name: str = "pgque-ticker",
     ) -> None:
+        super().__init__(name, connect_timeout=connect_timeout)
         self.dsn = dsn
         self.min_interval = min_interval
         self.idle_interval = idle_interval
         self.idle_after = idle_after
         self.standby_interval = standby_interval
+        self.overdue_after = overdue_after
         self.maintenance_interval = maintenance_interval
-        self.connect_timeout = connect_timeout
-        self.name = name
+        self.network_timeout = network_timeout
         self.ticks = 0  # ticks this ticker made
         self.backend_pid: int | None = None  # of its current session
         self._active = threading.Event()
-        self._stopping = threading.Event()
-        self._signalled = False  # set by SIGTERM/SIGINT when run() owns them
-        self._thread: threading.Thread | None = None
 
     @property
     def active(self) -> bool:
         """Whether this ticker is the database's active one right now."""
         return self._active.is_set()
 
-    @property
-    def alive(self) -> bool:
-        """Whether the background thread started by start() is still running."""
-        return self._thread is not None and self._thread.is_alive()
-
     def wait_active(self, timeout: float | None = None) -> bool:
         """Block until this ticker is the active one; False on timeout."""
         return self._active.wait(timeout)
 
-    def start(self) -> None:
-        """Run in a background (daemon) thread."""
-        if self._thread is not None:
-            raise RuntimeError("ticker already started")
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop ticking and give up the lock (by closing the session); waits up to
-        timeout seconds for the background thread."""
-        self.request_stop()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def request_stop(self) -> None:
-        """Ask the ticker to stop soon, without waiting for it."""
-        self._stopping.set()
-
-    def __enter__(self) -> Ticker:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
-    def run(self) -> None:
-        """Tick (or stand by) until stop(), or SIGTERM/SIGINT when run in the main
-        thread; reconnects with backoff when the database goes away."""
-        restore = self._install_signal_handlers()
+    def serve(self) -> None:
+        conn = self.connect(self.dsn, **client_keepalives(self.network_timeout))
         try:
-            self._run()
+            # Never idle for long (standby_interval, idle_interval), so a long
+            # silence means a frozen ticker: the server ends its session and
+            # the election.
+            set_server_timeouts(conn, self.network_timeout,
+                                idle_timeout=max(self.network_timeout * 5 / 6,
+                                                 3 * self.standby_interval,
+                                                 3 * self.idle_interval))
+            client = Client(conn)
+            self.backend_pid = client.pin_session()
+            self._elect(client)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            self.log.error("%s: this role may not tick (%s). Run workers with ticker=False "
+                           "and tick with a pgque_admin role.", self.name,
+                           str(exc).strip())
+            raise
         finally:
-            for signum, previous in restore.items():
-                signal.signal(signum, previous)
+            self._active.clear()
+            conn.close()
 
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            self._signalled = True  # a plain assignment: no lock in a signal handler
-
-        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _stop_requested(self) -> bool:
-        if self._signalled:
-            self._stopping.set()
-        return self._stopping.is_set()
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stop_requested():
-            try:
-                with open_connection(self.dsn, timeout=self.connect_timeout,
-                                     application_name=self.name[:63]) as conn:
-                    backoff = 0.1
-                    self.backend_pid = conn.info.backend_pid
-                    self._serve(Client(conn))
-            except psycopg.errors.InsufficientPrivilege as exc:
-                # Retrying cannot help: say so once and stop (a reader-role worker
-                # leaves ticking to an admin-role process).
-                log.error("%s: this role may not tick (%s); the ticker stops. Run the "
-                          "worker with ticker=False, or tick with a pgque_admin role.",
-                          self.name, str(exc).strip())
-                self._stopping.set()
-                break
-            except (psycopg.OperationalError, ConnectError) as exc:
-                log.warning("%s: connection lost (%s); retrying in %.1fs", self.name,
-                            str(exc).strip() or type(exc).__name__, backoff)
-            except Exception:
-                log.exception("%s: unexpected error; retrying in %.1fs", self.name, backoff)
-            finally:
-                self._active.clear()
-            self._stopping.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
-
-    def _serve(self, client: Client) -> None:
-        while not self._stop_requested():
-            if self._try_lock(client):
-                log.info("%s: active (backend pid %s)", self.name, client.conn.info.backend_pid)
+    def _elect(self, client: Client) -> None:
+        while not self.stopping:
+            if client.try_ticker_lock(TICKER_LOCK_KEY):
+                self.log.info("%s: active (backend pid %s)", self.name, self.backend_pid)
                 self._active.set()
                 self._tick_loop(client)
                 return
-            self._stopping.wait(self.standby_interval)
-
-    @staticmethod
-    def _try_lock(client: Client) -> bool:
-        row = client.conn.execute("select pg_try_advisory_lock(%s)", (TICKER_LOCK_KEY,)).fetchone()
-        return bool(row and row[0])
+            # Standing by: cover for an active ticker that holds the lock but
+            # does not tick (frozen, or cut off without its session ending).
+            self.ticks += client.tick_overdue(self.overdue_after)
+            self.sleep(self.standby_interval)
 
     def _tick_loop(self, client: Client) -> None:
         last_tick = time.monotonic()
         next_maintenance = 0.0
-        while not self._stop_requested():
+        while not self.stopping:
             now = time.monotonic()
             if now >= next_maintenance:
                 client.maintenance()
@@ -187,4 +133,4 @@ class Ticker:
                 self.ticks += made
                 last_tick = now
             idle = now - last_tick > self.idle_after
-            self._stopping.wait(self.idle_interval if idle else self.min_interval)
+            self.sleep(self.idle_interval if idle else self.min_interval)

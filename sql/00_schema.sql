@@ -109,6 +109,18 @@ create table if not exists pgque.retry_queue (
 create index if not exists retry_queue_due_idx on pgque.retry_queue (ev_queue, ev_retry_after);
 create index if not exists retry_queue_owner_idx on pgque.retry_queue (ev_owner);
 
+-- The events nacked inside a subscription's open batch, one row per event.
+-- A consumer that nacks, dies before its ack and nacks the same event again
+-- in the same (still open) batch hits this key and changes nothing: one
+-- failure is one retry, and at most one dead letter, however often it is
+-- repeated. Maintenance deletes the rows of finished batches.
+create table if not exists pgque.batch_nack (
+    bn_sub   integer not null references pgque.subscription on delete cascade,
+    bn_batch bigint not null,
+    bn_ev_id bigint not null,
+    primary key (bn_sub, bn_batch, bn_ev_id)
+);
+
 -- Events that failed more often than the queue allows, with the reason.
 create table if not exists pgque.dead_letter (
     dl_id       bigint generated always as identity primary key,

@@ -219,6 +219,15 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_parent text := pgque._event_table(v_queue.queue_id);
 begin
+    -- Locks in the order the ticker and maintenance take them (their
+    -- per-queue locks first, then rows, then tables), so a running ticker
+    -- never deadlocks with a drop: it finishes its pass, or skips the queue.
+    perform pg_advisory_xact_lock(pgque._tick_lock_class(), v_queue.queue_id);
+    perform pg_advisory_xact_lock(pgque._maint_lock_class(), v_queue.queue_id);
+    perform from pgque.queue where queue_id = v_queue.queue_id for update;
+    if not found then
+        raise exception using errcode = 'PQ001', message = format('queue %L does not exist', p_queue);
+    end if;
     if not p_force and exists (select 1 from pgque.subscription where sub_queue = v_queue.queue_id) then
         raise exception using errcode = 'PQ011',
             message = format('queue %L still has consumers', p_queue),

@@ -104,12 +104,14 @@ begin
 end
 $$;
 
--- pgque._tick_due(queue, last_tick): whether the queue's thresholds ask for a
--- tick now: enough events pending (ticker_max_count), or some pending for
--- longer than ticker_max_lag, or none for ticker_idle_period. Pending is
+-- pgque._tick_due(queue, last_tick, pending_only): whether the queue's
+-- thresholds ask for a tick now: enough events pending (ticker_max_count), or
+-- some pending for longer than ticker_max_lag, or none for ticker_idle_period;
+-- with pending_only, whether any event is pending at all. Pending is
 -- counted by sequence position since the last tick; when that says none, an
 -- index probe checks for committed events the last tick did not cover.
-create or replace function pgque._tick_due(p_queue pgque.queue, p_last pgque.tick)
+create or replace function pgque._tick_due(p_queue pgque.queue, p_last pgque.tick,
+                                           p_pending_only boolean default false)
 returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -122,6 +124,9 @@ begin
     if v_pending <= 0 and p_last.tick_id is not null
        and pgque._uncovered_events(p_queue.queue_id, p_last.tick_snapshot) then
         v_pending := 1;
+    end if;
+    if p_pending_only then
+        return v_pending > 0;
     end if;
     return p_last.tick_id is null
         or v_pending >= p_queue.queue_ticker_max_count
@@ -148,6 +153,41 @@ begin
 end
 $$;
 
+-- pgque._ticker(overdue): ticks every queue whose thresholds ask for it;
+-- with overdue, only those whose pending events have waited at least that
+-- long since the queue's last tick. Returns how many ticks were made.
+--
+-- Lock order, shared with drop_queue and maintenance: a queue's tick lock
+-- first, then its rows and tables. A queue whose tick lock is taken (being
+-- ticked or dropped elsewhere) is skipped without waiting, and the queue row
+-- is read again once the lock is held, so a queue dropped meanwhile is not
+-- touched.
+create or replace function pgque._ticker(p_overdue interval)
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_id integer;
+    v_queue pgque.queue;
+    v_last pgque.tick;
+    v_count integer := 0;
+begin
+    for v_id in select queue_id from pgque.queue order by queue_id loop
+        continue when not pg_try_advisory_xact_lock(pgque._tick_lock_class(), v_id);
+        select * into v_queue from pgque.queue where queue_id = v_id;
+        continue when not found;
+        v_last := pgque._last_tick(v_id);
+        continue when p_overdue is not null and now() - v_last.tick_time < p_overdue;
+        if pgque._tick_due(v_queue, v_last, p_overdue is not null) then
+            perform pgque._make_tick(v_queue);
+            v_count := v_count + 1;
+        end if;
+    end loop;
+    return v_count;
+end
+$$;
+
 -- pgque.ticker(): ticks every queue whose thresholds ask for it; returns how
 -- many ticks were made.
 create or replace function pgque.ticker()
@@ -156,16 +196,27 @@ language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-declare
-    v_queue pgque.queue;
-    v_count integer := 0;
 begin
-    for v_queue in select * from pgque.queue order by queue_id loop
-        if pgque._tick_due(v_queue, pgque._last_tick(v_queue.queue_id)) then
-            perform pgque._make_tick(v_queue);
-            v_count := v_count + 1;
-        end if;
-    end loop;
-    return v_count;
+    return pgque._ticker(null);
+end
+$$;
+
+-- pgque.tick_overdue(after): ticks every queue with pending events that have
+-- waited at least after since its last tick, whatever its thresholds; returns
+-- how many ticks were made. This is the standby tickers' safety net: when the
+-- elected ticker is frozen or cut off (its session, and so its election lock,
+-- still alive), delivery goes on with a delay of about after. Ticks of one
+-- queue stay serialized, so running it beside the elected ticker is safe.
+create or replace function pgque.tick_overdue(p_after interval)
+returns integer
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_after is null or p_after < interval '0' then
+        raise exception using errcode = '22023', message = 'after must not be negative';
+    end if;
+    return pgque._ticker(p_after);
 end
 $$;

@@ -227,23 +227,27 @@ begin
 end
 $$;
 
--- pgque._nack(queue, sub, cur, batch_id, ev_ids, retry_after, reason, slot, slots):
--- sends events that the latest receive handed out of the open batch to the
--- retry queue, due after retry_after, or to dead letters with reason once
--- they were retried max_retries times. Returns how many went to dead letters.
--- The batch stays open: ack it as usual. Raises PQ003 if batch_id is not the
--- open batch, PQ010 if an id is not among the events handed out.
+-- pgque._nack(queue, sub, cur, batch_id, ev_ids, reasons, retry_after, slot,
+-- slots): sends events that the latest receive handed out of the open batch
+-- to the retry queue, due after retry_after, or to dead letters once they were
+-- retried max_retries times. reasons is null, one reason for all, or one per
+-- id. Returns how many went to dead letters. The batch stays open: ack it as
+-- usual. Idempotent per event and batch: an event nacked before in the same
+-- open batch (a consumer that died between its nack and its ack, and nacks
+-- again) is left as it is, so one failure is one retry or one dead letter
+-- (pgque.batch_nack's key enforces it). Raises PQ003 if batch_id is not the
+-- open batch, PQ010 if an id is null or not among the events handed out.
 create or replace function pgque._nack(
     p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_batch_id bigint,
-    p_ev_ids bigint[],
-    p_retry_after interval, p_reason text, p_slot integer default null,
-    p_slots integer default null)
+    p_ev_ids bigint[], p_reasons text[], p_retry_after interval,
+    p_slot integer default null, p_slots integer default null)
 returns integer
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_events pgque.event_template[];
+    v_wanted integer;
     v_dead integer;
 begin
     perform pgque._require_batch(p_sub, p_cur, p_batch_id);
@@ -253,34 +257,66 @@ begin
     if coalesce(cardinality(p_ev_ids), 0) = 0 then
         return 0;
     end if;
+    if array_position(p_ev_ids, null) is not null then
+        raise exception using errcode = 'PQ010',
+            message = format('nack: event id must not be null (batch %s)', p_batch_id);
+    end if;
+    if cardinality(p_reasons) not in (1, cardinality(p_ev_ids)) then
+        raise exception using errcode = '22023',
+            message = 'nack: give one reason, or one per event id';
+    end if;
     v_events := pgque._batch_events(
         p_queue.queue_id, p_sub.sub_id,
         pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
         pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
         coalesce(p_cur.cur_pos, 0), p_cur.cur_handed, null, p_ev_ids,
         p_slot, p_slots);
-    if coalesce(cardinality(v_events), 0) <> (select count(distinct i) from unnest(p_ev_ids) i) then
+    select count(distinct i) into v_wanted from unnest(p_ev_ids) i;
+    if (select count(distinct e.ev_id) from unnest(v_events) e) <> v_wanted then
         raise exception using errcode = 'PQ010',
             message = format('nack: some of events %s are not among those handed out of batch %s',
                              p_ev_ids, p_batch_id);
     end if;
 
-    insert into pgque.dead_letter (dl_queue, dl_consumer, dl_reason, ev_id, ev_time, ev_txid,
-                                   ev_retry, ev_type, ev_data, ev_extra1, ev_extra2, ev_extra3,
-                                   ev_extra4)
-    select p_queue.queue_id, p_sub.sub_consumer, p_reason, e.ev_id, e.ev_time, e.ev_txid,
-           e.ev_retry, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3, e.ev_extra4
-      from unnest(v_events) e
-     where e.ev_retry >= p_queue.queue_max_retries;
-    get diagnostics v_dead = row_count;
-
-    insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time, ev_retry,
-                                   ev_type, ev_data, ev_extra1, ev_extra2, ev_extra3, ev_extra4)
-    select now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
-           e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3,
-           e.ev_extra4
-      from unnest(v_events) e
-     where e.ev_retry < p_queue.queue_max_retries;
+    -- One row per event id: its newest copy (a batch holds two copies of an
+    -- id only if a retry was re-inserted beside the original), with its
+    -- reason, and only if this batch has not nacked it already.
+    with asked as (
+        select i.id, case when cardinality(p_reasons) = 1 then p_reasons[1]
+                          else p_reasons[i.n] end as reason
+          from unnest(p_ev_ids) with ordinality i(id, n)),
+    fresh as (
+        insert into pgque.batch_nack (bn_sub, bn_batch, bn_ev_id)
+        select distinct p_sub.sub_id, p_batch_id, a.id from asked a
+        on conflict do nothing
+        returning bn_ev_id),
+    nacked as (
+        select distinct on (e.ev_id) e.*,
+               (select a.reason from asked a where a.id = e.ev_id limit 1) as reason
+          from unnest(v_events) e
+          join fresh f on f.bn_ev_id = e.ev_id
+         order by e.ev_id, e.ev_retry desc),
+    dead as (
+        insert into pgque.dead_letter (dl_queue, dl_consumer, dl_reason, ev_id, ev_time, ev_txid,
+                                       ev_retry, ev_type, ev_data, ev_extra1, ev_extra2,
+                                       ev_extra3, ev_extra4)
+        select p_queue.queue_id, p_sub.sub_consumer, e.reason, e.ev_id, e.ev_time, e.ev_txid,
+               e.ev_retry, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3,
+               e.ev_extra4
+          from nacked e
+         where e.ev_retry >= p_queue.queue_max_retries
+        returning 1),
+    retried as (
+        insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
+                                       ev_retry, ev_type, ev_data, ev_extra1, ev_extra2,
+                                       ev_extra3, ev_extra4)
+        select now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
+               e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3,
+               e.ev_extra4
+          from nacked e
+         where e.ev_retry < p_queue.queue_max_retries
+        returning 1)
+    select (select count(*) from dead) into v_dead;
     return v_dead;
 end
 $$;
@@ -363,6 +399,30 @@ declare
 begin
     select * into v from pgque._find_subscription(p_queue, p_consumer, true);
     perform pgque._refuse_slot(v.sub);
-    return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, p_retry_after, p_reason);
+    return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, array[p_reason],
+                       p_retry_after);
+end
+$$;
+
+-- pgque.ack(queue, consumer, batch_id, nack_ids, nack_reasons, retry_after):
+-- nacks the given handed-out events (as nack() does, with one reason for all
+-- or one per id) and acks the batch piece, in one transaction: a consumer
+-- cannot end up having nacked without acking. Returns what ack() returns.
+create or replace function pgque.ack(
+    p_queue text, p_consumer text, p_batch_id bigint, p_nack_ids bigint[],
+    p_nack_reasons text[], p_retry_after interval)
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
+    perform pgque._refuse_slot(v.sub);
+    perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
+                        p_retry_after);
+    return pgque._ack(v.sub, v.cur, p_batch_id);
 end
 $$;

@@ -237,9 +237,11 @@ begin
 end
 $$;
 
--- pgque._holds_lock(class, id): whether this session holds the bigint
--- advisory lock (class << 32) | id (in any mode).
-create or replace function pgque._holds_lock(p_class bigint, p_id integer)
+-- pgque._holds_lock(class, id, mode): whether this session holds the bigint
+-- advisory lock (class << 32) | id in mode ('ExclusiveLock' or 'ShareLock').
+-- Only an exclusive hold of a slot's key is ownership: any session may take
+-- the key in share mode, and two of them would both pass a mode-blind check.
+create or replace function pgque._holds_lock(p_class bigint, p_id integer, p_mode text)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -247,15 +249,16 @@ as $$
     select exists (
         select 1 from pg_locks
          where locktype = 'advisory' and pid = pg_backend_pid() and granted
-           and classid = p_class::oid and objid = p_id::oid and objsubid = 1)
+           and classid = p_class::oid and objid = p_id::oid and objsubid = 1
+           and mode = p_mode)
 $$;
 
--- pgque._holds_slot(sub_id): whether this session holds the slot's lock.
+-- pgque._holds_slot(sub_id): whether this session holds the slot's lock exclusively.
 create or replace function pgque._holds_slot(p_sub_id integer)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
-as $$ select pgque._holds_lock(pgque._slot_lock_class(), p_sub_id) $$;
+as $$ select pgque._holds_lock(pgque._slot_lock_class(), p_sub_id, 'ExclusiveLock') $$;
 
 -- pgque._require_owner(sub, slot): PQ024 unless this session holds the lock.
 create or replace function pgque._require_owner(p_sub pgque.subscription)
@@ -300,9 +303,13 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_key bigint := pgque.slot_lock_key(p_queue, p_consumer, p_slot);
+    v_sub_id integer := (v_key & x'ffffffff'::bigint)::integer;
     v_released boolean := false;
 begin
-    while pg_advisory_unlock(v_key) loop
+    -- Unlock only while held (a session may hold it more than once if it took
+    -- the key itself): unlocking a lock not held makes the server warn.
+    while pgque._holds_slot(v_sub_id) loop
+        perform pg_advisory_unlock(v_key);
         v_released := true;
     end loop;
     return v_released;
@@ -358,6 +365,29 @@ begin
 end
 $$;
 
+-- pgque.ack_partitioned(queue, consumer, slot, slots, batch_id, nack_ids,
+-- nack_reasons, retry_after): for a slot, nacks the given handed-out events
+-- and acks the batch piece in one transaction (see the plain ack with nacks);
+-- refuses (PQ024) unless this session owns the slot.
+create or replace function pgque.ack_partitioned(
+    p_queue text, p_consumer text, p_slot integer, p_slots integer, p_batch_id bigint,
+    p_nack_ids bigint[], p_nack_reasons text[], p_retry_after interval)
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
+    perform pgque._require_owner(v.sub);
+    perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
+                        p_retry_after, p_slot, p_slots);
+    return pgque._ack(v.sub, v.cur, p_batch_id);
+end
+$$;
+
 -- pgque.nack_partitioned(queue, consumer, slot, slots, batch_id, ev_ids,
 -- retry_after, reason): nack() for a slot (skip policy: the events go to the
 -- slot's retry queue, the batch goes on); refuses (PQ024) unless this session
@@ -375,8 +405,8 @@ declare
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
-    return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, p_retry_after, p_reason,
-                       p_slot, p_slots);
+    return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, array[p_reason],
+                       p_retry_after, p_slot, p_slots);
 end
 $$;
 
@@ -393,7 +423,7 @@ declare
     v_group pgque.consumer_group := pgque._group(pgque._queue_row(p_queue), p_consumer, null);
     v_key bigint := (pgque._group_lock_class() << 32) | v_group.cg_id;
 begin
-    if pgque._holds_lock(pgque._group_lock_class(), v_group.cg_id) then
+    if pgque._holds_lock(pgque._group_lock_class(), v_group.cg_id, 'ShareLock') then
         return false;
     end if;
     perform pg_advisory_lock_shared(v_key);
@@ -421,7 +451,7 @@ declare
 begin
     return query
     with locks as materialized (
-        select l.classid, l.objid, l.pid from pg_locks l
+        select l.classid, l.objid, l.pid, l.mode from pg_locks l
          where l.locktype = 'advisory' and l.granted and l.objsubid = 1
            -- Advisory locks are per database, but pg_locks shows the whole
            -- cluster: without this, another database's slots would look owned.
@@ -429,7 +459,8 @@ begin
            and l.classid in (pgque._slot_lock_class()::oid, pgque._group_lock_class()::oid)),
     members as (
         select array_agg(distinct m.pid order by m.pid) as pids from locks m
-         where m.classid = pgque._group_lock_class()::oid and m.objid = v_group.cg_id::oid)
+         where m.classid = pgque._group_lock_class()::oid and m.objid = v_group.cg_id::oid
+           and m.mode = 'ShareLock')
     select k::integer,
            o.pid,
            coalesce(o.pid = pg_backend_pid(), false),
@@ -442,6 +473,7 @@ begin
        and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)
       left join locks o
         on o.classid = pgque._slot_lock_class()::oid and o.objid = s.sub_id::oid
+       and o.mode = 'ExclusiveLock'
      order by k;
 end
 $$;

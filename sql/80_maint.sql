@@ -111,7 +111,8 @@ end
 $$;
 
 -- pgque._maint_cursors(queue): deletes, in one statement, the superseded rows
--- of the cursor logs of the queue's subscriptions. Returns how many.
+-- of the cursor logs of the queue's subscriptions, and the nack records of
+-- their finished batches. Returns how many cursor rows went.
 create or replace function pgque._maint_cursors(p_queue pgque.queue)
 returns bigint
 language plpgsql
@@ -125,13 +126,19 @@ begin
      where s.sub_queue = p_queue.queue_id and c.cur_sub = s.sub_id
        and c.cur_seq < (pgque._current_cursor(s.sub_id)).cur_seq;
     get diagnostics v_count = row_count;
+    -- The nack records of batches that are no longer open.
+    delete from pgque.batch_nack n
+     using pgque.subscription s
+     where s.sub_queue = p_queue.queue_id and n.bn_sub = s.sub_id
+       and n.bn_batch is distinct from (pgque._current_cursor(s.sub_id)).cur_batch;
     return v_count;
 end
 $$;
 
 -- pgque.maint(queue): runs every maintenance step for one queue (all queues
 -- when null) and reports what it did as rows (queue_name, step, amount).
--- A queue whose maintenance is already running elsewhere is skipped.
+-- A queue whose maintenance is already running elsewhere (or that is being
+-- dropped) is skipped.
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
 language plpgsql
@@ -150,6 +157,10 @@ begin
                     where p_queue is null or q.queue_name = p_queue
                     order by q.queue_id loop
         continue when not pg_try_advisory_xact_lock(pgque._maint_lock_class(), v_queue.queue_id);
+        -- Read again under the lock: drop_queue takes it too, so a queue
+        -- dropped since the loop began is gone now and must not be touched.
+        select * into v_queue from pgque.queue q where q.queue_id = v_queue.queue_id;
+        continue when not found;
         v_amount := pgque._maint_rotate(v_queue);
         if v_amount > 0 then
             queue_name := v_queue.queue_name; step := 'rotate'; amount := v_amount;

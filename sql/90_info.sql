@@ -140,7 +140,8 @@ select q.queue_name,
   left join pg_locks l
     on l.locktype = 'advisory' and l.granted and l.objsubid = 1
    and l.database = (select oid from pg_database where datname = current_database())
-   and l.classid = pgque._slot_lock_class()::oid and l.objid = s.sub_id::oid;
+   and l.classid = pgque._slot_lock_class()::oid and l.objid = s.sub_id::oid
+   and l.mode = 'ExclusiveLock';
 
 -- The info views read event tables and sequences that callers have no
 -- privileges on, so they are reached through SECURITY DEFINER functions.

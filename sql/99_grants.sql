@@ -15,10 +15,13 @@ do $grants$
 declare
     v_writer text[] := array[
         'send(text,text,text,text)', 'send(text,text,jsonb,text)',
-        'send_batch(text,text[],text[],text[])', 'version()'];
+        'send_batch(text,text[],text[],text[])', 'version()',
+        'pin_session(text)', 'session_checked(text,integer,text)'];
     v_reader text[] := array[
         'subscribe(text,text)', 'unsubscribe(text,text)', 'receive(text,text,integer)',
         'ack(text,text,bigint)', 'nack(text,text,bigint,bigint[],interval,text)',
+        'ack(text,text,bigint,bigint[],text[],interval)',
+        'pin_session(text)', 'session_checked(text,integer,text)',
         'queue_config(text)', 'dead_letters(text,text,integer,bigint)', 'version()',
         'get_queue_info()', 'get_consumer_info()', 'get_partition_slot_status()',
         'subscribe_slots(text,text,integer)', 'subscribe_slot(text,text,integer,integer)',
@@ -26,6 +29,7 @@ declare
         'claim_slot(text,text,integer)', 'release_slot(text,text,integer)',
         'receive_partitioned(text,text,integer,integer,integer)',
         'ack_partitioned(text,text,integer,integer,bigint)',
+        'ack_partitioned(text,text,integer,integer,bigint,bigint[],text[],interval)',
         'nack_partitioned(text,text,integer,integer,bigint,bigint[],interval,text)',
         'join_group(text,text)', 'group_status(text,text)', 'slot_of(text,integer)',
         'max_slots()', 'tick_channel(text)'];

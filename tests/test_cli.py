@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psycopg
 import pytest
 from helpers import drain, scalar, wait_for
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
@@ -70,6 +75,159 @@ def tail_consumers(client: pgque.Client) -> list[str]:
             if c["consumer_name"].startswith("tail-")]
 
 
+class Output:
+    """What a background CLI process writes, read line by line as it comes."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self._stdout: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(proc.stdout, self._stdout.put), daemon=True),
+            threading.Thread(target=self._read, args=(proc.stderr, self.stderr.append),
+                             daemon=True)]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: IO[str], put: Any) -> None:
+        for line in stream:
+            put(line.rstrip("\n"))
+
+    def line(self, timeout: float = 30) -> str:
+        """The next line of stdout."""
+        try:
+            return self._stdout.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line on stdout within {timeout}s; stderr: "
+                                 f"{self.stderr}") from None
+
+    def wait_stderr(self, text: str, count: int = 1, timeout: float = 30) -> None:
+        """Wait until ``count`` lines of stderr contain ``text``."""
+        wait_for(lambda: sum(text in line for line in self.stderr) >= count, timeout=timeout,
+                 what=f"{text!r} on stderr ({count}x); stderr so far: {self.stderr}")
+
+    def rest(self) -> tuple[list[str], str]:
+        """The remaining stdout lines and the whole stderr, once the process ended."""
+        for reader in self._readers:
+            reader.join(10)
+        lines = []
+        while not self._stdout.empty():
+            lines.append(self._stdout.get())
+        return lines, "\n".join(self.stderr)
+
+
+def _shut(sock: socket.socket) -> None:
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+    sock.close()
+
+
+class Proxy:
+    """A TCP proxy on 127.0.0.1 in front of the test server. ``cut()`` resets its
+    connections and closes new ones at once (a server that is down);
+    ``blackhole()`` keeps every socket open and forwards nothing (a network that
+    drops packets); ``restore()`` forwards again, for new connections."""
+
+    def __init__(self, dsn: str) -> None:
+        params = conninfo_to_dict(dsn)
+        self._server = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self._listener.getsockname()[1])
+        self.mode = "forward"
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closing = False
+        self._acceptor = threading.Thread(target=self._accept, name="test-proxy", daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                near, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            near.settimeout(None)
+            if self.mode == "cut":
+                near.close()
+                continue
+            with self._lock:
+                self._sockets.append(near)
+            if self.mode == "blackhole":
+                continue  # accepted, and never answered
+            far = socket.create_connection(self._server)
+            with self._lock:
+                self._sockets.append(far)
+            for source, target in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(source, target), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                if self.mode == "forward":
+                    target.sendall(data)
+        except OSError:
+            pass
+        if self.mode == "forward":
+            _shut(target)
+
+    def _reset(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            _shut(sock)
+
+    def cut(self) -> None:
+        self.mode = "cut"
+        self._reset()
+
+    def blackhole(self) -> None:
+        self.mode = "blackhole"
+
+    def restore(self) -> None:
+        self.mode = "forward"
+
+    def __enter__(self) -> Proxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing = True
+        self._acceptor.join(10)
+        self._listener.close()
+        self._reset()
+
+
+@pytest.fixture
+def reader_dsn(dsn: str) -> Iterator[str]:
+    """The DSN of a login role whose only pgque role is pgque_reader."""
+    name = f"pgque_test_reader_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"create role {name} login")
+        su.execute(f"grant pgque_reader to {name}")
+    try:
+        yield make_conninfo(dsn, user=name)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as su:
+            su.execute(f"drop role if exists {name}")
+
+
+def table_rows(text: str, title: str) -> list[dict[str, str]]:
+    """The rows of the table titled ``title`` in rich output, as {column: cell}."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == title)
+    header = next(i for i in range(start, len(lines)) if "┃" in lines[i])
+    columns = [cell.strip() for cell in lines[header].strip().strip("┃").split("┃")]
+    rows = []
+    for line in lines[header + 1:]:
+        if line.startswith("└"):
+            break
+        if "│" in line:
+            cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+            rows.append(dict(zip(columns, cells, strict=True)))
+    return rows
+
+
 def slot_keys(conn: psycopg.Connection[Any], slot: int, slots: int, count: int) -> list[str]:
     """``count`` partition keys that route to ``slot`` of ``slots``."""
     rows = conn.execute("select k from (select 'key-' || n as k from generate_series(1, 1000) n) "
@@ -83,11 +241,39 @@ def slot_keys(conn: psycopg.Connection[Any], slot: int, slots: int, count: int) 
 
 
 def test_install_is_idempotent_and_prints_the_version(empty_dsn: str) -> None:
-    first = ok(run_cli("install", "--dsn", empty_dsn))
-    second = ok(run_cli("install", "--dsn", empty_dsn))
+    first = run_cli("install", "--dsn", empty_dsn)
+    second = run_cli("install", "--dsn", empty_dsn)
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         version = scalar(conn, "select pgque.version()")
-    assert first == second == f"pgque {version} installed\n"
+    assert ok(first) == ok(second) == f"pgque {version} installed\n"
+    # Running the script again is no news: its "already exists, skipping" is not shown.
+    assert first.stderr == second.stderr == ""
+
+
+def test_install_prints_the_servers_notices(dsn: str) -> None:
+    """What the server says while installing reaches the user, e.g. that a role the
+    installer may not create was skipped. Roles are cluster-wide (and exist by now),
+    so the notice here comes from an event trigger of the database instead."""
+    suffix = uuid.uuid4().hex[:8]
+    owner, database = f"pgque_owner_{suffix}", f"owned_{suffix}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"create role {owner} login nosuperuser nocreaterole nocreatedb")
+        su.execute(f"create database {database} owner {owner}")
+        try:
+            owner_dsn = make_conninfo(dsn, user=owner, dbname=database)
+            with psycopg.connect(make_conninfo(dsn, dbname=database), autocommit=True) as db:
+                db.execute("create function say_ddl() returns event_trigger language plpgsql "
+                           "as $$ begin raise notice 'saw %', tg_tag; "
+                           "raise warning 'and warned'; end $$")
+                db.execute("create event trigger say_ddl on ddl_command_end "
+                           "when tag in ('CREATE SCHEMA') execute function say_ddl()")
+            result = run_cli("install", "--dsn", owner_dsn)
+            ok(result)
+            assert result.stderr.splitlines() == ["notice: saw CREATE SCHEMA",
+                                                  "warning: and warned"]
+        finally:
+            su.execute(f"drop database if exists {database} with (force)")
+            su.execute(f"drop role if exists {owner}")
 
 
 def test_install_print_writes_the_script_without_a_database() -> None:
@@ -226,6 +412,89 @@ def test_tail_unsubscribes_when_interrupted(client: pgque.Client, dsn: str,
     assert tail_consumers(client) == []
 
 
+def test_tail_as_reader_shows_what_a_running_ticker_ticks(client: pgque.Client, dsn: str,
+                                                          reader_dsn: str) -> None:
+    """A reader may not tick: tail relies on the ticker of someone else."""
+    client.create_queue("q")
+    with pgque.Ticker(dsn), cli_process("tail", "q", "--limit", "2", "--json",
+                                        "--dsn", reader_dsn) as proc:
+        wait_for(lambda: tail_consumers(client), timeout=30, what="the tail's consumer")
+        ids = [client.send("q", "e", n) for n in range(2)]
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["id"] for line in out.splitlines()] == ids
+    assert "may not tick" in err
+    assert tail_consumers(client) == []
+
+
+def test_tail_from_now_as_reader_waits_for_someone_elses_tick(client: pgque.Client,
+                                                              reader_dsn: str) -> None:
+    client.create_queue("q")
+    client.send("q", "Skipped", 1)  # sent before the tail starts, not ticked yet
+    with cli_process("tail", "q", "--from-now", "--limit", "1", "--json",
+                     "--dsn", reader_dsn) as proc:
+        # The tail may not tick, so it subscribes only after a tick made here.
+        wait_for(lambda: client.tick("q") and tail_consumers(client), timeout=30,
+                 what="the tail's consumer")
+        later = client.send("q", "Later", 2)
+        client.tick("q")
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["id"] for line in out.splitlines()] == [later]
+    assert tail_consumers(client) == []
+
+
+def test_tail_reconnects_and_stops_at_once_while_the_server_is_down(client: pgque.Client,
+                                                                    dsn: str) -> None:
+    client.create_queue("q")
+    with Proxy(dsn) as proxy, cli_process("tail", "q", "--json", "--connect-timeout", "1",
+                                          "--dsn", proxy.dsn) as proc:
+        output = Output(proc)
+        [consumer] = wait_for(lambda: tail_consumers(client), timeout=30,
+                              what="the tail's consumer")
+        first = client.send("q", "e", 1)
+        assert json.loads(output.line())["id"] == first
+        proxy.cut()
+        output.wait_stderr("connection lost")
+        second = client.send("q", "e", 2)  # while the tail is away
+        proxy.restore()
+        output.wait_stderr("reconnected")
+        assert json.loads(output.line())["id"] == second  # and the first not again
+
+        proxy.cut()
+        output.wait_stderr("connection lost", count=2)
+        time.sleep(1.5)  # in its reconnect attempts and the pauses between them
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        elapsed = time.monotonic() - stopped
+        lines, err = output.rest()
+    assert lines == []
+    # Stopped at once; then at most --connect-timeout trying to unsubscribe, which
+    # fails (the server is out of reach) and says how to remove the consumer.
+    assert elapsed < 2.5, err
+    assert proc.returncode == 1, err
+    assert f"pgque.unsubscribe('q', '{consumer}')" in err.splitlines()[-1], err
+    assert tail_consumers(client) == [consumer]
+
+
+def test_tail_stops_at_once_while_the_server_does_not_answer(client: pgque.Client,
+                                                             dsn: str) -> None:
+    client.create_queue("q")
+    with Proxy(dsn) as proxy, cli_process("tail", "q", "--connect-timeout", "1",
+                                          "--dsn", proxy.dsn) as proc:
+        [consumer] = wait_for(lambda: tail_consumers(client), timeout=30,
+                              what="the tail's consumer")
+        proxy.blackhole()
+        time.sleep(1)  # its next poll is sent and never answered
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        elapsed = time.monotonic() - stopped
+    assert elapsed < 2.5, err
+    assert proc.returncode == 1 and consumer in err, err
+
+
 # -- worker and ticker ------------------------------------------------------------------------
 
 
@@ -301,6 +570,25 @@ def test_status_json_shows_owners_and_pending_per_slot(client: pgque.Client, dsn
     text = ok(run_cli("status", "--dsn", dsn))
     assert str(client.conn.info.backend_pid) in text and "unowned" in text
     assert "STALLED" not in text
+
+
+def test_status_counts_dead_letters_per_slot(client: pgque.Client, dsn: str,
+                                            conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q", max_retries=0)
+    client.subscribe_slots("q", "g", slots=2)
+    [key] = slot_keys(conn, 1, 2, 1)
+    client.send("q", "Bad", {"n": 1}, partition_key=key)
+    client.tick("q")
+    assert client.claim_slot("q", "g", 1)
+    batch = client.receive_partitioned("q", "g", slot=1, slots=2)
+    assert batch is not None
+    assert client.nack(batch, batch.messages, reason="broken") == 1  # a dead letter at once
+    client.ack(batch)
+
+    rows = table_rows(ok(run_cli("status", "--dsn", dsn)), "consumer group slots")
+    assert [(r["slot"], r["dead letters"]) for r in rows] == [("0/2", "0"), ("1/2", "1")]
+    document = json.loads(ok(run_cli("status", "q", "--json", "--dsn", dsn)))
+    assert [s["dead_letters"] for s in document["slots"]] == [0, 1]
 
 
 def test_status_of_unknown_queue_fails(dsn: str) -> None:

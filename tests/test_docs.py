@@ -8,7 +8,9 @@ each other, the way a reader goes through the page:
   nothing but ``dsn``: a fresh database with pgque installed, made like the
   ``dsn`` fixture's (cloned from the run's template) but kept for the whole file;
 - the ``sql`` blocks of a file run in order on one connection to another such
-  database, statement by statement in autocommit, as psql would run them.
+  database, statement by statement in autocommit, as psql would run them; a
+  statement that makes the server warn (a WARNING, which psql would show and
+  the server log keeps) fails its block.
 
 A python block followed by the paragraph "It prints:" and a ``text`` block must
 print exactly that text. Running one block alone (``-k``) first runs the blocks
@@ -200,6 +202,7 @@ class Track:
     conn: psycopg.Connection[Any] | None = None
     roles: list[str] = field(default_factory=list)
     threads_before: set[threading.Thread] = field(default_factory=set)
+    warnings: list[str] = field(default_factory=list)  # of the sql statement running
 
     def dsn(self) -> str:
         if not self.database:
@@ -247,8 +250,10 @@ class Track:
         else:
             if self.conn is None:
                 self.conn = psycopg.connect(self.dsn(), autocommit=True)
+                self.conn.add_notice_handler(self._notice)
             for statement in split_sql(block.code):
                 self.roles += CREATE_ROLE.findall(statement)
+                self.warnings.clear()
                 with self.conn.cursor() as cur:
                     try:
                         cur.execute(statement.encode())
@@ -261,6 +266,14 @@ class Track:
                             cur.fetchall()
                         if not cur.nextset():
                             break
+                if self.warnings:
+                    raise AssertionError(
+                        f"{block.test_id} (line {block.line}) made the server warn at:\n"
+                        f"{statement}\n" + "\n".join(self.warnings))
+
+    def _notice(self, diag: psycopg.errors.Diagnostic) -> None:
+        if diag.severity_nonlocalized == "WARNING":
+            self.warnings.append(f"WARNING: {diag.message_primary}")
 
     def leftover_threads(self, timeout: float = 10.0) -> list[str]:
         """Names of pgque threads (workers, tickers, their helpers) started by this
@@ -341,7 +354,9 @@ def test_api_reference_is_complete(conn: psycopg.Connection[Any]) -> None:
     text = (ROOT / "docs" / "api.md").read_text("utf-8")
     missing = [name for name in pgque.__all__ if f"`{name}" not in text]
     missing += [f"Client.{name}" for name in dir(pgque.Client)
-                if not name.startswith("_") and f"`{name}(" not in text]
+                if not name.startswith("_")
+                and f"`{name}{'' if isinstance(getattr(pgque.Client, name), property) else '('}"
+                not in text]
     rows = conn.execute(
         "select distinct p.proname from pg_proc p"
         " where p.pronamespace = 'pgque'::regnamespace and p.proname !~ '^_'"

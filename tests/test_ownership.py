@@ -205,3 +205,34 @@ def test_other_databases_slots_are_not_ours(group: pgque.Client, dsn: str, pg_se
             assert group.claim_slot("q", "g", 0) is True
     finally:
         pgtest.drop_database(pg_server, other_db)
+
+
+def test_a_shared_hold_of_the_slot_key_is_not_ownership(group: pgque.Client, dsn: str) -> None:
+    """Two sessions can both take the slot's key in share mode: neither owns it."""
+    key = group.slot_lock_key("q", "g", 0)
+    with pgque.connect(dsn) as first, pgque.connect(dsn) as second:
+        for intruder in (first, second):
+            assert scalar(intruder.conn, "select pg_try_advisory_lock_shared(%s)", (key,))
+        for intruder in (first, second):
+            with pytest.raises(pgque.SlotNotOwned):
+                intruder.receive_partitioned("q", "g", slot=0, slots=2)
+        status = {s.slot: s.owner_pid for s in group.group_status("q", "g")}
+        assert status[0] is None  # shown as free, not as owned by a share holder
+        # An exclusive claim cannot be had while they share it, and releasing
+        # does not touch a share hold.
+        assert first.claim_slot("q", "g", 0) is False
+        assert first.release_slot("q", "g", 0) is False
+
+
+def test_release_slot_never_makes_the_server_warn(group: pgque.Client) -> None:
+    notices: list[str] = []
+    group.conn.add_notice_handler(lambda diag: notices.append(str(diag.message_primary)))
+    assert group.claim_slot("q", "g", 0) is True
+    assert group.release_slot("q", "g", 0) is True
+    assert group.release_slot("q", "g", 0) is False
+    # A key taken twice by hand is let go completely, still without a warning.
+    key = group.slot_lock_key("q", "g", 1)
+    group.conn.execute("select pg_advisory_lock(%s), pg_advisory_lock(%s)", (key, key))
+    assert group.release_slot("q", "g", 1) is True
+    assert all(s.owner_pid is None for s in group.group_status("q", "g"))
+    assert notices == []

@@ -133,3 +133,80 @@ def test_many_due_retries_come_back_in_one_pass(client: pgque.Client) -> None:
     client.ack(batch)
     assert ("q", "retry", 500) in client.maintenance("q")
     assert sorted(m.id for m in drain(client, "q", "c")) == ids
+
+
+def _retry_rows(conn: psycopg.Connection[Any], ev_id: int) -> int:
+    return int(scalar(conn, "select count(*) from pgque.retry_queue where ev_id = %s", (ev_id,)))
+
+
+def test_a_nack_repeated_after_a_crash_is_one_retry_and_one_dead_letter(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """A consumer nacks, dies before its ack, gets the same open batch again and
+    nacks again: still one retry, and in the end exactly one dead letter after
+    exactly max_retries retries (it used to duplicate the event, and then stall
+    the consumer on a batch holding two copies of one id)."""
+    client.create_queue("q", max_retries=2)
+    client.subscribe("q", "c")
+    ev = client.send("q", "e", {"n": 1}, partition_key="k")
+    client.tick("q")
+    handled: list[int] = []
+    for _ in range(20):
+        if client.dead_letters("q"):
+            break
+        client.maintenance("q")  # retries due now come back into the log
+        client.tick("q")
+        batch = client.receive("q", "c")
+        if batch is None:
+            continue
+        [message] = batch.messages
+        handled.append(message.retry_count)
+        client.nack(batch, message, reason="boom")
+        # The crash: no ack. The retry is due at once, so maintenance moves it
+        # back into the log while the batch is still open, and ticks follow.
+        client.maintenance("q")
+        client.tick("q")
+        again = client.receive("q", "c")
+        assert again is not None and again.batch_id == batch.batch_id
+        client.nack(again, again.messages[0], reason="boom")  # repeated: changes nothing
+        assert client.ack(again) is True
+    assert handled == [0, 1, 2]
+    [letter] = client.dead_letters("q")
+    assert (letter.event_id, letter.retry_count, letter.reason) == (ev, 2, "boom")
+    assert _retry_rows(conn, ev) == 0
+    assert drain(client, "q", "c") == []
+
+
+def test_nack_with_a_null_id_is_refused(client: pgque.Client,
+                                        conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    client.send("q", "e", 1)
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute("select pgque.nack('q', 'c', %s, array[null]::bigint[])", (batch.batch_id,))
+    assert info.value.sqlstate == "PQ010"
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute("select pgque.nack('q', 'c', %s, array[%s, null]::bigint[])",
+                     (batch.batch_id, batch.messages[0].id))
+    assert info.value.sqlstate == "PQ010"
+    assert scalar(conn, "select count(*) from pgque.retry_queue") == 0
+    assert client.ack(batch) is True
+
+
+def test_ack_with_nacks_commits_both_or_neither(client: pgque.Client,
+                                                conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q", max_retries=0)
+    client.subscribe("q", "c")
+    ids = client.send_batch("q", [("e", 1), ("e", 2), ("e", 3)])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    with pytest.raises(pgque.EventNotInBatch):  # one bad id: nothing happens
+        client.ack(batch, nack=[ids[0], 999_999])
+    assert scalar(conn, "select count(*) from pgque.dead_letter") == 0
+    assert client.ack(batch, nack={ids[0]: "first", ids[2]: "third"}) is True
+    letters = client.dead_letters("q")
+    assert [(d.event_id, d.reason) for d in letters] == [(ids[0], "first"), (ids[2], "third")]
+    assert drain(client, "q", "c") == []

@@ -3,6 +3,7 @@ idle, wakeups that may be lost, and a Worker that needs nothing else."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -125,3 +126,19 @@ def test_worker_alone_delivers_and_retries(client: pgque.Client, dsn: str) -> No
                  what=f"every event handled and the flaky one retried ({attempts})", dsn=dsn)
     assert all(attempts[i] == 1 for i in ids if i != ids[4])
     assert attempts[ids[4]] == 2
+
+
+def test_drop_queue_with_force_never_deadlocks_with_a_running_ticker(
+        client: pgque.Client, dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """drop_queue takes its locks in the ticker's and maintenance's order; it used to
+    deadlock with a busy ticker in most tries."""
+    caplog.set_level(logging.WARNING, logger="pgque")
+    with pgque.Ticker(dsn, min_interval=0.001, maintenance_interval=0.01) as ticker:
+        assert ticker.wait_active(10)
+        for n in range(8):
+            client.create_queue(f"q{n}", ticker_max_lag=0)
+            client.subscribe_slots(f"q{n}", "g", slots=2)
+            client.send_batch(f"q{n}", [("e", i, f"k{i}") for i in range(50)])
+            client.drop_queue(f"q{n}", force=True)
+        assert ticker.alive and ticker.error is None
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -1,0 +1,332 @@
+"""One lifecycle for pgque's long-running services: the Worker, the Ticker and
+the command line's ``tail``.
+
+A service connects, works until it is asked to stop, and reconnects with
+capped backoff when the database goes away. ``run()`` blocks (and turns
+SIGTERM/SIGINT into a stop when it runs in the main thread); ``start()`` runs
+the same loop in a background thread; ``stop()`` asks and waits.
+
+Two promises live here so that no service has to remember them:
+
+* **A stop is noticed within** :data:`STOP_LATENCY` in every wait the service
+  makes on its own: backoff, reconnect, and the connection attempt itself,
+  which runs in a helper thread so that a server that drops packets cannot
+  hold a stop for the length of a TCP timeout. (Work in progress, such as a
+  handler or a query already sent, is waited for: that is the caller's to bound.)
+* **What cannot heal is not retried.** A wrong slot count, an unknown queue,
+  a bad name, missing privileges, a session that a pooler swaps underneath:
+  retrying changes nothing, so the service stops, keeps the exception in
+  :attr:`Service.error`, and ``run()`` raises it.
+
+Signal handlers only assign a flag (taking a lock in a handler could deadlock
+with the code it interrupted); every wait here is sliced so the flag is seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from types import FrameType, TracebackType
+from typing import Any, TypeVar
+
+import psycopg
+
+from pgque.client import Conn, open_connection
+from pgque.errors import (
+    ConnectError,
+    ConsumerNotFound,
+    InvalidArgument,
+    InvalidConfig,
+    InvalidName,
+    InvalidSlot,
+    InvalidSlotCount,
+    QueueNotFound,
+    SessionUnstable,
+    SlotCountMismatch,
+)
+
+__all__ = [
+    "STOP_LATENCY",
+    "Service",
+    "Stopped",
+    "client_keepalives",
+    "is_fatal",
+    "session_ended",
+    "set_server_timeouts",
+]
+
+#: The longest a service takes to notice a stop in its own waits, in seconds.
+STOP_LATENCY = 0.2
+
+S = TypeVar("S", bound="Service")
+
+# Errors that retrying cannot fix: configuration, privileges, pgque missing.
+_FATAL = (
+    SessionUnstable, SlotCountMismatch, InvalidSlotCount, InvalidSlot, InvalidName,
+    QueueNotFound, ConsumerNotFound, InvalidArgument, InvalidConfig,
+    psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedFunction,
+)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error that reconnecting and retrying cannot heal."""
+    if isinstance(exc, ConnectError):
+        return not exc.transient
+    return isinstance(exc, _FATAL)
+
+
+class Stopped(Exception):
+    """Raised inside a service's own waits when a stop was requested."""
+
+
+class Service:
+    """Base class of a long-running service; subclasses implement :meth:`serve`.
+
+    ``serve()`` does the work of one connected session: it returns when a stop
+    is requested and raises when the session is lost (any exception; fatal
+    ones end the service, the others lead to a reconnect after a backoff).
+    """
+
+    #: Logger of the service; subclasses set their own.
+    log = logging.getLogger("pgque")
+
+    def __init__(self, name: str, *, connect_timeout: float = 30.0,
+                 max_backoff: float = 5.0) -> None:
+        self.name = name
+        self.connect_timeout = connect_timeout
+        self.max_backoff = max_backoff
+        #: The exception that stopped the service for good, or None.
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._signalled: int | None = None
+        self._thread: threading.Thread | None = None
+        self._backoff = 0.1
+
+    # -- control -----------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until stop() (or SIGTERM/SIGINT when called in the main thread).
+
+        Raises the error that ended the service when it cannot be retried.
+        """
+        restore = self._install_signal_handlers()
+        try:
+            self._main()
+        finally:
+            for signum, previous in restore.items():
+                signal.signal(signum, previous)
+        if self.error is not None:
+            raise self.error
+
+    def start(self) -> None:
+        """Serve in a background (daemon) thread; see :attr:`error` for how it ended."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the service to stop soon, without waiting for it."""
+        self._stop.set()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Ask the service to stop and wait up to ``timeout`` seconds for its thread."""
+        self.request_stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the service has ended; False on timeout."""
+        return self._stopped.wait(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread started by start() is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was requested (by stop(), or by a signal)."""
+        if self._signalled is not None and not self._stop.is_set():
+            self.log.info("%s: signal %s, stopping", self.name, self._signalled)
+            self._stop.set()
+        return self._stop.is_set()
+
+    def __enter__(self: S) -> S:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- for subclasses ------------------------------------------------------
+
+    def serve(self) -> None:
+        """Do the work of one session (see the class docstring)."""
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        """Called once when the service starts, before the first serve()."""
+
+    def cleanup(self) -> None:
+        """Called once when the service ends, whatever the reason."""
+
+    def sleep(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until a stop is requested; True when stopping."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._stop.wait(min(left, STOP_LATENCY))
+        return True
+
+    def connect(self, dsn: str, **kwargs: Any) -> Conn:
+        """Open an autocommit connection, giving up within STOP_LATENCY of a stop.
+
+        Retries while the server starts (up to ``connect_timeout``); raises
+        :class:`Stopped` when a stop comes first, ConnectError otherwise. A
+        connection that arrives after the caller gave up is closed.
+        """
+        kwargs.setdefault("application_name", self.name[:63])
+        outcome: Future[Conn] = Future()
+
+        def attempt() -> None:
+            try:
+                conn = open_connection(dsn, timeout=self.connect_timeout, stop=self._stop,
+                                       **kwargs)
+            except BaseException as exc:
+                outcome.set_exception(exc)
+            else:
+                outcome.set_result(conn)
+
+        threading.Thread(target=attempt, name=f"{self.name}-connect", daemon=True).start()
+        while True:
+            try:
+                conn = outcome.result(timeout=STOP_LATENCY)
+                break
+            except FutureTimeout:
+                if self.stopping:
+                    outcome.add_done_callback(_close_abandoned)
+                    raise Stopped() from None
+        self._backoff = 0.1  # connected: the next loss starts from a short backoff
+        return conn
+
+    # -- the loop ------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.setup()
+            while not self.stopping:
+                try:
+                    self.serve()
+                except Stopped:
+                    break
+                except Exception as exc:
+                    if is_fatal(exc):
+                        self.error = exc
+                        self.log.error("%s: %s; stopping (retrying cannot help)", self.name,
+                                       _describe(exc))
+                        break
+                    if self.stopping:
+                        break
+                    self.log.warning("%s: %s; reconnecting in %.1fs", self.name,
+                                     _describe(exc), self._backoff)
+                    self.on_connection_lost()
+                    self.sleep(self._backoff)
+                    self._backoff = min(self._backoff * 2, self.max_backoff)
+        finally:
+            try:
+                self.cleanup()
+            finally:
+                self._stopped.set()
+
+    def on_connection_lost(self) -> None:
+        """Called after serve() raised a retryable error, before the backoff."""
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._signalled = signum  # a plain assignment: see the module docstring
+
+        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _close_abandoned(future: Future[Conn]) -> None:
+    if future.exception() is None:
+        future.result().close()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def client_keepalives(network_timeout: float) -> dict[str, Any]:
+    """libpq settings under which the client gives up on a silent server within
+    about half of ``network_timeout``: before the server gives up on it (see
+    :func:`set_server_timeouts`), so a cut-off worker stops handling before
+    its slots can move to another. Keepalives cover a connection waiting for an
+    answer, ``tcp_user_timeout`` one whose request is not even acknowledged."""
+    idle = max(1, int(network_timeout / 6))
+    interval = max(1, int(network_timeout / 15))
+    return {"keepalives": 1, "keepalives_idle": idle, "keepalives_interval": interval,
+            "keepalives_count": 3, "tcp_user_timeout": int(network_timeout * 500)}
+
+
+def set_server_timeouts(conn: Conn, network_timeout: float, *,
+                        idle_timeout: float | None = None) -> None:
+    """Make the server end this session, and so free its locks (slots, the ticker
+    election), within about ``network_timeout`` seconds of its client going
+    silent: TCP keepalives while the session is idle, ``tcp_user_timeout``
+    while the server is sending, and ``client_connection_check_interval`` while
+    a query runs. With ``idle_timeout`` (PostgreSQL's ``idle_session_timeout``)
+    it also ends a session whose client stopped talking while its network is
+    fine: a frozen process (SIGSTOP, a debugger), or one that gave up behind a
+    pooler that keeps its server session. Keepalives are ignored on Unix sockets.
+    """
+    idle = max(1, int(network_timeout / 3))
+    interval = max(1, int(network_timeout / 6))
+    conn.execute(
+        "select set_config('tcp_keepalives_idle', %s, false),"
+        " set_config('tcp_keepalives_interval', %s, false),"
+        " set_config('tcp_keepalives_count', '3', false),"
+        " set_config('tcp_user_timeout', %s, false),"
+        " set_config('client_connection_check_interval', %s, false),"
+        " set_config('idle_session_timeout', %s, false)",
+        (str(idle), str(interval), str(int(network_timeout * 5000 / 6)),
+         str(interval * 1000), str(int((idle_timeout or 0) * 1000))))
+
+
+def session_ended(conn: Conn) -> bool:
+    """Whether the server has ended the session behind an idle connection.
+
+    Costs no round trip: an idle connection has nothing to read unless the
+    server sent something on its own, such as the FATAL message of a
+    terminated session or the end of the stream. Returns False while another
+    thread is using the connection (that call will find out by itself).
+    """
+    if conn.closed or conn.broken:
+        return True
+    if not conn.lock.acquire(blocking=False):
+        return False
+    try:
+        ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+        if not ready:
+            return False
+        conn.pgconn.consume_input()
+        return conn.pgconn.status != psycopg.pq.ConnStatus.OK
+    except (OSError, psycopg.Error):
+        return True
+    finally:
+        conn.lock.release()
