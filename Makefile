@@ -13,7 +13,7 @@ OTHER_BINDIR_PY := from pgque.localpg import bindir_major, embedded_bindir, syst
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
-.PHONY: venv lint test demo bench clean distclean system-deps
+.PHONY: venv lint test test-faults demo bench clean distclean system-deps
 
 venv: $(STAMP)
 
@@ -44,21 +44,45 @@ else
 	fi
 endif
 
+# The fault suite alone, long variants included (30 s freezes and blackholes,
+# repeated kills): `make test` runs only its short variants.
+test-faults: venv
+	PGQUE_TEST_SERVER=embedded PGQUE_FAULTS_LONG=1 $(BIN)/pytest -q tests/test_faults.py $(PYTEST_ARGS)
+
 # Optional system packages the suite uses when present: pg_cron for the
-# machine's PostgreSQL (its cron tests skip without it). Best effort: needs
-# root and apt; never fails the build.
+# machine's PostgreSQL (its cron tests skip without it), PgBouncer (the pooler
+# tests) and nftables (the network-fault tests cut a veth link with it). Best
+# effort: needs root and apt; never fails the build. A packaged service that
+# starts (pgbouncer on port 6432) is stopped and disabled: the tests start their
+# own pgbouncer on a free port.
 system-deps:
-	@for bindir in /usr/lib/postgresql/*/bin; do \
+	@apt_install() { \
+		apt-get install -y -qq "$$@" >/dev/null 2>&1 || \
+		(apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "$$@" >/dev/null 2>&1); \
+	}; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "system-deps: needs root and apt-get; pg_cron, pgbouncer and nftables tests will skip"; \
+		exit 0; \
+	fi; \
+	for bindir in /usr/lib/postgresql/*/bin; do \
 		major=$$(basename $$(dirname $$bindir)); \
-		if [ -x "$$bindir/postgres" ] && [ ! -e /usr/lib/postgresql/$$major/lib/pg_cron.so ] \
-			&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		if [ -x "$$bindir/postgres" ] && [ ! -e /usr/lib/postgresql/$$major/lib/pg_cron.so ]; then \
 			echo "installing pg_cron for PostgreSQL $$major"; \
-			(apt-get install -y -qq postgresql-$$major-cron >/dev/null 2>&1 || \
-			 (apt-get update -qq >/dev/null 2>&1 && \
-			  apt-get install -y -qq postgresql-$$major-cron >/dev/null 2>&1)) || \
-			echo "pg_cron not installed; its tests will skip"; \
+			apt_install postgresql-$$major-cron || echo "pg_cron not installed; its tests will skip"; \
 		fi; \
-	done
+	done; \
+	if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then \
+		echo "installing pgbouncer"; \
+		if apt_install pgbouncer; then \
+			(systemctl disable --now pgbouncer || service pgbouncer stop) >/dev/null 2>&1 || true; \
+		else \
+			echo "pgbouncer not installed; the pooler tests will skip"; \
+		fi; \
+	fi; \
+	if ! command -v nft >/dev/null && [ ! -x /usr/sbin/nft ]; then \
+		echo "installing nftables"; \
+		apt_install nftables || echo "nftables not installed; the network-fault tests will skip"; \
+	fi
 
 demo: venv
 	$(BIN)/python -m pgque.demo

@@ -138,3 +138,63 @@ def client(dsn: str) -> Iterator[pgque.Client]:
     """A pgque client connected to ``dsn`` (autocommit), closed after the test."""
     with pgque.connect(dsn) as c:
         yield c
+
+
+def _pgbouncer(server: pgtest.PgServer, pool_mode: str, pool_size: int) -> Iterator[Any]:
+    from pgbouncer import PgBouncer, PgBouncerUnavailable
+
+    bouncer = PgBouncer(server.dsn(), pool_mode=pool_mode, pool_size=pool_size)  # type: ignore[arg-type]
+    try:
+        bouncer.start()
+    except PgBouncerUnavailable as exc:
+        pytest.skip(f"no pgbouncer: {exc}")
+    try:
+        yield bouncer
+    finally:
+        bouncer.close()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_server: pgtest.PgServer) -> Iterator[Any]:
+    """A transaction-mode PgBouncer (2 server connections per database) in front of
+    the test server: ``.dsn(dbname)``. Skips where pgbouncer cannot run (tests/pgbouncer.py)."""
+    yield from _pgbouncer(pg_server, "transaction", 2)
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_session(pg_server: pgtest.PgServer) -> Iterator[Any]:
+    """The same in session mode, with room for 40 server connections per database."""
+    yield from _pgbouncer(pg_server, "session", 40)
+
+
+@pytest.fixture(scope="session")
+def netns_server(pg_server: pgtest.PgServer) -> Iterator[Any]:
+    """A network namespace on veth links and a PostgreSQL (the run's binaries)
+    listening on them, with pgque's template: a ``netns.LinkServer`` whose
+    ``.link`` (``netns.NetnsLink``) can ``blackhole()``/``heal()``/``cut()`` and
+    ``popen()`` processes inside. Skips where that cannot work (tests/netns.py)."""
+    import netns
+
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(f"no network namespace: {reason}")
+    bindir = getattr(getattr(pg_server, "postgres", None), "bindir", None)
+    with netns.NetnsLink() as link, netns.LinkServer(
+            link, bindir=bindir, tmpdir=pgtest.cluster_tmpdir()) as server:
+        pgtest.create_template(server)
+        yield server
+
+
+@pytest.fixture
+def netns_dsn(netns_server: Any) -> Iterator[str]:
+    """127.0.0.1 DSN of a fresh pgque database on ``netns_server`` (it works inside
+    the namespace too, over the link that is never cut); ``netns_server.link.dsn(it)``
+    is its twin over the link that blackhole() cuts. Heals and kills what the test
+    started in the namespace afterwards."""
+    name = pgtest.scratch_name("n")
+    pgtest.create_database(netns_server, name, template=pgtest.TEMPLATE_DB)
+    try:
+        yield netns_server.dsn(name)
+    finally:
+        netns_server.link.stop()
+        pgtest.drop_database(netns_server, name)
