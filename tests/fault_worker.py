@@ -1,0 +1,141 @@
+"""A worker process for the fault suite (tests/test_faults.py).
+
+    python tests/fault_worker.py CONFIG_JSON
+
+runs :class:`pgque.Worker` until SIGTERM, with a handler that records every
+call in the table ``fault_handled`` (made by tests/faults.py): event id, key,
+producer, producer sequence, retry count, this process's pid, the worker's
+name, and the start and end of the call on the DATABASE clock
+(``clock_timestamp()``), plus whether the call failed.
+
+The handler fails an event while its retry count is below the ``fail`` field
+of its payload, so which events fail, and how often, follows from the
+payload alone (``fail`` larger than the queue's max_retries: it always fails).
+
+Records go over the handler's own connection (never the worker's), straight
+to the server (never through a fault proxy), synchronously committed (an
+immediate server stop must not lose a record whose effects survived). That
+connection survives every fault the suite injects on the worker's sessions;
+when the server itself restarts, a record is retried until the server is
+back, and a retry after a lost reply cannot count a call twice (each call has
+a unique token).
+
+Config keys: dsn (the worker's, maybe through a proxy or with options),
+record_dsn, queue, consumer, slots, name, max_events, poll_interval,
+rebalance_interval, retry_after, delay_ms ([low, high] handler sleep), seed,
+network_timeout (passed only when set and when this Worker accepts it),
+ticker_dsn (when set: the worker's Ticker connects there instead of to dsn).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import inspect
+import itertools
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import psycopg
+
+import pgque
+
+RECORD_RETRY_SECONDS = 120.0  # a server restart must be over by then
+
+
+class Recorder:
+    """One autocommit connection per handler thread, re-opened when it breaks."""
+
+    def __init__(self, dsn: str, name: str) -> None:
+        self.dsn = dsn
+        self.name = name
+        self.local = threading.local()
+
+    def _conn(self) -> psycopg.Connection[Any]:
+        conn: psycopg.Connection[Any] | None = getattr(self.local, "conn", None)
+        if conn is None or conn.closed:
+            conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5,
+                                   application_name=f"rec-{self.name}"[:63])
+            conn.execute("set synchronous_commit = on")
+            self.local.conn = conn
+        return conn
+
+    def execute(self, query: str, params: tuple[Any, ...]) -> None:
+        """Run one idempotent statement, retrying through connection failures."""
+        deadline = time.monotonic() + RECORD_RETRY_SECONDS
+        while True:
+            try:
+                self._conn().execute(query, params)
+                return
+            except psycopg.OperationalError:
+                conn = getattr(self.local, "conn", None)
+                if conn is not None:
+                    conn.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+class HandlerFailure(Exception):
+    """The failure the payload asked for."""
+
+
+def main() -> int:
+    config: dict[str, Any] = json.loads(sys.argv[1])
+    name: str = config["name"]
+    pid = os.getpid()
+    rng = random.Random(config["seed"])
+    low, high = config["delay_ms"]
+    recorder = Recorder(config["record_dsn"], name)
+    calls = itertools.count()
+
+    def handler(message: pgque.Message[Any]) -> None:
+        payload = message.payload
+        token = f"{pid}:{next(calls)}"
+        recorder.execute(
+            "insert into fault_handled (token, ev_id, key, producer, seq, retry, pid, worker, "
+            "started) values (%s, %s, %s, %s, %s, %s, %s, %s, clock_timestamp()) "
+            "on conflict (token) do nothing",
+            (token, message.id, message.partition_key, payload["p"], payload["s"],
+             message.retry_count, pid, name))
+        threading.Event().wait(rng.uniform(low, high) / 1000)
+        failed = message.retry_count < payload.get("fail", 0)
+        recorder.execute(
+            "update fault_handled set ended = clock_timestamp(), outcome = %s "
+            "where token = %s and ended is null",
+            ("fail" if failed else "ok", token))
+        if failed:
+            raise HandlerFailure(f"event {message.id} fails at retry {message.retry_count}")
+
+    kwargs: dict[str, Any] = {
+        "queue": config["queue"], "consumer": config["consumer"], "slots": config["slots"],
+        "handler": handler, "max_events": config["max_events"],
+        "poll_interval": config["poll_interval"],
+        "rebalance_interval": config["rebalance_interval"],
+        "retry_after": config["retry_after"], "name": name,
+    }
+    accepted = inspect.signature(pgque.Worker).parameters
+    if config.get("network_timeout") is not None and "network_timeout" in accepted:
+        kwargs["network_timeout"] = config["network_timeout"]
+    if config.get("ticker_dsn"):
+        kwargs["ticker"] = pgque.Ticker(config["ticker_dsn"], name=f"{name}-ticker")
+
+    faulthandler.register(signal.SIGUSR1)  # the suite dumps our stacks if we hang
+    # Handler failures are expected by the hundred: keep their tracebacks out.
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s [{name} {pid}] %(name)s: %(message)s")
+    logging.getLogger("pgque.worker").addFilter(
+        lambda record: "handler failed" not in record.getMessage())
+    worker = pgque.Worker(config["dsn"], **kwargs)
+    worker.run()  # returns after SIGTERM, having released everything
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
