@@ -526,6 +526,22 @@ def test_worker_runs_handler_from_module_path(client: pgque.Client, dsn: str,
     assert owners() == [None] * 4  # every slot released on the way out
 
 
+def test_worker_exits_with_the_error_when_its_queue_goes_away(client: pgque.Client,
+                                                              dsn: str) -> None:
+    """An error that retrying cannot heal ends the worker with a one-line message and
+    a non-zero exit, instead of a reconnect loop."""
+    client.create_queue("q")
+    with cli_process("worker", "cli_handlers:record", "--queue", "q", "--consumer", "g",
+                     "--slots", "2", "--log-level", "warning", "--no-ticker",
+                     PGQUE_DSN=dsn, PYTHONPATH=TESTS_DIR) as proc:
+        wait_for(lambda: all(s["owner_pid"] for s in client.partition_slot_status("q")),
+                 timeout=30, what="the worker to own its slots")
+        client.drop_queue("q", force=True)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    assert "'q' does not exist" in err.strip().splitlines()[-1]
+
+
 def test_ticker_ticks_until_sigterm(client: pgque.Client, dsn: str) -> None:
     client.create_queue("q")
     client.subscribe("q", "c")
