@@ -118,6 +118,7 @@ class Client:
         # (backend pid, token) once pin_session() ran: slot and ticker calls
         # then check that they still reach that server session.
         self._pinned: tuple[int, str] | None = None
+        self._owner_thread = threading.get_ident()
 
     # -- lifecycle -------------------------------------------------------
 
@@ -159,9 +160,12 @@ class Client:
     def _producer(self, conn: Conn | None) -> Iterator[Conn]:
         if conn is not None:
             yield conn
-        elif self.conn.info.transaction_status in _IN_TRANSACTION:
+        elif (self.conn.info.transaction_status in _IN_TRANSACTION
+              and threading.get_ident() == self._owner_thread):
             # The caller opened a transaction on the client's own connection
             # (the outbox pattern): the event must commit or roll back with it.
+            # Only for the thread that made the client: another thread's send
+            # must not land in that transaction (it goes through the pool).
             yield self.conn
         elif self._pool_size > 0:
             if self._pool is None:
@@ -231,9 +235,11 @@ class Client:
         """Append one event and return its id.
 
         With ``conn``, the event is written in that connection's current
-        transaction and exists only if it commits. Without it, a transaction
-        open on the client's own connection (``with client.conn.transaction():``)
-        is joined the same way; otherwise the event commits on its own.
+        transaction and exists only if it commits. Without it, when called from
+        the thread that made the client, a transaction open on the client's own
+        connection (``with client.conn.transaction():``) is joined the same way;
+        otherwise the event commits on its own (through the producer pool when
+        there is one).
         """
         data = encode_payload(payload)
         with self._producer(conn) as target:

@@ -24,11 +24,15 @@ with the code it interrupted); every wait here is sliced so the flag is seen.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import select
 import signal
+import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from types import FrameType, TracebackType
@@ -52,6 +56,7 @@ from pgque.errors import (
 
 __all__ = [
     "STOP_LATENCY",
+    "CallWatch",
     "Service",
     "Stopped",
     "client_keepalives",
@@ -108,6 +113,8 @@ class Service:
         self._signalled: int | None = None
         self._thread: threading.Thread | None = None
         self._backoff = 0.1
+        self._watches: set[CallWatch] = set()
+        self._watches_lock = threading.Lock()
 
     # -- control -----------------------------------------------------------
 
@@ -222,7 +229,33 @@ class Service:
 
     # -- the loop ------------------------------------------------------------
 
+    def watch(self, conn: Conn, deadline: float) -> CallWatch:
+        """Start watching the calls on ``conn``: one in flight longer than
+        ``deadline`` seconds gets the connection shut down (see CallWatch).
+        Unwatch it with :meth:`unwatch` when the connection is done."""
+        watch = CallWatch(conn, deadline)
+        with self._watches_lock:
+            self._watches.add(watch)
+        return watch
+
+    def unwatch(self, watch: CallWatch) -> None:
+        """Stop watching a connection."""
+        with self._watches_lock:
+            self._watches.discard(watch)
+
+    def _watchdog(self) -> None:
+        while not self._stopped.wait(STOP_LATENCY):
+            with self._watches_lock:
+                watches = list(self._watches)
+            for watch in watches:
+                if not watch.lost and watch.overdue():
+                    self.log.warning("%s: a call got no answer for %.0fs; giving up on the "
+                                     "connection", self.name, watch.deadline)
+                    watch.abort()
+
     def _main(self) -> None:
+        threading.Thread(target=self._watchdog, name=f"{self.name}-watchdog",
+                         daemon=True).start()
         try:
             self.setup()
             while not self.stopping:
@@ -306,6 +339,69 @@ def set_server_timeouts(conn: Conn, network_timeout: float, *,
         " set_config('idle_session_timeout', %s, false)",
         (str(idle), str(interval), str(int(network_timeout * 5000 / 6)),
          str(interval * 1000), str(int((idle_timeout or 0) * 1000))))
+
+
+class CallWatch:
+    """The calls in flight on one connection, with a deadline.
+
+    A network can fail in a way that no TCP timeout sees: a stalled middlebox or
+    pooler that keeps acknowledging packets and never forwards them. A call on
+    such a connection blocks for ever, holding the connection, so neither a
+    stop nor a check between events gets through. A service runs its calls
+    inside :meth:`call`; its watchdog :meth:`abort` s a connection whose oldest
+    call is older than the deadline, which shuts the socket down and makes the
+    blocked call fail at once.
+    """
+
+    def __init__(self, conn: Conn, deadline: float) -> None:
+        self.conn = conn
+        self.deadline = deadline
+        self.lost = False
+        self._started: dict[int, float] = {}  # calls in flight: thread id -> start
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[Conn]:
+        """Time one call on the connection; a connection error marks it lost."""
+        me = threading.get_ident()
+        with self._lock:
+            self._started[me] = time.monotonic()
+        try:
+            yield self.conn
+        except psycopg.OperationalError:
+            self.lost = True
+            raise
+        finally:
+            with self._lock:
+                self._started.pop(me, None)
+
+    def overdue(self) -> bool:
+        """Whether a call has been in flight for longer than the deadline."""
+        with self._lock:
+            oldest = min(self._started.values(), default=None)
+        return oldest is not None and time.monotonic() - oldest > self.deadline
+
+    def abort(self) -> None:
+        """Give up on the connection: shut its socket down, so that every call
+        blocked on it fails now."""
+        self.lost = True
+        with contextlib.suppress(OSError, psycopg.Error):
+            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+
+    def gone(self) -> bool:
+        """Whether the session is known to be gone: lost, overdue, or ended by the
+        server (see session_ended). Costs no round trip."""
+        if self.lost:
+            return True
+        if self.overdue():
+            self.abort()
+        elif session_ended(self.conn):
+            self.lost = True
+        return self.lost
 
 
 def session_ended(conn: Conn) -> bool:

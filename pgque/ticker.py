@@ -18,9 +18,10 @@ without anyone scheduling anything.
 An active ticker can stop working while keeping its lock: its process frozen
 (SIGSTOP, a debugger, a swap storm) or its network cut without a FIN. So the
 standbys also tick, through ``pgque.tick_overdue``, every queue whose pending
-events have waited ``overdue_after`` seconds: delivery goes on, a little
-slower, until the active ticker's session ends. Ticks of one queue are
-serialized in the database, so the two never collide.
+events have waited ``overdue_after`` seconds, and run maintenance while they
+have to: delivery and retries go on, a little slower, until the active
+ticker's session ends. Ticks of one queue are serialized in the database, so
+the two never collide.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 import psycopg
 
 from pgque.client import Client
-from pgque.lifecycle import Service, client_keepalives, set_server_timeouts
+from pgque.lifecycle import CallWatch, Service, client_keepalives, set_server_timeouts
 
 __all__ = ["TICKER_LOCK_KEY", "Ticker"]
 
@@ -88,17 +89,19 @@ class Ticker(Service):
 
     def serve(self) -> None:
         conn = self.connect(self.dsn, **client_keepalives(self.network_timeout))
+        watch = self.watch(conn, self.network_timeout / 2)  # see Worker.serve
         try:
             # Never idle for long (standby_interval, idle_interval), so a long
             # silence means a frozen ticker: the server ends its session and
             # the election.
-            set_server_timeouts(conn, self.network_timeout,
-                                idle_timeout=max(self.network_timeout * 5 / 6,
-                                                 3 * self.standby_interval,
-                                                 3 * self.idle_interval))
-            client = Client(conn)
-            self.backend_pid = client.pin_session()
-            self._elect(client)
+            with watch.call():
+                set_server_timeouts(conn, self.network_timeout,
+                                    idle_timeout=max(self.network_timeout * 5 / 6,
+                                                     3 * self.standby_interval,
+                                                     3 * self.idle_interval))
+                client = Client(conn)
+                self.backend_pid = client.pin_session()
+            self._elect(client, watch)
         except psycopg.errors.InsufficientPrivilege as exc:
             self.log.error("%s: this role may not tick (%s). Run workers with ticker=False "
                            "and tick with a pgque_admin role.", self.name,
@@ -106,29 +109,44 @@ class Ticker(Service):
             raise
         finally:
             self._active.clear()
+            self.unwatch(watch)
             conn.close()
 
-    def _elect(self, client: Client) -> None:
+    def _elect(self, client: Client, watch: CallWatch) -> None:
+        next_maintenance = 0.0
         while not self.stopping:
-            if client.try_ticker_lock(TICKER_LOCK_KEY):
+            with watch.call():
+                elected = client.try_ticker_lock(TICKER_LOCK_KEY)
+            if elected:
                 self.log.info("%s: active (backend pid %s)", self.name, self.backend_pid)
                 self._active.set()
-                self._tick_loop(client)
+                self._tick_loop(client, watch)
                 return
             # Standing by: cover for an active ticker that holds the lock but
             # does not tick (frozen, or cut off without its session ending).
-            self.ticks += client.tick_overdue(self.overdue_after)
+            with watch.call():
+                overdue = client.tick_overdue(self.overdue_after)
+            self.ticks += overdue
+            now = time.monotonic()
+            if overdue and now >= next_maintenance:
+                # The active ticker is not doing its job: its maintenance (retries
+                # coming back, rotation) is not being done either.
+                with watch.call():
+                    client.maintenance()
+                next_maintenance = now + self.maintenance_interval
             self.sleep(self.standby_interval)
 
-    def _tick_loop(self, client: Client) -> None:
+    def _tick_loop(self, client: Client, watch: CallWatch) -> None:
         last_tick = time.monotonic()
         next_maintenance = 0.0
         while not self.stopping:
             now = time.monotonic()
             if now >= next_maintenance:
-                client.maintenance()
+                with watch.call():
+                    client.maintenance()
                 next_maintenance = now + self.maintenance_interval
-            made = client.ticker()
+            with watch.call():
+                made = client.ticker()
             if made:
                 self.ticks += made
                 last_tick = now

@@ -51,7 +51,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Generic, TypeVar
@@ -63,9 +63,10 @@ from pgque.client import Client, open_connection
 from pgque.errors import SessionUnstable, SlotNotOwned
 from pgque.lifecycle import (
     STOP_LATENCY,
+    CallWatch,
     Service,
     client_keepalives,
-    session_ended,
+    is_fatal,
     set_server_timeouts,
 )
 from pgque.ticker import Ticker
@@ -82,18 +83,28 @@ class _ConnectionLost(Exception):
 
 
 class _Session:
-    """One connected session of the worker: the client over it, and whether it
-    is known to be gone. Slot steps hold on to the session they started on, so
-    a step of an old session never acks on a new one."""
+    """One connected session of the worker: the client over it, and the watch on
+    its calls (see CallWatch). Slot steps hold on to the session they started
+    on, so a step of an old session never acks on a new one."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, watch: CallWatch) -> None:
         self.client = client
-        self.lost = False
+        self.watch = watch
+
+    @property
+    def lost(self) -> bool:
+        return self.watch.lost
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[Client]:
+        """A call on the session: timed by the watchdog, refused once it is lost."""
+        if self.watch.lost:
+            raise _ConnectionLost("session gone")
+        with self.watch.call():
+            yield self.client
 
     def gone(self) -> bool:
-        if not self.lost and session_ended(self.client.conn):
-            self.lost = True
-        return self.lost
+        return self.watch.gone()
 
 
 class Worker(Service, Generic[T]):
@@ -138,6 +149,11 @@ class Worker(Service, Generic[T]):
             raise ValueError("slots must be at least 1")
         if network_timeout < 2:
             raise ValueError("network_timeout must be at least 2 seconds")
+        if max_events < 1:
+            raise ValueError("max_events must be at least 1")
+        if (retry_after.total_seconds() if isinstance(retry_after, timedelta)
+                else retry_after) < 0:
+            raise ValueError("retry_after must not be negative")
         super().__init__(name or f"pgque-worker-{queue}-{consumer}",
                          connect_timeout=connect_timeout)
         self.dsn = dsn
@@ -208,7 +224,10 @@ class Worker(Service, Generic[T]):
 
     def serve(self) -> None:
         conn = self.connect(self.dsn, **client_keepalives(self.network_timeout))
-        session = _Session(Client(conn))
+        # A call unanswered for half the network timeout means a network that
+        # no TCP timeout sees (a stalled middlebox or pooler): give up on the
+        # session before the server ends it and the slots move.
+        session = _Session(Client(conn), self.watch(conn, self.network_timeout / 2))
         try:
             client = session.client
             # The session is never idle for long (it rebalances every
@@ -221,10 +240,11 @@ class Worker(Service, Generic[T]):
             # a cursor move lost in a server crash means events delivered again,
             # which at-least-once allows, so its commits need not wait for a WAL
             # flush. Several times cheaper per batch on a durable server.
-            conn.execute("set synchronous_commit = off")
-            client.pin_session()
-            client.subscribe_slots(self.queue, self.consumer, slots=self.slots)
-            client.join_group(self.queue, self.consumer)
+            with session.call():
+                conn.execute("set synchronous_commit = off")
+                client.pin_session()
+                client.subscribe_slots(self.queue, self.consumer, slots=self.slots)
+                client.join_group(self.queue, self.consumer)
             with self._lock:
                 self._session = session
                 self._owned = set()
@@ -233,6 +253,7 @@ class Worker(Service, Generic[T]):
             self._finish(session)
         finally:
             self._forget(session)
+            self.unwatch(session.watch)
 
     def cleanup(self) -> None:
         if self._executor is not None:
@@ -262,8 +283,8 @@ class Worker(Service, Generic[T]):
 
     def _rebalance(self, session: _Session) -> None:
         """Claim free slots up to the fair share; release the surplus that is idle."""
-        client = session.client
-        status = client.group_status(self.queue, self.consumer)
+        with session.call() as client:
+            status = client.group_status(self.queue, self.consumer)
         members = status[0].members
         share = status[0].fair_share(self.slots)
         with self._lock:
@@ -274,7 +295,8 @@ class Worker(Service, Generic[T]):
             running = {slot for slot, future in self._busy.items() if not future.done()}
         if len(owned) > share:
             for slot in sorted(owned - running, reverse=True)[: len(owned) - share]:
-                client.release_slot(self.queue, self.consumer, slot)
+                with session.call() as client:
+                    client.release_slot(self.queue, self.consumer, slot)
                 owned.discard(slot)
                 self.log.info("%s: released slot %s (share %s of %s workers)", self.name,
                               slot, share, members)
@@ -284,7 +306,9 @@ class Worker(Service, Generic[T]):
             for slot in free:
                 if len(owned) >= share:
                     break
-                if client.claim_slot(self.queue, self.consumer, slot):
+                with session.call() as client:
+                    claimed = client.claim_slot(self.queue, self.consumer, slot)
+                if claimed:
                     owned.add(slot)
                     self._idle_until.pop(slot, None)
                     self.log.info("%s: claimed slot %s", self.name, slot)
@@ -323,7 +347,7 @@ class Worker(Service, Generic[T]):
             self.log.warning("%s: slot %s is no longer ours", self.name, slot)
             self._owned.discard(slot)
             return
-        if isinstance(exc, SessionUnstable):
+        if isinstance(exc, SessionUnstable) or is_fatal(exc):
             raise exc
         if isinstance(exc, (psycopg.OperationalError, _ConnectionLost)):
             raise _ConnectionLost(str(exc))
@@ -372,24 +396,20 @@ class Worker(Service, Generic[T]):
         """One step of a slot: receive a batch piece, handle its events in order,
         then nack the failures and ack in one transaction. Returns whether a
         batch was there."""
-        if session.lost:
-            raise _ConnectionLost("session gone")
-        try:
-            batch = session.client.receive_partitioned(
+        with session.call() as client:
+            batch = client.receive_partitioned(
                 self.queue, self.consumer, slot=slot, slots=self.slots,
                 max_events=self.max_events, payload_type=self.payload_type)
-            if batch is None:
-                return False
-            failures = self._handle(batch, session)
-            if failures is None or session.lost:
-                # The session that received this batch is gone; whoever owns the
-                # slot now gets the batch again. Never ack it from here.
-                raise _ConnectionLost("session gone during a batch")
-            session.client.ack(batch, nack=failures, retry_after=self.retry_after)
-            return True
-        except psycopg.OperationalError:
-            session.lost = True
-            raise
+        if batch is None:
+            return False
+        failures = self._handle(batch, session)
+        if failures is None:
+            # The session that received this batch is gone; whoever owns the
+            # slot now gets the batch again. Never ack it from here.
+            raise _ConnectionLost("session gone during a batch")
+        with session.call() as client:
+            client.ack(batch, nack=failures, retry_after=self.retry_after)
+        return True
 
     def _handle(self, batch: Batch[T], session: _Session) -> dict[int, str] | None:
         """Run the handler on each event of the batch; returns the failed events'
@@ -402,13 +422,13 @@ class Worker(Service, Generic[T]):
                 return None
             try:
                 self.handler(message)
-            except Exception as exc:
+            except BaseException as exc:  # also CancelledError & co: the event failed
                 # Expected under the skip policy, hence a warning; the traceback
                 # is what a developer needs to fix the handler.
                 self.log.warning("%s: handler failed for event %s (key %r, slot %s, retry %s): "
                                  "%r", self.name, message.id, message.partition_key, batch.slot,
                                  message.retry_count, exc, exc_info=True)
-                failures[message.id] = f"{type(exc).__name__}: {exc}"[:1000]
+                failures[message.id] = failure_reason(exc)
                 with self._lock:
                     self.failed += 1
             else:
@@ -422,6 +442,15 @@ class Worker(Service, Generic[T]):
         """On stop: let the batches in flight finish (they ack), then release every slot."""
         with self._lock:
             busy = list(self._busy.values())
+        # Handlers may take a while: keep the session talking meanwhile, or its
+        # idle_session_timeout would end it and the acks would be lost.
+        while wait(busy, timeout=self.rebalance_interval).not_done:
+            try:
+                with session.call() as client:
+                    client.conn.execute("select 1")
+            except Exception as exc:
+                self.log.warning("%s: session lost while finishing: %s", self.name, exc)
+                break
         wait(busy)
         with self._lock:
             for slot, future in list(self._busy.items()):
@@ -432,15 +461,16 @@ class Worker(Service, Generic[T]):
                     self.log.warning("%s: slot %s: %s", self.name, slot, exc)
         try:
             for slot in sorted(self.owned_slots):
-                session.client.release_slot(self.queue, self.consumer, slot)
-        except psycopg.Error as exc:
+                with session.call() as client:
+                    client.release_slot(self.queue, self.consumer, slot)
+        except (psycopg.Error, _ConnectionLost) as exc:
             self.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
 
     def _forget(self, session: _Session) -> None:
         """Forget a session: its locks, and with them the slots, are gone (or were
         released). Waits for in-flight handlers first, so this worker never runs
         two handlers of one slot at once."""
-        session.lost = True
+        session.watch.lost = True
         with self._lock:
             if self._session is session:
                 self._session = None
@@ -451,3 +481,15 @@ class Worker(Service, Generic[T]):
         wait(busy)
         with contextlib.suppress(Exception):  # closing a dead connection may fail
             session.client.conn.close()
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The reason stored with a failed event: the exception's type and message,
+    cut to 1,000 characters and made storable (no NUL, no lone surrogates), so
+    that no exception can stop its event from being nacked."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # a __str__ that raises
+        text = f"{type(exc).__name__}: <unprintable>"
+    text = text.replace("\x00", "\\0")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:1000]

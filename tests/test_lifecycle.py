@@ -5,6 +5,7 @@ handling its batch at the next event."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import faults
 import psycopg
 import pytest
 from helpers import scalar, wait_for
@@ -176,3 +178,142 @@ def test_a_worker_stops_handling_its_batch_once_its_session_is_gone(
     zombie_starts = after[:after.index(ids[0])]
     # At most one start can slip in between the termination and the check.
     assert len(zombie_starts) <= 1, zombie_starts
+
+
+def test_invalid_worker_arguments_are_refused_up_front() -> None:
+    for bad in ({"max_events": 0}, {"retry_after": -1}, {"network_timeout": 1}):
+        with pytest.raises(ValueError):
+            pgque.Worker("dbname=x", queue="q", consumer="g", slots=2, handler=noop, **bad)
+
+
+def test_privileges_revoked_while_running_stop_the_worker(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    conn.execute("drop role if exists pgque_revoked")
+    conn.execute("create role pgque_revoked login in role pgque_reader")
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    params["user"] = "pgque_revoked"
+    worker = pgque.Worker(psycopg.conninfo.make_conninfo(**params), queue="q", consumer="g",
+                          slots=2, handler=noop, ticker=False, rebalance_interval=0.1)
+    try:
+        with worker:
+            wait_for(lambda: len(worker.owned_slots) == 2, timeout=20, what="slots claimed")
+            # Fails in the slots' receive (a slot step), not in the main loop.
+            conn.execute("revoke execute on function pgque.receive_partitioned("
+                         "text, text, integer, integer, integer) from pgque_reader")
+            client.send("q", "e", 1)
+            assert worker.wait_stopped(10)
+        assert isinstance(worker.error, psycopg.errors.InsufficientPrivilege)
+    finally:
+        conn.execute("drop owned by pgque_revoked")
+        conn.execute("drop role pgque_revoked")
+
+
+def test_an_event_whose_failure_cannot_be_stored_as_given_is_still_nacked(
+        client: pgque.Client, dsn: str) -> None:
+    """Exceptions whose text PostgreSQL cannot store (a NUL byte, a lone surrogate,
+    a __str__ that raises) and BaseExceptions such as CancelledError fail their
+    event like any other: it is retried and dead-lettered, and the slot goes on
+    (they used to stall the slot, handling the same piece over and over)."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    raising: dict[str, BaseException] = {
+        "nul": ValueError("bad name a\x00b"), "surrogate": ValueError("bad \ud800"),
+        "unprintable": Unprintable(), "cancelled": asyncio.CancelledError()}
+    client.create_queue("q", max_retries=1, ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=1)
+    ids = client.send_batch("q", [*((kind, None, "k") for kind in raising), ("Good", None, "k")])
+    calls: list[str] = []
+
+    def handler(message: pgque.Message[Any]) -> None:
+        calls.append(message.type)
+        if message.type in raising:
+            raise raising[message.type]
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=handler,
+                          retry_after=0, poll_interval=0.05,
+                          ticker=pgque.Ticker(dsn, maintenance_interval=0.05))
+    with worker:
+        wait_for(lambda: len(client.dead_letters("q")) == len(raising), timeout=30,
+                 what="every failing event dead-lettered", dsn=dsn)
+    assert sorted(d.event_id for d in client.dead_letters("q")) == ids[:-1]
+    assert calls.count("Good") == 1
+    assert all(calls.count(kind) == 2 for kind in raising)  # first try and one retry
+    reasons = {d.type: d.reason for d in client.dead_letters("q")}
+    assert reasons["nul"] == "ValueError: bad name a\\0b"
+    assert reasons["unprintable"] == "Unprintable: <unprintable>"
+
+
+def test_a_stalled_network_cannot_make_two_workers_handle_a_key_at_once(
+        client: pgque.Client, dsn: str) -> None:
+    """A middlebox that stops forwarding but keeps acknowledging (no TCP timeout
+    fires): the cut-off worker gives up its session after network_timeout / 2,
+    before the server ends it (5/6 of network_timeout) and another worker can
+    take the slot; and its stop() returns."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=1)
+    client.send_batch("q", [("e", n, "k") for n in range(16)])
+    started: list[tuple[float, str, int]] = []
+    first = threading.Event()
+
+    def recorder(name: str) -> Any:
+        def handle(message: pgque.Message[Any]) -> None:
+            started.append((time.monotonic(), name, message.id))
+            first.set()
+            time.sleep(0.4)
+        return handle
+
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    proxy = faults.TcpProxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    try:
+        cut_off = pgque.Worker(proxy.dsn(dsn), queue="q", consumer="g", slots=1,
+                               handler=recorder("cut-off"), network_timeout=4, ticker=False,
+                               listen=False, rebalance_interval=0.2, name="cut-off")
+        with pgque.Ticker(dsn):
+            cut_off.start()
+            assert first.wait(20)
+            proxy.blackhole()
+            with pgque.Worker(dsn, queue="q", consumer="g", slots=1,
+                              handler=recorder("direct"), ticker=False,
+                              rebalance_interval=0.2, name="direct"):
+                wait_for(lambda: any(n == "direct" for _, n, _ in started), timeout=20,
+                         what="the direct worker to take the slot over", dsn=dsn)
+                took_over = min(t for t, n, _ in started if n == "direct")
+                stopping = time.monotonic()
+                cut_off.stop(timeout=10)
+                assert not cut_off.alive
+                assert time.monotonic() - stopping < 5
+    finally:
+        proxy.stop()
+    late = [i for t, n, i in started if n == "cut-off" and t >= took_over]
+    assert late == []  # the cut-off worker had stopped before the takeover
+
+
+def test_stopping_while_slow_handlers_run_still_acks_their_batch(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Finishing the batches in hand can take longer than the session's
+    idle_session_timeout: the worker keeps its session alive meanwhile."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=1)
+    client.send_batch("q", [("e", n, "k") for n in range(8)])
+    handled: list[int] = []
+    first = threading.Event()
+
+    def slow(message: pgque.Message[Any]) -> None:
+        first.set()
+        time.sleep(0.6)
+        handled.append(message.id)
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=slow,
+                          network_timeout=3, rebalance_interval=0.2)
+    worker.start()
+    assert first.wait(20)
+    worker.stop(timeout=30)  # about 8 * 0.6 s: longer than the 3 s idle timeout
+    assert len(handled) == 8
+    assert scalar(conn, "select count(*) from pgque.consumer_info "
+                        "where open_batch_id is not null") == 0
+    assert scalar(conn, "select sum(pending_events) from pgque.partition_slot_status") == 0

@@ -4,6 +4,7 @@ exactly when that transaction commits, also through a Client made by connect()
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import psycopg
@@ -50,3 +51,16 @@ def test_send_outside_a_transaction_commits_on_its_own(outbox: pgque.Client,
                                                        conn: psycopg.Connection[Any]) -> None:
     event = outbox.send("q", "Ping", None)
     assert [m.id for m in drain(outbox, "q", "c")] == [event]
+
+
+def test_another_threads_send_does_not_join_the_transaction(outbox: pgque.Client) -> None:
+    """A producer thread sending while the main thread holds an outbox transaction
+    open on client.conn commits on its own (through the pool)."""
+    sent: list[int] = []
+    with pytest.raises(Rollback), outbox.conn.transaction():
+        outbox.send("q", "Mine", 1)
+        producer = threading.Thread(target=lambda: sent.append(outbox.send("q", "Theirs", 2)))
+        producer.start()
+        producer.join(10)
+        raise Rollback()
+    assert [m.id for m in drain(outbox, "q", "c")] == sent
