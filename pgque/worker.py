@@ -379,6 +379,9 @@ class Worker(Service, Generic[T]):
                 with open_connection(self.dsn, timeout=self.connect_timeout, stop=self._stop,
                                      application_name=f"{self.name}-listener"[:63],
                                      **client_keepalives(self.network_timeout)) as conn:
+                    # No idle timeout: a listener is idle by design. The rest
+                    # ends it on the server when its network goes silent.
+                    set_server_timeouts(conn, self.network_timeout)
                     row = conn.execute("select pgque.tick_channel(%s)", (self.queue,)).fetchone()
                     assert row is not None
                     conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))

@@ -20,6 +20,11 @@ when the server itself restarts, a record is retried until the server is
 back, and a retry after a lost reply cannot count a call twice (each call has
 a unique token).
 
+Its own log records (pgque's loggers, INFO and above) go to the table
+``fault_log`` (worker, pid, time made, logger, level, message), by a writer
+thread over the record DSN: when it connected, noticed a lost session,
+reconnected. Warnings and errors also go to stderr (the worker's log file).
+
 Config keys: dsn (the worker's, maybe through a proxy or with options),
 record_dsn, queue, consumer, slots, name, max_events, poll_interval,
 rebalance_interval, retry_after, delay_ms ([low, high] handler sleep), seed,
@@ -29,12 +34,14 @@ ticker_dsn (when set: the worker's Ticker connects there instead of to dsn).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import inspect
 import itertools
 import json
 import logging
 import os
+import queue
 import random
 import signal
 import sys
@@ -80,6 +87,41 @@ class Recorder:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+
+class LogRecorder(logging.Handler):
+    """Copies the worker's own log records (pgque's loggers, INFO and above:
+    connected, claimed, session gone, reconnecting, stopped) into ``fault_log``
+    with the time they were made, so the suite can tell when the worker noticed
+    a lost session and when it reconnected. A writer thread does the inserts:
+    logging never waits for the database (a restart, a cut link)."""
+
+    def __init__(self, recorder: Recorder, name: str) -> None:
+        super().__init__(logging.INFO)
+        self.recorder = recorder
+        self.name_ = name
+        self.pending: queue.Queue[tuple[float, str, str, str] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._write, name="fault-log", daemon=True)
+        self.thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.pending.put((record.created, record.name, record.levelname,
+                              record.getMessage()[:500]))
+
+    def _write(self) -> None:
+        pid = os.getpid()
+        while (item := self.pending.get()) is not None:
+            created, logger, level, message = item
+            with contextlib.suppress(Exception):
+                self.recorder.execute(
+                    "insert into fault_log (worker, pid, at, logger, level, message) "
+                    "values (%s, %s, to_timestamp(%s), %s, %s, %s)",
+                    (self.name_, pid, created, logger, level, message))
+
+    def flush_and_stop(self, timeout: float) -> None:
+        self.pending.put(None)
+        self.thread.join(timeout)
 
 
 class HandlerFailure(Exception):
@@ -130,10 +172,19 @@ def main() -> int:
     # Handler failures are expected by the hundred: keep their tracebacks out.
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s [{name} {pid}] %(name)s: %(message)s")
+    for handler_ in logging.getLogger().handlers:
+        handler_.setLevel(logging.WARNING)  # the log file: warnings and errors
     logging.getLogger("pgque.worker").addFilter(
         lambda record: "handler failed" not in record.getMessage())
+    log_recorder = LogRecorder(Recorder(config["record_dsn"], f"{name}-log"), name)
+    pgque_log = logging.getLogger("pgque")
+    pgque_log.setLevel(logging.INFO)
+    pgque_log.addHandler(log_recorder)
     worker = pgque.Worker(config["dsn"], **kwargs)
-    worker.run()  # returns after SIGTERM, having released everything
+    try:
+        worker.run()  # returns after SIGTERM, having released everything
+    finally:
+        log_recorder.flush_and_stop(5.0)
     return 0
 
 

@@ -18,7 +18,12 @@ Pieces
   holds which slot's advisory lock and the ticker's, so the checks know what a
   victim owned when it was hit and when it owned slots again.
 * :class:`TcpProxy` sits between one worker and the server and can cut its
-  connections or blackhole them.
+  connections or blackhole them; :class:`NetnsNetwork` puts one worker in a
+  network namespace (tests/netns.py) whose veth link to the server nftables
+  can blackhole for real.
+* Workers also copy their own log lines (connected, session gone, giving up,
+  reconnecting) into ``fault_log``, so the harness knows when the victim's
+  client side noticed a fault.
 
 Faults are recorded as :class:`Fault` with times on the database clock.
 
@@ -32,8 +37,13 @@ Checks (every scenario)
   ev_retry == max_retries; no other event is dead-lettered;
 * zombie bound (faults that end the victim's sessions on the server side:
   pg_terminate_backend, a proxy cut or close, idle_session_timeout of a frozen
-  worker, a server restart): the victim starts at most as many handler calls
-  after its sessions ended (and before it owned a slot again) as it owned slots;
+  worker, a server restart, a netns partition): the victim starts at most as
+  many handler calls after its sessions ended (and before it owned a slot
+  again) as it owned slots;
+* a netns partition (:meth:`FaultRun.partition`): the server ends the victim's
+  slot session during the blackhole, the victim's client side notices before
+  the server does, and after the heal the victim reconnects, owns a slot and
+  handles events again (the test adds bounds on the times);
 * latency bound (a frozen worker holding the ticker election): events of
   the healthy workers' slots sent during the freeze are first handled within
   ``latency_bound`` seconds of being sent;
@@ -47,12 +57,13 @@ the time until each slot the victim owned was handled by another process
 ("moved") or by anyone ("resumed"), the victim's zombie starts, and the worst
 first-handling latency of the other slots' events sent during the fault.
 
-Network hook
-------------
+Networks
+--------
 A blackhole through the proxy is not real packet loss: the proxy's kernel
-still ACKs, so TCP timeouts never fire. ``tests/netns.py`` (another helper's)
-is meant to provide real loss. Any object with the :class:`Network` interface
-plugs into :meth:`FaultRun.blackhole`; see ``network_factories()``.
+still ACKs, so no TCP timeout fires. :class:`NetnsNetwork` (kind ``netns``
+of ``network_factories()``) is: the worker runs inside a network namespace of
+tests/netns.py and reaches the server (a ``netns.LinkServer``) over a veth
+link whose frames nftables drops at both ends.
 """
 
 from __future__ import annotations
@@ -74,7 +85,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,6 +128,15 @@ create table fault_handled (
     ended   timestamptz,
     outcome text
 );
+create table fault_log (
+    id      bigserial primary key,
+    worker  text not null,
+    pid     int not null,
+    at      timestamptz not null,
+    logger  text,
+    level   text,
+    message text
+);
 """
 
 
@@ -146,8 +166,8 @@ class Workload:
     burst: int = 40  # events sent to a victim's slots right before a mid-batch fault
     poll_interval: float = 0.05
     rebalance_interval: float = 0.2
-    warmup: float = 1.0  # seconds of traffic before the fault
-    cooldown: float = 1.5  # seconds of traffic after it
+    warmup: float = 0.8  # seconds of traffic before the fault
+    cooldown: float = 1.0  # seconds of traffic after it
     drain_timeout: float = 90.0
     latency_bound: float = 5.0
     seed: int = 1
@@ -310,8 +330,8 @@ class Monitor:
 class Network(Protocol):
     """A network path between one worker and the server that faults can be put on.
 
-    :class:`TcpProxy` is one; tests/netns.py (real packet loss) is meant to be
-    another. ``dsn`` turns the server's DSN into the one the worker must use.
+    :class:`TcpProxy` is one, :class:`NetnsNetwork` (real packet loss) the
+    other. ``dsn`` turns the server's DSN into the one the worker must use.
     """
 
     def dsn(self, dsn: str) -> str: ...
@@ -321,19 +341,59 @@ class Network(Protocol):
     def stop(self) -> None: ...
 
 
-def network_factories() -> dict[str, Callable[[str, int], Network]]:
-    """The networks the blackhole scenario runs on, by name: ``factory(host,
-    port)`` for the server at host:port. Only the proxy today.
+def network_factories() -> dict[str, Callable[[FaultRun, Any], Network]]:
+    """The networks a blackhole runs on, by kind: ``make(run, server)`` gives
+    the run a :class:`Network` to the ``server`` it runs on.
 
-    Hook for real packet loss: tests/netns.py puts a worker in a network
-    namespace behind a veth link that nftables can blackhole, talking to a
-    server that listens on the link (its LinkServer). To run this scenario
-    over it, add an adapter here with the :class:`Network` methods (``dsn``
-    giving the namespace's DSN, ``blackhole``/``heal``/``cut``/``stop``) plus
-    a ``popen(argv, **kwargs)`` that :meth:`FaultRun.spawn` then uses to start
-    the worker inside the namespace, and run the scenario on its server.
+    * ``proxy``: a :class:`TcpProxy` on 127.0.0.1 in front of any server. Its
+      blackhole is not packet loss: the proxy's kernel still ACKs both sides.
+    * ``netns``: :class:`NetnsNetwork`, real packet loss. The server must be a
+      ``netns.LinkServer`` (the ``netns_server`` fixture): the worker runs in
+      its network namespace and connects over the veth data link, which
+      nftables blackholes at both ends. Its records still reach the server
+      (the namespace's 127.0.0.1 goes over a control link that is never cut).
     """
-    return {"proxy": TcpProxy}
+    return {"proxy": lambda run, server: run.network(TcpProxy),
+            "netns": lambda run, server: run.add_network(NetnsNetwork(server.link))}
+
+
+class NetnsNetwork:
+    """:class:`Network` over a ``netns.NetnsLink`` (tests/netns.py): real packet
+    loss between the worker, which :meth:`popen` starts inside the namespace,
+    and the server. ``blackhole()`` drops every frame of the data link at both
+    ends (nftables netdev ingress: no ACK, no RST, no ICMP); ``heal()`` lets
+    them through again; ``cut()`` aborts the link's connections (``ss -K``).
+    ``arm_answer_trip(ports)``/``tripped()`` cut the server-to-worker
+    direction the moment the server sends data to one of those client ports.
+    """
+
+    def __init__(self, link: Any) -> None:
+        self.link = link
+
+    def dsn(self, dsn: str) -> str:
+        return str(self.link.dsn(dsn))
+
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc: subprocess.Popen[bytes] = self.link.popen(argv, **kwargs)
+        return proc
+
+    def cut(self) -> int:
+        return int(self.link.cut())
+
+    def blackhole(self) -> None:
+        self.link.blackhole()
+
+    def heal(self) -> None:
+        self.link.heal()
+
+    def arm_answer_trip(self, ports: list[int]) -> None:
+        self.link.arm_answer_trip(ports)
+
+    def tripped(self) -> bool:
+        return bool(self.link.tripped())
+
+    def stop(self) -> None:
+        self.link.heal()  # the run kills its workers itself; the namespace stays
 
 
 class _Link:
@@ -588,6 +648,10 @@ class Fault:
     zombie_bound: bool = False
     latency_bound: bool = False
     notes: list[str] = field(default_factory=list)
+    # Real packet loss (a netns partition): when the server had ended every
+    # session of the victim, not only its slot sessions.
+    all_sessions_end: datetime | None = None
+    figures: dict[str, Any] = field(default_factory=dict)  # extra figures for the report
 
 
 # -- the run ----------------------------------------------------------------------
@@ -690,6 +754,19 @@ class FaultRun:
             return (len(owners) == self.workload.slots and set(owners.values()) <= live
                     and all(sample.slots_of(name) for name in live))
         self._wait(spread, timeout, "every slot owned and every worker owning one")
+
+    def wait_balanced(self, timeout: float = 30.0) -> None:
+        """Wait until every slot is owned and every live worker owns its fair
+        share (slots // workers, or one more)."""
+        def balanced() -> bool:
+            sample = self.monitor.now()
+            owners = sample.owners()
+            live = {w.name for w in self.live_workers()}
+            share = self.workload.slots // max(1, len(live))
+            return (len(owners) == self.workload.slots and set(owners.values()) <= live
+                    and all(share <= len(sample.slots_of(name)) <= share + 1
+                            for name in live))
+        self._wait(balanced, timeout, "every worker owning its fair share of the slots")
 
     def start(self, workers: int | None = None, *, first: dict[str, Any] | None = None,
               each: Callable[[int], dict[str, Any]] | None = None, slow: int = 0) -> None:
@@ -844,6 +921,11 @@ class FaultRun:
         self.networks.append(net)
         return net
 
+    def add_network(self, net: Network) -> Network:
+        """Register a network made elsewhere (stopped with the run)."""
+        self.networks.append(net)
+        return net
+
     def cut(self, worker: FaultWorker, net: Network) -> Fault:
         """Close both sides of every connection of the worker, mid-handler."""
         fault = self._victim("cut", worker)
@@ -875,12 +957,196 @@ class FaultRun:
         fault.until = self.db.now()
         return fault
 
+    def partition(self, worker: FaultWorker, net: NetnsNetwork, *, answer: bool = False,
+                  max_seconds: float = 20.0, linger: float = 0.3,
+                  rejoin_timeout: float = 30.0, server_log: Path | None = None) -> Fault:
+        """Real packet loss (a :class:`NetnsNetwork`) on a worker busy with a batch.
+
+        The worker is caught mid-handler (a burst for its slots), then its data
+        link goes dark in both directions: at once (``answer`` False: its next
+        request on its slot session is lost, the server's session is idle), or
+        (``answer`` True) the moment the server sends data to its slot session,
+        so the server's answer is what is lost: the server holds unacknowledged
+        data (its ``tcp_user_timeout`` ends the session, keepalives do not run)
+        and the worker waits for an answer (its keepalives, capped by its
+        ``tcp_user_timeout``).
+
+        The blackhole lasts until the server has ended every session of the
+        worker, the worker has noticed (it logged a lost session), and another
+        worker owns each of its slots, plus ``linger`` seconds; at most
+        ``max_seconds``. Then it heals, and the worker must reconnect, own a
+        slot and handle an event again within ``rejoin_timeout``. Figures
+        (seconds from the fault, or from the heal) go to ``fault.figures``,
+        with what the ``server_log`` says about the victim's sessions (how the
+        server ended them); the zombie bound applies."""
+        log_offset = server_log.stat().st_size if server_log is not None else 0
+        fault = self._victim("partition-answer" if answer else "partition-busy", worker)
+        fault.zombie_bound = True
+        self.catch_mid_handler(fault)
+        figures = fault.figures
+        if answer:
+            ports = [r[0] for r in self.db.rows(
+                "select client_port from pg_stat_activity where pid = any(%s)",
+                (sorted(fault.session_pids),))]
+            net.arm_answer_trip(ports)
+            armed = time.monotonic()
+            while not net.tripped():
+                if time.monotonic() > armed + 5:
+                    fault.notes.append("the server sent the slot session nothing for 5s: "
+                                       "cut anyway")
+                    break
+                time.sleep(0.005)
+            figures["trip_wait_s"] = round(time.monotonic() - armed, 3)
+            fault.at = self.db.now()
+            figures["lost_answer_to"] = [" ".join(r[0].split())[:80] for r in self.db.rows(
+                "select query from pg_stat_activity where pid = any(%s)",
+                (sorted(fault.session_pids),))]
+        began = time.monotonic()
+        net.blackhole()
+        figures["blackhole_install_s"] = round(time.monotonic() - began, 3)
+        noticed = moved = None
+        held = set(fault.slots)  # and what the lost session was granted meanwhile
+        while time.monotonic() - began < max_seconds:
+            now, slot_left, all_left = self.db.rows(
+                "select clock_timestamp(), count(*) filter (where pid = any(%s)), count(*) "
+                "from pg_stat_activity where pid = any(%s)",
+                (sorted(fault.session_pids), sorted(fault.all_pids)))[0]
+            if fault.session_end is None and slot_left == 0:
+                fault.session_end = now
+            if fault.all_sessions_end is None and all_left == 0:
+                fault.all_sessions_end = now
+            if noticed is None:
+                noticed = self.noticed_lost_session(worker, fault.at)
+            sample = self.monitor.now()
+            if fault.session_end is None:
+                held |= {slot for session in sample.of(worker.name)
+                         if session.pid in fault.all_pids for slot in session.slots}
+            if moved is None:
+                owners = sample.owners()
+                if all(owners.get(slot) not in (None, worker.name) for slot in held):
+                    moved = now
+            if None not in (fault.session_end, noticed, moved):
+                time.sleep(linger)
+                break
+            time.sleep(0.02)
+        lingering = [r[0] for r in self.db.rows(
+            "select application_name from pg_stat_activity where pid = any(%s) order by 1",
+            (sorted(fault.all_pids),))]
+        net.heal()
+        fault.until = self.db.now()
+        if held - fault.slots:
+            # A claim whose answer was lost: the server granted the slot to a
+            # session the worker had already given up on.
+            fault.notes.append(f"slots granted to the lost session during the blackhole: "
+                               f"{sorted(held - fault.slots)}")
+            fault.slots |= held
+        if lingering:
+            fault.notes.append(f"sessions of {worker.name} still on the server at the heal: "
+                               f"{', '.join(lingering)}")
+        if noticed is not None:
+            figures["client_gave_up_by"] = self.db.value(
+                "select message from fault_log where pid = %s and at = %s limit 1",
+                (worker.pid, noticed))
+        figures["server_ended_slot_session_s"] = _seconds(fault.at, fault.session_end)
+        figures["server_ended_all_sessions_s"] = _seconds(fault.at, fault.all_sessions_end)
+        figures["client_gave_up_s"] = _seconds(fault.at, noticed)
+        figures["slots_owned_by_others_s"] = _seconds(fault.at, moved)
+        figures["healed_s"] = _seconds(fault.at, fault.until)
+        if fault.session_end is None:
+            self.failures.append(f"{worker.name}: the server did not end its slot session "
+                                 f"within {max_seconds}s of the blackhole")
+        if noticed is None:
+            self.failures.append(f"{worker.name}: did not notice its lost session within "
+                                 f"{max_seconds}s of the blackhole")
+        elif fault.session_end is not None and noticed > fault.session_end:
+            self.failures.append(
+                f"{worker.name}: noticed its lost session {_seconds(fault.at, noticed)}s after "
+                f"the blackhole, after the server ended it "
+                f"({figures['server_ended_slot_session_s']}s): the client must give up first")
+        # Rejoin: reconnected (logged), owns a slot, handles an event; and when
+        # the server let go of the sessions that outlived the blackhole.
+        healed = time.monotonic()
+        reconnected = owns = handles = None
+        while time.monotonic() - healed < rejoin_timeout:
+            if fault.all_sessions_end is None:
+                now, left = self.db.rows("select clock_timestamp(), count(*) from "
+                                         "pg_stat_activity where pid = any(%s)",
+                                         (sorted(fault.all_pids),))[0]
+                if left == 0:
+                    fault.all_sessions_end = now
+                    figures["old_sessions_gone_after_heal_s"] = _seconds(fault.until, now)
+            if reconnected is None:
+                reconnected = self.db.value(
+                    "select min(at) from fault_log where pid = %s and at > %s "
+                    "and logger = 'pgque.worker' and message like '%%: connected%%'",
+                    (worker.pid, fault.until))
+            if owns is None:
+                owns = min((sample.at for sample in list(self.monitor.samples)
+                            if sample.at > fault.until and sample.slots_of(worker.name)),
+                           default=None)
+            if handles is None:
+                handles = self.db.value("select min(started) from fault_handled where pid = %s "
+                                        "and started > %s", (worker.pid, fault.until))
+            if None not in (reconnected, owns, handles, fault.all_sessions_end):
+                break
+            self.monitor.now()
+            time.sleep(0.05)
+        figures["reconnected_after_heal_s"] = _seconds(fault.until, reconnected)
+        figures["owns_slot_after_heal_s"] = _seconds(fault.until, owns)
+        figures["handles_after_heal_s"] = _seconds(fault.until, handles)
+        if server_log is not None:
+            with server_log.open("rb") as log:
+                log.seek(log_offset)
+                lines = log.read().decode(errors="replace").splitlines()
+            figures["server_log"] = [line for line in lines
+                                     if any(f"[{pid}]" in line for pid in fault.all_pids)][:8]
+        if None in (reconnected, owns, handles):
+            self.failures.append(f"{worker.name}: not back within {rejoin_timeout}s of the heal "
+                                 f"(reconnected/owns a slot/handles: {reconnected}/{owns}/"
+                                 f"{handles})")
+        return fault
+
+    def noticed_lost_session(self, worker: FaultWorker, after: datetime) -> datetime | None:
+        """When the worker first logged that its session was lost after ``after``."""
+        noticed: datetime | None = self.db.value(
+            "select min(at) from fault_log where pid = %s and at > %s "
+            "and logger = 'pgque.worker' and level = 'WARNING' "
+            "and (message like '%%reconnecting in%%' or message like '%%session gone%%' "
+            "or message like '%%giving up on the connection%%')",
+            (worker.pid, after))
+        return noticed
+
     def restart(self, server: Any, mode: str) -> list[Fault]:
         """Restart the server (``fast`` or ``immediate`` stop); every worker is a victim."""
         faults = [self._victim(f"restart-{mode}", w) for w in self.live_workers()]
         self.catch_mid_handler(faults[0])  # the first worker is mid-batch
         at = faults[0].at
         self.db.close()
+        # When the stop ended the sessions: a session of our own, polled, ends
+        # with the victims' (a fast or immediate stop signals every backend at
+        # once). Taken on this host's clock, which is the server's (a
+        # restartable server is a local one). Calls the victims started
+        # between `at` and then were legitimate.
+        stopped: list[datetime] = []
+        watching = threading.Event()
+        done = threading.Event()
+
+        def watch() -> None:
+            try:
+                with psycopg.connect(self.dsn, autocommit=True,
+                                     application_name="fault-restart-watch") as conn:
+                    watching.set()
+                    while not done.is_set():
+                        conn.execute("select 1")
+                        time.sleep(0.002)
+            except psycopg.Error:
+                stopped.append(datetime.now(timezone.utc))
+            finally:
+                watching.set()
+
+        watcher = threading.Thread(target=watch, name="fault-restart-watch", daemon=True)
+        watcher.start()
+        watching.wait(5)
         if "mode" in inspect.signature(server.restart).parameters:
             server.restart(mode=mode)
         elif mode == "fast":
@@ -888,12 +1154,18 @@ class FaultRun:
         else:  # pgtest.LocalServer: its LocalPostgres stops in any mode
             server.postgres.stop(mode)
             server.postgres.start()
+        done.set()
+        watcher.join(5)
         until = self.db.now()
+        session_end = min(stopped[0], until) if stopped else at
         for fault in faults:
             fault.at = at
-            fault.session_end = at  # a stop ends every session; none can start before `until`
+            fault.session_end = session_end  # no session of before the stop outlives it
             fault.until = until
             fault.zombie_bound = True
+            if not stopped:
+                fault.notes.append("the end of the sessions was not observed: counted from "
+                                   "before the stop")
         return faults
 
     # -- the end ---------------------------------------------------------------
@@ -1167,6 +1439,7 @@ class FaultRun:
             "zombie_bound": len(fault.slots) if fault.zombie_bound else None,
             "owned_again_s": _seconds(fault.at, owned_again),
             "healthy_latency_max_s": round(max(latencies), 3) if latencies else None,
+            **fault.figures,
             "notes": fault.notes,
         }
 
@@ -1190,6 +1463,15 @@ def summary_line(report: dict[str, Any]) -> str:
                 part += f"/{f['zombie_bound']}"
         if f["healthy_latency_max_s"] is not None:
             part += f" lat={f['healthy_latency_max_s']:.2f}s"
+        if "client_gave_up_s" in f:  # a partition: real packet loss
+            def sec(name: str, f: dict[str, Any] = f) -> str:
+                return "-" if f.get(name) is None else f"{f[name]:.2f}s"
+            part += (f" [server-ended={sec('server_ended_slot_session_s')}"
+                     f" client-gave-up={sec('client_gave_up_s')}"
+                     f" slots-taken={sec('slots_owned_by_others_s')}"
+                     f" healed={sec('healed_s')}; after heal: reconnected="
+                     f"{sec('reconnected_after_heal_s')} owns={sec('owns_slot_after_heal_s')}"
+                     f" handles={sec('handles_after_heal_s')}]")
         parts.append(part)
     kinds = Counter(parts)
     faults = "; ".join(p if n == 1 else f"{p} x{n}" for p, n in kinds.items()) or "no fault"

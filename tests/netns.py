@@ -21,8 +21,10 @@ namespace end ``.2``); no other address, route or rule of the host is touched
 :meth:`~NetnsLink.popen` starts a process inside the namespace (``ip netns
 exec``); :meth:`~NetnsLink.inside` moves the calling thread in, so sockets it
 creates (a psycopg connection) live in the namespace; :meth:`~NetnsLink.cut`
-aborts every TCP connection on the data link at both ends (``ss -K``).
-These are the methods of the fault suite's ``Network`` (tests/faults.py).
+aborts every TCP connection on the data link at both ends (``ss -K``);
+:meth:`~NetnsLink.arm_answer_trip` cuts the host-to-namespace direction the
+moment the host sends data to given namespace ports (a latch in nftables, to
+catch a server answering). tests/faults.py's ``NetnsNetwork`` wraps these.
 
 netem (``tc qdisc ... netem loss 100%``) would cut as well, but many kernels
 (this VM's included) are built without sch_netem; nftables is in almost every
@@ -109,6 +111,12 @@ def _probe() -> str | None:
             link.forward_loopback(5432)
             link.blackhole()
             link.heal()
+            try:
+                link.arm_answer_trip([5432])
+            except Exception as exc:
+                return ("nftables cannot latch a cut from the packet path (a dynamic set "
+                        f"updated in a netdev ingress chain): {exc}")
+            link.heal()
     except Exception as exc:
         return f"cannot build a network namespace with a cuttable veth link: {exc}"
     return None
@@ -142,6 +150,7 @@ class NetnsLink:
         self.data = _Veth(f"pq{tag}h0", f"pq{tag}n0")  # interface names: 15 characters at most
         self.control = _Veth(f"pq{tag}h1", f"pq{tag}n1")
         self.cut_table = f"pgque_cut_{tag}"
+        self.trip_table = f"pgque_trip_{tag}"
         self.nat_table = "pgque_loopback"
         self.is_cut = False
         self._ip = _tool("ip") or "ip"
@@ -237,12 +246,41 @@ table netdev {table} {{
         self.is_cut = True
 
     def heal(self) -> None:
-        """Let frames through the data link again (TCP retransmits what is outstanding)."""
+        """Let frames through the data link again (TCP retransmits what is outstanding);
+        also disarms :meth:`arm_answer_trip`."""
         if not self._opened:
             return
         _run([self._nft, "delete", "table", "netdev", self.cut_table], check=False)
         self._in_ns([self._nft, "delete", "table", "netdev", self.cut_table], check=False)
+        self._in_ns([self._nft, "delete", "table", "netdev", self.trip_table], check=False)
         self.is_cut = False
+
+    def arm_answer_trip(self, ports: Sequence[int]) -> None:
+        """Cut the host-to-namespace direction of the data link at the moment the
+        host sends data (not a bare ACK) to one of the namespace's TCP ``ports``:
+        that segment and every later frame to the namespace are dropped (a
+        dynamic nftables set latches, at the namespace end's ingress). The other
+        direction stays up until :meth:`blackhole`; :meth:`tripped` says whether
+        it happened. For a cut that catches the server answering a request."""
+        port_list = ", ".join(str(p) for p in sorted(set(ports)))
+        rules = f"""\
+table netdev {self.trip_table} {{
+    set tripped {{ type ipv4_addr; flags dynamic; size 4; }}
+    chain trip {{
+        type filter hook ingress device "{self.data.ns_if}" priority -510; policy accept;
+        ip daddr @tripped drop
+        ip saddr {self.data.host_address} tcp dport {{ {port_list} }} ip length > 52 \
+            update @tripped {{ ip daddr }} drop
+    }}
+}}
+"""
+        self._in_ns([self._nft, "-f", "-"], input=rules)
+
+    def tripped(self) -> bool:
+        """Whether the trip of :meth:`arm_answer_trip` has fired."""
+        out = self._in_ns([self._nft, "list", "set", "netdev", self.trip_table, "tripped"],
+                          check=False)
+        return self.data.ns_address in out
 
     def cut(self) -> int:
         """Abort every TCP connection on the data link, at both ends (``ss -K``:
