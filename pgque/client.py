@@ -414,7 +414,7 @@ class Client:
         return int(self._value("select pgque.slot_lock_key(%s, %s, %s)",
                                (queue, consumer, slot)))
 
-    def pin_session(self) -> int:
+    def pin_session(self, settings: Mapping[str, str] | None = None) -> int:
         """Pin the server session behind this client's connection; returns its pid.
 
         Slot ownership and the ticker election are session locks. Once pinned,
@@ -422,10 +422,15 @@ class Client:
         ticker call checks, in the same statement, that it still runs on that
         session, and raises SessionUnstable when it does not (a transaction-mode
         pooler, or another client pinning the same backend). claim_slot pins
-        on first use.
+        on first use. ``settings`` (session settings, name to value) are set in
+        the same statement, so they are on the pinned session whatever lies in
+        between.
         """
         token = secrets.token_hex(8)
-        pid = int(self._value("select pgque.pin_session(%s)", (token,)))
+        pairs = list((settings or {}).items())
+        extra = "".join(", set_config(%s, %s, false)" for _ in pairs)
+        pid = int(self._value(f"select pgque.pin_session(%s){extra}",
+                              (token, *(v for pair in pairs for v in pair))))
         self._pinned = (pid, token)
         return pid
 

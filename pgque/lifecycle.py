@@ -61,8 +61,8 @@ __all__ = [
     "Stopped",
     "client_keepalives",
     "is_fatal",
+    "server_timeouts",
     "session_ended",
-    "set_server_timeouts",
 ]
 
 #: The longest a service takes to notice a stop in its own waits, in seconds.
@@ -308,7 +308,7 @@ def _describe(exc: BaseException) -> str:
 def client_keepalives(network_timeout: float) -> dict[str, Any]:
     """libpq settings under which the client gives up on a silent server within
     about half of ``network_timeout``: before the server gives up on it (see
-    :func:`set_server_timeouts`), so a cut-off worker stops handling before
+    :func:`server_timeouts`), so a cut-off worker stops handling before
     its slots can move to another. Keepalives cover a connection waiting for an
     answer, ``tcp_user_timeout`` one whose request is not even acknowledged."""
     idle = max(1, int(network_timeout / 6))
@@ -317,28 +317,31 @@ def client_keepalives(network_timeout: float) -> dict[str, Any]:
             "keepalives_count": 3, "tcp_user_timeout": int(network_timeout * 500)}
 
 
-def set_server_timeouts(conn: Conn, network_timeout: float, *,
-                        idle_timeout: float | None = None) -> None:
-    """Make the server end this session, and so free its locks (slots, the ticker
-    election), within about ``network_timeout`` seconds of its client going
-    silent: TCP keepalives while the session is idle, ``tcp_user_timeout``
-    while the server is sending, and ``client_connection_check_interval`` while
-    a query runs. With ``idle_timeout`` (PostgreSQL's ``idle_session_timeout``)
-    it also ends a session whose client stopped talking while its network is
-    fine: a frozen process (SIGSTOP, a debugger), or one that gave up behind a
-    pooler that keeps its server session. Keepalives are ignored on Unix sockets.
+def server_timeouts(network_timeout: float, *,
+                    idle_timeout: float | None = None) -> dict[str, str]:
+    """Session settings under which the server ends a session, and so frees its
+    locks (slots, the ticker election), within about ``network_timeout``
+    seconds of its client going silent: TCP keepalives while the session is
+    idle, ``tcp_user_timeout`` while the server is sending, and
+    ``client_connection_check_interval`` while a query runs. With
+    ``idle_timeout`` (PostgreSQL's ``idle_session_timeout``) it also ends a
+    session whose client stopped talking while its network is fine: a frozen
+    process (SIGSTOP, a debugger), or one that gave up behind a pooler that
+    keeps its server session. Keepalives are ignored on Unix sockets.
+
+    Set them with :meth:`Client.pin_session`, in the statement that pins the
+    session, so that they are on whichever server session the locks are.
     """
     idle = max(1, int(network_timeout / 3))
     interval = max(1, int(network_timeout / 6))
-    conn.execute(
-        "select set_config('tcp_keepalives_idle', %s, false),"
-        " set_config('tcp_keepalives_interval', %s, false),"
-        " set_config('tcp_keepalives_count', '3', false),"
-        " set_config('tcp_user_timeout', %s, false),"
-        " set_config('client_connection_check_interval', %s, false),"
-        " set_config('idle_session_timeout', %s, false)",
-        (str(idle), str(interval), str(int(network_timeout * 5000 / 6)),
-         str(interval * 1000), str(int((idle_timeout or 0) * 1000))))
+    return {
+        "tcp_keepalives_idle": str(idle),
+        "tcp_keepalives_interval": str(interval),
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": str(int(network_timeout * 5000 / 6)),
+        "client_connection_check_interval": str(interval * 1000),
+        "idle_session_timeout": str(int((idle_timeout or 0) * 1000)),
+    }
 
 
 class CallWatch:

@@ -33,7 +33,7 @@ import time
 import psycopg
 
 from pgque.client import Client
-from pgque.lifecycle import CallWatch, Service, client_keepalives, set_server_timeouts
+from pgque.lifecycle import CallWatch, Service, client_keepalives, server_timeouts
 
 __all__ = ["TICKER_LOCK_KEY", "Ticker"]
 
@@ -94,13 +94,13 @@ class Ticker(Service):
             # Never idle for long (standby_interval, idle_interval), so a long
             # silence means a frozen ticker: the server ends its session and
             # the election.
+            settings = server_timeouts(self.network_timeout,
+                                       idle_timeout=max(self.network_timeout * 5 / 6,
+                                                        3 * self.standby_interval,
+                                                        3 * self.idle_interval))
+            client = Client(conn)
             with watch.call():
-                set_server_timeouts(conn, self.network_timeout,
-                                    idle_timeout=max(self.network_timeout * 5 / 6,
-                                                     3 * self.standby_interval,
-                                                     3 * self.idle_interval))
-                client = Client(conn)
-                self.backend_pid = client.pin_session()
+                self.backend_pid = client.pin_session(settings)
             self._elect(client, watch)
         except psycopg.errors.InsufficientPrivilege as exc:
             self.log.error("%s: this role may not tick (%s). Run workers with ticker=False "

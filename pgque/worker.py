@@ -67,7 +67,7 @@ from pgque.lifecycle import (
     Service,
     client_keepalives,
     is_fatal,
-    set_server_timeouts,
+    server_timeouts,
 )
 from pgque.ticker import Ticker
 from pgque.types import Batch, Message
@@ -233,16 +233,16 @@ class Worker(Service, Generic[T]):
             # The session is never idle for long (it rebalances every
             # rebalance_interval), so a long silence means a frozen or lost
             # client: the server ends the session and the slots move.
-            set_server_timeouts(conn, self.network_timeout,
-                                idle_timeout=max(self.network_timeout * 5 / 6,
-                                                 3 * self.rebalance_interval))
+            settings = server_timeouts(self.network_timeout,
+                                       idle_timeout=max(self.network_timeout * 5 / 6,
+                                                        3 * self.rebalance_interval))
             # This session only moves cursors (handlers use their own connections):
             # a cursor move lost in a server crash means events delivered again,
             # which at-least-once allows, so its commits need not wait for a WAL
             # flush. Several times cheaper per batch on a durable server.
+            settings["synchronous_commit"] = "off"
             with session.call():
-                conn.execute("set synchronous_commit = off")
-                client.pin_session()
+                client.pin_session(settings)
                 client.subscribe_slots(self.queue, self.consumer, slots=self.slots)
                 client.join_group(self.queue, self.consumer)
             with self._lock:
@@ -381,7 +381,10 @@ class Worker(Service, Generic[T]):
                                      **client_keepalives(self.network_timeout)) as conn:
                     # No idle timeout: a listener is idle by design. The rest
                     # ends it on the server when its network goes silent.
-                    set_server_timeouts(conn, self.network_timeout)
+                    settings = server_timeouts(self.network_timeout)
+                    conn.execute("select " + ", ".join(
+                        "set_config(%s, %s, false)" for _ in settings),
+                        [v for pair in settings.items() for v in pair])
                     row = conn.execute("select pgque.tick_channel(%s)", (self.queue,)).fetchone()
                     assert row is not None
                     conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))
