@@ -182,8 +182,13 @@ class Client:
     # -- schema and queues -----------------------------------------------
 
     def install(self) -> str:
-        """Install or upgrade the engine (idempotent); returns the installed version."""
-        schema.install(self.conn)
+        """Install or upgrade the engine (idempotent); returns the installed version.
+
+        Raises SchemaNotOwned when schema pgque, or an object in it, belongs to
+        another role than the connected one.
+        """
+        with translated():
+            schema.install(self.conn)
         return str(self._value("select pgque.version()"))
 
     def uninstall(self) -> None:

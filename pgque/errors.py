@@ -32,6 +32,7 @@ __all__ = [
     "QueueExists",
     "QueueInUse",
     "QueueNotFound",
+    "SchemaNotOwned",
     "SessionUnstable",
     "SlotCountMismatch",
     "SlotNotOwned",
@@ -132,6 +133,17 @@ class PartitionKeyTooLong(PgqueError, ValueError):
     sqlstate = "PQ012"
 
 
+class SchemaNotOwned(PgqueError):
+    """The install refused: schema pgque, or an object in it, belongs to another role (PQ013).
+
+    Everything in schema pgque must belong to the role that installs it; an
+    object of another role there could replace what the SECURITY DEFINER
+    functions call and run as the installer.
+    """
+
+    sqlstate = "PQ013"
+
+
 class SlotSubscriptionError(PgqueError):
     """A slot subscription was used through the plain receive/ack/nack (PQ021)."""
 
@@ -195,7 +207,7 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
     for cls in (
         QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
         QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
-        QueueInUse, PartitionKeyTooLong, SlotSubscriptionError, SlotCountMismatch,
+        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, SlotSubscriptionError, SlotCountMismatch,
         InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, CronUnavailable,
         InvalidArgument,
     )

@@ -15,6 +15,12 @@ import psycopg
 
 __all__ = ["install", "install_script", "uninstall"]
 
+# The first statement of the install transaction, also at the top of the script:
+# every name the install resolves comes from pg_catalog, never from a schema
+# another role can create in (public on PostgreSQL 14), and temporary objects
+# cannot shadow anything.
+PIN_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
+
 # Serializes concurrent installers (several workers starting at once would
 # otherwise race on CREATE OR REPLACE FUNCTION, which rewrites pg_proc rows).
 _INSTALL_LOCK = 0x7067_7169  # 'pgqi'
@@ -31,9 +37,13 @@ def _sql_files() -> list[tuple[str, str]]:
 
 
 def install_script() -> str:
-    """Return the whole install script: every ``sql/*.sql`` file in name order."""
+    """Return the whole install script: every ``sql/*.sql`` file in name order.
+
+    Run it in one transaction (``psql -1 -f``): its first statement pins
+    ``search_path`` for that transaction only.
+    """
     parts = [f"-- ===== {name} =====\n{text}" for name, text in _sql_files()]
-    return "\n".join(parts)
+    return "\n".join([f"{PIN_SEARCH_PATH};\n", *parts])
 
 
 def install(conn: psycopg.Connection[Any]) -> None:
@@ -44,12 +54,14 @@ def install(conn: psycopg.Connection[Any]) -> None:
     """
     script = install_script()
     with conn.transaction(), conn.cursor() as cur:
-        cur.execute("select pg_advisory_xact_lock(%s)", (_INSTALL_LOCK,))
+        cur.execute(PIN_SEARCH_PATH)
+        cur.execute("select pg_catalog.pg_advisory_xact_lock(%s::bigint)", (_INSTALL_LOCK,))
         cur.execute(script.encode())
 
 
 def uninstall(conn: psycopg.Connection[Any]) -> None:
     """Drop schema pgque with every queue, event and cursor in it. Roles are kept."""
     with conn.transaction(), conn.cursor() as cur:
-        cur.execute("select pg_advisory_xact_lock(%s)", (_INSTALL_LOCK,))
+        cur.execute(PIN_SEARCH_PATH)
+        cur.execute("select pg_catalog.pg_advisory_xact_lock(%s::bigint)", (_INSTALL_LOCK,))
         cur.execute("drop schema if exists pgque cascade")

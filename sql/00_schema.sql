@@ -5,6 +5,74 @@
 -- pgque.event_<queue_id>_<n>); the tables below hold the metadata around them.
 -- Every statement here is idempotent: running the install twice changes nothing.
 
+-- The install runs with search_path pinned to pg_catalog, pg_temp (the first
+-- statement of the script and of the Python installer), so nothing here can
+-- call a function or operator another role planted in public.
+
+-- Refuse (PQ013) a schema pgque, or an object in it, owned by another role
+-- than the installer: CREATE ... IF NOT EXISTS would use the squatter's schema,
+-- CREATE OR REPLACE would keep the squatter the owner of what it replaces, and
+-- the SECURITY DEFINER functions would run the squatter's code as the
+-- installer. Checked before anything is created.
+do $owner$
+declare
+    v_schema oid := (select n.oid from pg_catalog.pg_namespace n where n.nspname = 'pgque');
+    v_other text;
+begin
+    if v_schema is null then
+        return;
+    end if;
+    select pg_catalog.format('%s %s owned by %s', o.kind, o.name, o.owner::regrole)
+      into v_other
+      from (select 'schema' as kind, 'pgque' as name, n.nspowner as owner
+              from pg_catalog.pg_namespace n where n.oid = v_schema
+            union all
+            select 'relation', c.relname::text, c.relowner
+              from pg_catalog.pg_class c where c.relnamespace = v_schema
+            union all
+            select 'routine', p.oid::regprocedure::text, p.proowner
+              from pg_catalog.pg_proc p where p.pronamespace = v_schema
+            union all
+            select 'type', t.typname::text, t.typowner
+              from pg_catalog.pg_type t where t.typnamespace = v_schema
+            union all
+            select 'operator', o.oid::regoperator::text, o.oprowner
+              from pg_catalog.pg_operator o where o.oprnamespace = v_schema
+            union all
+            select 'collation', c.collname::text, c.collowner
+              from pg_catalog.pg_collation c where c.collnamespace = v_schema
+            union all
+            select 'conversion', c.conname::text, c.conowner
+              from pg_catalog.pg_conversion c where c.connamespace = v_schema
+            union all
+            select 'operator class', c.opcname::text, c.opcowner
+              from pg_catalog.pg_opclass c where c.opcnamespace = v_schema
+            union all
+            select 'operator family', f.opfname::text, f.opfowner
+              from pg_catalog.pg_opfamily f where f.opfnamespace = v_schema
+            union all
+            select 'statistics object', s.stxname::text, s.stxowner
+              from pg_catalog.pg_statistic_ext s where s.stxnamespace = v_schema
+            union all
+            select 'text search configuration', c.cfgname::text, c.cfgowner
+              from pg_catalog.pg_ts_config c where c.cfgnamespace = v_schema
+            union all
+            select 'text search dictionary', d.dictname::text, d.dictowner
+              from pg_catalog.pg_ts_dict d where d.dictnamespace = v_schema) o
+     where o.owner <> (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user)
+     order by o.kind <> 'schema', o.name
+     limit 1;
+    if v_other is not null then
+        raise exception using
+            errcode = 'PQ013',
+            message = pg_catalog.format('pgque cannot be installed by %s: %s',
+                                        current_user, v_other),
+            hint = 'Everything in schema pgque must belong to the role that installs it. '
+                   'Install as that role, or drop or reassign what another role owns there.';
+    end if;
+end
+$owner$;
+
 create schema if not exists pgque;
 revoke all on schema pgque from public;
 
@@ -19,7 +87,7 @@ begin
     foreach v_role in array array['pgque_reader', 'pgque_writer', 'pgque_admin'] loop
         if not exists (select 1 from pg_catalog.pg_roles where rolname = v_role) then
             if v_can_create then
-                execute format('create role %I nologin', v_role);
+                execute pg_catalog.format('create role %I nologin', v_role);
             else
                 raise notice 'pgque: role % does not exist and % may not create it; skipping its grants',
                     v_role, current_user;

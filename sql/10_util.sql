@@ -8,6 +8,7 @@
 --   PQ007 invalid configuration     PQ008 tick outside READ COMMITTED
 --   PQ009 dead letter not found     PQ010 event not in the batch
 --   PQ011 queue still has consumers PQ012 partition key too long
+--   PQ013 install refused: schema pgque or an object in it belongs to another role
 -- The partition layer adds PQ02x (see its file).
 
 -- pgque.version(): the version of the installed engine.

@@ -38,13 +38,13 @@ begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then
         execute 'grant usage on schema pgque to pgque_writer';
         foreach v_fn in array v_writer loop
-            execute format('grant execute on function pgque.%s to pgque_writer', v_fn);
+            execute pg_catalog.format('grant execute on function pgque.%s to pgque_writer', v_fn);
         end loop;
     end if;
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_reader') then
         execute 'grant usage on schema pgque to pgque_reader';
         foreach v_fn in array v_reader loop
-            execute format('grant execute on function pgque.%s to pgque_reader', v_fn);
+            execute pg_catalog.format('grant execute on function pgque.%s to pgque_reader', v_fn);
         end loop;
         execute 'grant select on pgque.queue_info, pgque.consumer_info, '
                 'pgque.partition_slot_status to pgque_reader';
@@ -56,7 +56,7 @@ begin
         for v_fn in select p.oid::regprocedure::text
                       from pg_catalog.pg_proc p
                      where p.pronamespace = 'pgque'::regnamespace and p.proname !~ '^_' loop
-            execute format('grant execute on routine %s to pgque_admin', v_fn);
+            execute pg_catalog.format('grant execute on routine %s to pgque_admin', v_fn);
         end loop;
         execute 'grant select on pgque.queue_info, pgque.consumer_info, '
                 'pgque.partition_slot_status to pgque_admin';

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import drain
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -116,3 +117,110 @@ def test_install_by_non_superuser_database_owner(dsn: str) -> None:
         finally:
             su.execute(f"drop database if exists {database} with (force)")
             su.execute(f"drop role if exists {owner}")
+
+
+def _drop_role(dsn: str, role: str) -> None:
+    """Drop a test role after dropping what it owns in dsn's database."""
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"drop owned by {role} cascade")
+        su.execute(f"drop role if exists {role}")
+
+
+# Functions and operators a role without any pgque grant plants in public, where
+# PostgreSQL 14 (and databases upgraded from it) lets every role create. Each
+# would record that it ran, as whoever called it, and return the right answer.
+PLANTS = [
+    """create function public.format(text, text) returns text language plpgsql as $$
+       begin insert into public.pwned values ('format'); return $2; end $$""",
+    """create function public.pg_advisory_xact_lock(integer) returns void language plpgsql as $$
+       begin insert into public.pwned values ('pg_advisory_xact_lock'); end $$""",
+    """create function public.now() returns timestamptz language plpgsql as $$
+       begin insert into public.pwned values ('now'); return pg_catalog.now(); end $$""",
+    """create function public.pwn_eq(name, text) returns boolean language plpgsql as $$
+       begin insert into public.pwned values ('='); return pg_catalog.nameeqtext($1, $2); end $$""",
+    "create operator public.= (leftarg = name, rightarg = text, function = public.pwn_eq)",
+]
+
+
+def test_install_never_runs_what_others_planted_in_public(empty_dsn: str) -> None:
+    """The install pins search_path for its whole transaction: a superuser installing
+    with public first on its path calls nothing another role planted there."""
+    planter = f"pgque_planter_{uuid.uuid4().hex[:8]}"
+    params = conninfo_to_dict(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as su:
+        su.execute(f"create role {planter} login")
+        su.execute("grant create on schema public to public")  # PostgreSQL 14's default
+    try:
+        with psycopg.connect(make_conninfo(**{**params, "user": planter}),
+                             autocommit=True) as p:
+            p.execute("create table public.pwned (what text)")
+            p.execute("grant insert on public.pwned to public")
+            for plant in PLANTS:
+                p.execute(plant)
+            p.execute("grant execute on all functions in schema public to public")
+        with psycopg.connect(empty_dsn, autocommit=True,
+                             options="-c search_path=public,pg_catalog") as conn:
+            pgque.install(conn)
+            pgque.install(conn)
+            # What the install stored (defaults, views) must not call them either.
+            with pgque.Client(conn) as client:
+                client.create_queue("q")
+                client.subscribe("q", "c")
+                client.send("q", "e", 1)
+                assert [m.payload for m in drain(client, "q", "c")] == [1]
+            ran = conn.execute("select what from public.pwned").fetchall()
+        assert ran == []
+    finally:
+        _drop_role(empty_dsn, planter)
+
+
+def test_install_refuses_a_schema_someone_else_owns(empty_dsn: str) -> None:
+    """A role with CREATE on the database that made schema pgque first: the install
+    refuses with PQ013, and nothing the squatter put there runs."""
+    squatter = f"pgque_squatter_{uuid.uuid4().hex[:8]}"
+    params = conninfo_to_dict(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as su:
+        su.execute(f"create role {squatter} login")
+        su.execute(f"grant create on database {params['dbname']} to {squatter}")
+    try:
+        squatter_dsn = make_conninfo(**{**params, "user": squatter})
+        with psycopg.connect(squatter_dsn, autocommit=True) as s:
+            s.execute("create schema pgque")
+            s.execute("grant usage on schema pgque to public")
+            s.execute("create table pgque.pwned (what text)")
+            s.execute("grant insert on pgque.pwned to public")
+            s.execute("""create function pgque.version() returns text language plpgsql as $$
+                         begin insert into pgque.pwned values ('version'); return '0'; end $$""")
+            s.execute("""create function pgque._check_name(text, text) returns void
+                         language plpgsql as $$
+                         begin insert into pgque.pwned values ('_check_name'); end $$""")
+        with pgque.connect(empty_dsn) as client, pytest.raises(pgque.SchemaNotOwned) as caught:
+            client.install()
+        assert caught.value.sqlstate == "PQ013"
+        assert "pgque" in str(caught.value)
+        with psycopg.connect(squatter_dsn, autocommit=True) as s:
+            assert s.execute("select what from pgque.pwned").fetchall() == []
+            assert s.execute("select nspowner::regrole::text from pg_namespace "
+                             "where nspname = 'pgque'").fetchone() == (squatter,)
+    finally:
+        _drop_role(empty_dsn, squatter)
+
+
+def test_install_refuses_an_object_someone_else_owns_in_its_schema(dsn: str) -> None:
+    """An object of another role inside schema pgque (made while it had CREATE there)
+    makes a reinstall refuse too: CREATE OR REPLACE would keep that role the owner."""
+    squatter = f"pgque_squatter_{uuid.uuid4().hex[:8]}"
+    params = conninfo_to_dict(dsn)
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"create role {squatter} login")
+        su.execute(f"grant usage, create on schema pgque to {squatter}")
+    try:
+        with psycopg.connect(make_conninfo(**{**params, "user": squatter}),
+                             autocommit=True) as s:
+            s.execute("create function pgque._pwn() returns void language sql as $$ $$")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            with pytest.raises(psycopg.Error) as caught:
+                pgque.install(conn)
+            assert caught.value.sqlstate == "PQ013"
+    finally:
+        _drop_role(dsn, squatter)
