@@ -15,6 +15,7 @@
 create or replace function pgque.version()
 returns text
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select '0.1.0'::text $$;
 
 -- pgque._check_name(kind, name): raises PQ004 unless name is 1..100 characters

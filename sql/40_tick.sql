@@ -12,12 +12,14 @@
 create or replace function pgque._tick_lock_class()
 returns integer
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select 1885827444 $$;
 
 -- pgque._tick_channel(queue_id): the NOTIFY channel announcing ticks of a queue.
 create or replace function pgque._tick_channel(p_queue_id integer)
 returns text
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select 'pgque_tick_' || p_queue_id::text $$;
 
 -- pgque.tick_channel(queue): the channel to LISTEN on to hear of new ticks of

@@ -29,6 +29,7 @@ create table if not exists pgque.consumer_group (
 create or replace function pgque.max_slots()
 returns integer
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select 1024 $$;
 
 -- pgque._slot_lock_class(): high 32 bits of slot advisory-lock keys ('pgqs').
@@ -39,19 +40,24 @@ as $$ select 1024 $$;
 create or replace function pgque._slot_lock_class()
 returns bigint
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select 1885827443::bigint $$;
 
 -- pgque._group_lock_class(): high 32 bits of group-membership lock keys ('pgqg').
 create or replace function pgque._group_lock_class()
 returns bigint
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select 1885827431::bigint $$;
 
 -- pgque.slot_of(key, slots): the slot a partition key routes to. This is
--- the one definition of routing; the receive filter inlines the same formula.
+-- the one definition of routing; the receive filter and the info functions
+-- write the same formula inline, since a function with a pinned search_path
+-- is never inlined and would cost a call per event row.
 create or replace function pgque.slot_of(p_key text, p_slots integer)
 returns integer
 language sql immutable parallel safe
+set search_path = pg_catalog, pg_temp
 as $$
     select case when p_key is null then 0
                 else ((hashtextextended(p_key, 0) % p_slots + p_slots) % p_slots)::integer end
@@ -61,6 +67,7 @@ $$;
 create or replace function pgque._slot_name(p_consumer text, p_slot integer, p_slots integer)
 returns text
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select p_consumer || '#' || p_slot::text || '/' || p_slots::text $$;
 
 -- pgque._check_slot(k, n): PQ022 unless 1 <= n <= max_slots(); PQ023 unless

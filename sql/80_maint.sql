@@ -8,6 +8,7 @@
 create or replace function pgque._maint_lock_class()
 returns integer
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select 1885827437 $$;
 
 -- pgque._consumed_floor(queue_id): a transaction id below which every event

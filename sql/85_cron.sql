@@ -9,39 +9,50 @@
 
 -- pgque._ticker_lock_key(): the bigint advisory lock that elects the active
 -- ticker of a database ('pgqk' << 32, shared with pgque.Ticker in Python).
+-- ticker_loop writes the same value as a constant (tests check they agree), so
+-- that admins, who may not call internal functions, may run the loop.
 create or replace function pgque._ticker_lock_key()
 returns bigint
 language sql immutable
+set search_path = pg_catalog, pg_temp
 as $$ select 1885827435::bigint << 32 $$;
 
 -- pgque.ticker_loop(seconds, interval_ms): for about seconds seconds, every
 -- interval_ms milliseconds, ticks every queue that has pending events
 -- (pgque.ticker()), committing each time, and runs maintenance every second.
--- Returns at once when another ticker holds the election lock. A procedure
--- with transaction control may not be SECURITY DEFINER nor pin search_path,
--- so every name in it is schema-qualified; grant EXECUTE to admins only.
+-- Returns at once when another ticker holds the election lock.
+--
+-- A procedure that commits may be neither SECURITY DEFINER nor pin its
+-- search_path (PostgreSQL refuses the COMMIT), and it runs with its caller's
+-- path: pg_cron's job runs it as the installer with whatever path the job
+-- has. So nothing in it is looked up on that path: every function and
+-- operator is schema-qualified, and every type is spelled with its SQL
+-- keyword (timestamp with time zone, not timestamptz, which a role could
+-- shadow with a type of its own in public). Grant EXECUTE to admins only.
 create or replace procedure pgque.ticker_loop(
     p_seconds double precision default 58, p_interval_ms integer default 100)
 language plpgsql
 as $$
 declare
-    v_until timestamptz := pg_catalog.clock_timestamp()
-                           + pg_catalog.make_interval(secs => p_seconds);
-    v_next_maint timestamptz := pg_catalog.clock_timestamp();
+    v_until timestamp with time zone := pg_catalog.clock_timestamp()
+        operator(pg_catalog.+) pg_catalog.make_interval(secs => p_seconds);
+    v_next_maint timestamp with time zone := pg_catalog.clock_timestamp();
 begin
-    if not pg_catalog.pg_try_advisory_lock(pgque._ticker_lock_key()) then
+    -- The key is pgque._ticker_lock_key(), written out.
+    if not pg_catalog.pg_try_advisory_lock(8099567159224565760) then
         return;
     end if;
-    while pg_catalog.clock_timestamp() < v_until loop
+    while pg_catalog.clock_timestamp() operator(pg_catalog.<) v_until loop
         perform pgque.ticker();
-        if pg_catalog.clock_timestamp() >= v_next_maint then
+        if pg_catalog.clock_timestamp() operator(pg_catalog.>=) v_next_maint then
             perform pgque.maint();
-            v_next_maint := pg_catalog.clock_timestamp() + interval '1 second';
+            v_next_maint := pg_catalog.clock_timestamp()
+                operator(pg_catalog.+) interval '1 second';
         end if;
         commit;
-        perform pg_catalog.pg_sleep(p_interval_ms / 1000.0);
+        perform pg_catalog.pg_sleep(p_interval_ms operator(pg_catalog./) 1000.0);
     end loop;
-    perform pg_catalog.pg_advisory_unlock(pgque._ticker_lock_key());
+    perform pg_catalog.pg_advisory_unlock(8099567159224565760);
 end
 $$;
 

@@ -19,7 +19,9 @@ begin
         'select e.ev_time from pgque.%I e'
         ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
         '   and (e.ev_owner is null or e.ev_owner = $3)'
-        '   and ($5::integer is null or pgque.slot_of(e.ev_extra1, $5) = $4)'
+        '   and ($5::integer is null'
+        '        or (case when e.ev_extra1 is null then 0'
+        '                 else (hashtextextended(e.ev_extra1, 0) %% $5 + $5) %% $5 end) = $4)'
         ' order by e.ev_txid limit 1',
         pgque._event_table(p_queue_id))
        into v_time
@@ -96,7 +98,9 @@ begin
         'select count(*) from (select 1 from pgque.%I e'
         ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
         '   and (e.ev_owner is null or e.ev_owner = $3)'
-        '   and ($5::integer is null or pgque.slot_of(e.ev_extra1, $5) = $4)'
+        '   and ($5::integer is null'
+        '        or (case when e.ev_extra1 is null then 0'
+        '                 else (hashtextextended(e.ev_extra1, 0) %% $5 + $5) %% $5 end) = $4)'
         ' limit 1000000) pending',
         pgque._event_table(p_queue_id))
        into v_count

@@ -29,6 +29,10 @@ def test_start_cron_without_pg_cron_is_refused(client: pgque.Client) -> None:
 
 def test_loop_and_python_ticker_share_the_election_lock(conn: psycopg.Connection[Any]) -> None:
     assert scalar(conn, "select pgque._ticker_lock_key()") == TICKER_LOCK_KEY
+    # ticker_loop writes the key out (admins may not call internal functions).
+    source = scalar(conn, "select prosrc from pg_proc where proname = 'ticker_loop'")
+    assert source.count(f"advisory_lock({TICKER_LOCK_KEY})") == 1
+    assert source.count(f"advisory_unlock({TICKER_LOCK_KEY})") == 1
 
 
 @pytest.fixture

@@ -133,3 +133,78 @@ def test_reader_role_ticker_gives_up_instead_of_looping(users: dict[str, pgque.C
     ticker.start()
     wait_for(lambda: not ticker.alive, timeout=10, what="the reader's ticker to give up")
     assert not ticker.active and ticker.ticks == 0
+
+
+# A procedure that commits may not carry a SET clause (PostgreSQL refuses the
+# COMMIT), so the ticker loop cannot pin its search_path: every name and
+# operator in it is schema-qualified instead (test_ticker_loop_ignores_...).
+COMMITTING_PROCEDURES = {"pgque.ticker_loop(double precision,integer)"}
+
+
+def test_every_routine_pins_search_path(conn: psycopg.Connection[Any]) -> None:
+    """Not only the SECURITY DEFINER ones: a helper without a pinned path runs
+    with its caller's, which may be pg_cron's (the installer's) or a view's."""
+    rows = conn.execute(
+        "select p.oid::regprocedure::text, p.proconfig from pg_proc p "
+        "where p.pronamespace = 'pgque'::regnamespace order by 1").fetchall()
+    assert len(rows) > 40
+    unpinned = {name for name, config in rows
+                if not config or "search_path=pg_catalog, pg_temp" not in config}
+    assert unpinned == COMMITTING_PROCEDURES
+
+
+def _plant(dsn: str, statements: list[str]) -> str:
+    """Make a login role with no pgque grant and run statements as it; returns its name."""
+    role = f"pgque_planter_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"create role {role} login")
+        su.execute("grant create on schema public to public")  # PostgreSQL 14's default
+    params = conninfo_to_dict(dsn)
+    with psycopg.connect(make_conninfo(**{**params, "user": role}), autocommit=True) as p:
+        p.execute("create table public.pwned (what text)")
+        p.execute("grant insert on public.pwned to public")
+        for statement in statements:
+            p.execute(statement)
+        p.execute("grant execute on all functions in schema public to public")
+    return role
+
+
+def _drop_planter(dsn: str, role: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"drop owned by {role} cascade")
+        su.execute(f"drop role if exists {role}")
+
+
+def test_ticker_loop_ignores_planted_operators(dsn: str) -> None:
+    """pg_cron runs the loop as the installer with the job's search_path: an operator
+    planted in public (one that matches better than pg_catalog's, or the same one
+    earlier on the path) must never run."""
+    role = _plant(dsn, [
+        """create function public.pwn_div(integer, numeric) returns numeric language plpgsql as $$
+           begin insert into public.pwned values ('/');
+           return pg_catalog.numeric_div($1::numeric, $2); end $$""",
+        "create operator public./ (leftarg = integer, rightarg = numeric, "
+        "function = public.pwn_div)",
+        """create function public.pwn_lt(timestamptz, timestamptz) returns boolean
+           language plpgsql as $$
+           begin insert into public.pwned values ('<');
+           return pg_catalog.timestamptz_lt($1, $2); end $$""",
+        "create operator public.< (leftarg = timestamptz, rightarg = timestamptz, "
+        "function = public.pwn_lt)",
+    ])
+    try:
+        with psycopg.connect(dsn, autocommit=True) as su:
+            su.execute("set search_path = public, pg_catalog")
+            su.execute("call pgque.ticker_loop(0.2, 50)")
+            assert su.execute("select what from public.pwned").fetchall() == []
+    finally:
+        _drop_planter(dsn, role)
+
+
+def test_admin_may_run_the_ticker_loop(users: dict[str, pgque.Client]) -> None:
+    """docs/api.md: admins run ticker_loop (what pg_cron's job calls)."""
+    admin = users["admin"]
+    admin.send("q", "e", 1)
+    admin.conn.execute("call pgque.ticker_loop(0.2, 50)")
+    batch = admin.receive("q", "c")
+    assert batch is not None and len(batch) == 1
