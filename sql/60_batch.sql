@@ -123,18 +123,22 @@ declare
     v_count integer;
     v_moved boolean := false;
     v_steps integer := 0;
+    -- One more than max_events (null: no limit), to tell whether the batch
+    -- goes on; computed in bigint and capped, so that max_events = 2^31 - 1
+    -- does not overflow (no batch holds that many events: no array could).
+    v_ask integer := case when p_max_events is not null
+                          then least(p_max_events::bigint + 1, 2147483647) end;
 begin
     perform pgque._check_max_events(p_max_events);
     if p_cur.cur_batch is null then
         loop
             p_cur.cur_next_tick := pgque._next_tick(p_queue, p_cur);
             exit when p_cur.cur_next_tick is null;
-            -- Ask for one more than max_events: that tells whether the batch goes on.
             v_events := pgque._batch_events(
                 p_queue.queue_id, p_sub.sub_id,
                 pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
                 pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
-                0, null, p_max_events + 1, null, p_slot, p_slots);
+                0, null, v_ask, null, p_slot, p_slots);
             exit when coalesce(cardinality(v_events), 0) > 0;
             -- Nothing here for us: consume the batch now instead of a round
             -- trip to hand out and ack nothing (bounded, to keep calls short).
@@ -158,7 +162,7 @@ begin
             p_queue.queue_id, p_sub.sub_id,
             pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
             pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
-            p_cur.cur_pos, null, p_max_events + 1, null, p_slot, p_slots);
+            p_cur.cur_pos, null, v_ask, null, p_slot, p_slots);
     end if;
 
     v_count := coalesce(cardinality(v_events), 0);

@@ -244,3 +244,20 @@ def test_drop_queue_with_force_leaves_nothing_behind(client: pgque.Client,
         " (select count(*) from pg_class where relname like 'event\\_1%%')").fetchone()
     assert counts == (1, 1, 0, 0, 0)  # only "other"'s consumer and its cursor remain
     assert [m.id for m in drain(client, "other", "c")] == []
+
+
+def test_receive_with_the_largest_max_events(client: pgque.Client) -> None:
+    """max_events up to 2^31 - 1 works (the one-more look-ahead must not overflow)."""
+    top = 2**31 - 1
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    client.subscribe_slots("q", "g", slots=1)
+    assert client.claim_slot("q", "g", 0)
+    sent = client.send_batch("q", [("e", 1), ("e", 2)])
+    client.tick("q")
+    batch = client.receive("q", "c", max_events=top)
+    assert batch is not None and [m.id for m in batch] == sent
+    assert client.ack(batch) is True
+    piece = client.receive_partitioned("q", "g", slot=0, slots=1, max_events=top)
+    assert piece is not None and [m.id for m in piece] == sent
+    assert client.ack(piece) is True
