@@ -117,3 +117,17 @@ def test_errors_inside_callers_transaction_leave_it_usable_after_rollback(dsn: s
         c.send("q", "e", 1)
         conn.commit()
         assert len(drain(c, "q", "c")) == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_floats_are_refused(client: pgque.Client, bad: float) -> None:
+    """JSON has no NaN or Infinity: refused, not stored as null."""
+    before = state(client.conn)
+    with pytest.raises(pgque.PayloadError):
+        client.send("q", "e", {"x": [1.5, {"y": bad}]})
+    with pytest.raises(pgque.PayloadError):
+        client.send("q", "e", bad)
+    with pytest.raises(pgque.PayloadError):
+        client.send_batch("q", [("e", 1), ("e", {"z": bad})])
+    assert state(client.conn) == before
+    assert client.send("q", "e", {"x": None, "y": 1.5}) > 0  # null itself is fine
