@@ -18,6 +18,18 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$ select '0.1.0'::text $$;
 
+-- pgque._name_for_message(text): a caller-supplied name (or other text) as
+-- error messages show it: cut to 100 characters, with "..." when it was
+-- longer, so that a huge name does not make a huge message (and server log
+-- line). Every message that echoes what a caller passed goes through it.
+create or replace function pgque._name_for_message(p_text text)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when length(p_text) > 100 then left(p_text, 100) || '...' else p_text end
+$$;
+
 -- pgque._check_name(kind, name): raises PQ004 unless name is 1..100 characters
 -- of letters, digits and _ . : - (starting with a letter or digit). '#' is
 -- reserved for slot subscriptions, so caller text can never forge one.
@@ -30,7 +42,7 @@ begin
     if p_name is null or p_name !~ '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$' then
         raise exception using
             errcode = 'PQ004',
-            message = format('invalid %s name %L', p_kind, p_name),
+            message = format('invalid %s name %L', p_kind, pgque._name_for_message(p_name)),
             hint = 'Use 1 to 100 letters, digits, "_", ".", ":" or "-", starting with a letter or digit.';
     end if;
 end
@@ -47,7 +59,8 @@ declare
 begin
     select * into v_queue from pgque.queue where queue_name = p_queue;
     if not found then
-        raise exception using errcode = 'PQ001', message = format('queue %L does not exist', p_queue);
+        raise exception using errcode = 'PQ001', message = format('queue %L does not exist',
+                                                          pgque._name_for_message(p_queue));
     end if;
     return v_queue;
 end
@@ -112,7 +125,8 @@ begin
     if not found then
         raise exception using
             errcode = 'PQ002',
-            message = format('consumer %L is not subscribed to queue %L', p_consumer, p_queue);
+            message = format('consumer %L is not subscribed to queue %L',
+                             pgque._name_for_message(p_consumer), pgque._name_for_message(p_queue));
     end if;
     cur := pgque._current_cursor(sub.sub_id);
 end

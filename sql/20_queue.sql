@@ -22,7 +22,7 @@ begin
     if v_result is null or v_result < interval '0' then
         raise exception using errcode = 'PQ007',
             message = format('%s must be a non-negative interval (seconds or an interval literal), not %s',
-                             p_key, p_value);
+                             pgque._name_for_message(p_key), pgque._name_for_message(p_value::text));
     end if;
     return v_result;
 end
@@ -44,7 +44,8 @@ begin
     end if;
     if v_result is null or v_result < p_min or v_result > p_max then
         raise exception using errcode = 'PQ007',
-            message = format('%s must be an integer from %s to %s, not %s', p_key, p_min, p_max, p_value);
+            message = format('%s must be an integer from %s to %s, not %s', pgque._name_for_message(p_key),
+                             p_min, p_max, pgque._name_for_message(p_value::text));
     end if;
     return v_result;
 end
@@ -86,7 +87,7 @@ begin
             p_queue.queue_ntables := pgque._integer(v_key, v_value, 2, 64);
         else
             raise exception using errcode = 'PQ007',
-                message = format('unknown queue setting %L', v_key),
+                message = format('unknown queue setting %L', pgque._name_for_message(v_key)),
                 hint = 'Known settings: ticker_max_count, ticker_max_lag, ticker_idle_period, '
                        'rotation_period, max_retries, event_tables.';
         end case;
@@ -137,7 +138,8 @@ begin
         if p_exist_ok then
             return v_queue.queue_id;
         end if;
-        raise exception using errcode = 'PQ006', message = format('queue %L already exists', p_queue);
+        raise exception using errcode = 'PQ006', message = format('queue %L already exists',
+                                                          pgque._name_for_message(p_queue));
     end if;
 
     -- Insert with the table's defaults first, then apply the caller's settings.
@@ -226,11 +228,12 @@ begin
     perform pg_advisory_xact_lock(pgque._maint_lock_class(), v_queue.queue_id);
     perform from pgque.queue where queue_id = v_queue.queue_id for update;
     if not found then
-        raise exception using errcode = 'PQ001', message = format('queue %L does not exist', p_queue);
+        raise exception using errcode = 'PQ001', message = format('queue %L does not exist',
+                                                          pgque._name_for_message(p_queue));
     end if;
     if not p_force and exists (select 1 from pgque.subscription where sub_queue = v_queue.queue_id) then
         raise exception using errcode = 'PQ011',
-            message = format('queue %L still has consumers', p_queue),
+            message = format('queue %L still has consumers', pgque._name_for_message(p_queue)),
             hint = 'Unsubscribe them first, or drop with force.';
     end if;
     -- Subscriptions go the one way they always go (cursors and retries with

@@ -80,7 +80,8 @@ declare
 begin
     if position('#' in p_consumer) > 0 then
         raise exception using errcode = 'PQ021',
-            message = format('%L is a slot subscription; use unsubscribe_slots', p_consumer);
+            message = format('%L is a slot subscription; use unsubscribe_slots',
+                             pgque._name_for_message(p_consumer));
     end if;
     return pgque._unsubscribe(v_queue.queue_id, array[p_consumer]) > 0;
 end

@@ -279,7 +279,7 @@ begin
     if (select count(distinct e.ev_id) from unnest(v_events) e) <> v_wanted then
         raise exception using errcode = 'PQ010',
             message = format('nack: some of events %s are not among those handed out of batch %s',
-                             p_ev_ids, p_batch_id);
+                             pgque._name_for_message(p_ev_ids::text), p_batch_id);
     end if;
 
     -- One row per event id: its newest copy (a batch holds two copies of an

@@ -103,13 +103,13 @@ begin
      where cg_queue = p_queue.queue_id and cg_consumer = p_consumer;
     if not found then
         raise exception using errcode = 'PQ002',
-            message = format('consumer group %L is not subscribed to queue %L', p_consumer,
-                             p_queue.queue_name);
+            message = format('consumer group %L is not subscribed to queue %L',
+                             pgque._name_for_message(p_consumer), p_queue.queue_name);
     end if;
     if p_slots is not null and v_group.cg_slots <> p_slots then
         raise exception using errcode = 'PQ020',
-            message = format('consumer group %L of queue %L has %s slots, not %s', p_consumer,
-                             p_queue.queue_name, v_group.cg_slots, p_slots),
+            message = format('consumer group %L of queue %L has %s slots, not %s',
+                             pgque._name_for_message(p_consumer), p_queue.queue_name, v_group.cg_slots, p_slots),
             hint = 'The slot count is fixed per group: a different one would move keys between '
                    'slots and break per-key order. Unsubscribe the group to change it.';
     end if;

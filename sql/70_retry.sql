@@ -90,13 +90,14 @@ begin
     returning * into v_dead;
     if not found then
         raise exception using errcode = 'PQ009',
-            message = format('queue %L has no dead letter %s', p_queue, p_dl_id);
+            message = format('queue %L has no dead letter %s', pgque._name_for_message(p_queue), p_dl_id);
     end if;
     select sub_id into v_owner from pgque.subscription
      where sub_queue = v_queue.queue_id and sub_consumer = v_dead.dl_consumer;
     if not found then
         raise exception using errcode = 'PQ002',
-            message = format('consumer %L is not subscribed to queue %L', v_dead.dl_consumer, p_queue);
+            message = format('consumer %L is not subscribed to queue %L',
+                             pgque._name_for_message(v_dead.dl_consumer), pgque._name_for_message(p_queue));
     end if;
     execute 'with src as (select $1::bigint as ev_id, $2::timestamptz as ev_time,'
             '                    $3::integer as ev_owner, 0 as ev_retry, $4::text as ev_type,'

@@ -119,6 +119,36 @@ def test_errors_inside_callers_transaction_leave_it_usable_after_rollback(dsn: s
         assert len(drain(c, "q", "c")) == 1
 
 
+HUGE = "q" * 1_000_000
+
+LONG_NAME_CASES: list[tuple[str, type[pgque.PgqueError], Callable[[pgque.Client], Any]]] = [
+    ("send", pgque.QueueNotFound, lambda c: c.send(HUGE, "e", 1)),
+    ("send_batch", pgque.QueueNotFound, lambda c: c.send_batch(HUGE, [("e", 1)])),
+    ("receive, queue", pgque.QueueNotFound, lambda c: c.receive(HUGE, "c")),
+    ("receive, consumer", pgque.ConsumerNotFound, lambda c: c.receive("q", HUGE)),
+    ("receive_partitioned", pgque.ConsumerNotFound,
+     lambda c: c.receive_partitioned("q", HUGE, slot=0, slots=1)),
+    ("create_queue", pgque.InvalidName, lambda c: c.create_queue(HUGE)),
+    ("subscribe", pgque.InvalidName, lambda c: c.subscribe("q", HUGE)),
+    ("setting", pgque.InvalidConfig, lambda c: c.create_queue("q2", **{HUGE: 1})),
+    ("setting value", pgque.InvalidConfig, lambda c: c.create_queue("q2", ticker_max_lag=HUGE)),
+    ("drop_queue", pgque.QueueNotFound, lambda c: c.drop_queue(HUGE)),
+]
+
+
+@pytest.mark.parametrize(("what", "error", "call"), LONG_NAME_CASES,
+                         ids=[case[0] for case in LONG_NAME_CASES])
+def test_long_names_are_cut_in_messages(client: pgque.Client, what: str,
+                                        error: type[pgque.PgqueError],
+                                        call: Callable[[pgque.Client], Any]) -> None:
+    """A 1 MB name must not put 1 MB into every error message (and server log line)."""
+    with pytest.raises(error) as caught:
+        call(client)
+    assert len(str(caught.value)) < 1000
+    assert len(str(caught.value.__cause__)) < 1000
+    assert "..." in str(caught.value)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_floats_are_refused(client: pgque.Client, bad: float) -> None:
     """JSON has no NaN or Infinity: refused, not stored as null."""
