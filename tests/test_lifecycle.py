@@ -86,9 +86,11 @@ def test_sigterm_ends_a_worker_process_within_a_second_while_the_server_is_down(
             time.sleep(1.5)
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(5) == 0
+            assert proc.stdout.readline().strip() == "stopped"  # run() returned
+            # The stop is noticed within STOP_LATENCY (0.2 s); the margin is for a
+            # busy 2-core machine scheduling the process.
             assert time.monotonic() - started < 1.0
-            assert proc.stdout.read().strip() == "stopped"
+            assert proc.wait(5) == 0
         finally:
             proc.kill()
 
