@@ -334,14 +334,18 @@ def server_timeouts(network_timeout: float, *,
     """
     idle = max(1, int(network_timeout / 3))
     interval = max(1, int(network_timeout / 6))
-    return {
+    settings = {
         "tcp_keepalives_idle": str(idle),
         "tcp_keepalives_interval": str(interval),
         "tcp_keepalives_count": "3",
         "tcp_user_timeout": str(int(network_timeout * 5000 / 6)),
         "client_connection_check_interval": str(interval * 1000),
-        "idle_session_timeout": str(int((idle_timeout or 0) * 1000)),
     }
+    # Without idle_timeout the setting is left as it is, not turned off: behind
+    # a pooler this session may be one that holds another client's locks.
+    if idle_timeout is not None:
+        settings["idle_session_timeout"] = str(int(idle_timeout * 1000))
+    return settings
 
 
 class CallWatch:
