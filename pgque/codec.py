@@ -8,7 +8,9 @@ What ``send`` accepts as a payload:
   already encoded, passed through as is (the server still checks it is JSON).
 
 NaN and infinite floats are refused with PayloadError: JSON has no such
-numbers, and msgspec would write them as null.
+numbers, and msgspec would write them as null. So are payloads nested deeper
+than Python can encode or decode (about a thousand levels): PayloadError, not
+RecursionError, and never the server's stack depth error.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def encode_payload(payload: Any) -> str:
     """The JSON text for a payload; raises PayloadError if it cannot be encoded."""
     if isinstance(payload, (bytes, bytearray, memoryview, msgspec.Raw)):
         raw = bytes(payload)
+        _check_depth(raw)
     else:
         try:
             raw = _encoder.encode(payload)
+        except RecursionError as exc:
+            raise PayloadError("payload is nested too deeply to encode as JSON") from exc
         except (TypeError, ValueError, msgspec.EncodeError) as exc:
             raise PayloadError(f"payload cannot be encoded as JSON: {exc}") from exc
         # msgspec writes NaN and infinities as null; JSON has no such numbers,
@@ -46,6 +51,28 @@ def encode_payload(payload: Any) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PayloadError(f"payload is not UTF-8 JSON: {exc}") from exc
+
+
+# JSON passed through as bytes with fewer opening brackets than this cannot be
+# nested deeply enough to trouble a decoder (Python's or the server's).
+_DEPTH_CHECK_BRACKETS = 500
+
+
+def _check_depth(raw: bytes) -> None:
+    """Refuse pre-encoded JSON nested deeper than Python can decode.
+
+    Counting brackets is cheap; only a payload with many of them is decoded to
+    find out (the server would otherwise fail on it with a stack depth error,
+    or accept JSON no Python consumer could read).
+    """
+    if raw.count(b"[") + raw.count(b"{") < _DEPTH_CHECK_BRACKETS:
+        return
+    try:
+        msgspec.json.decode(raw)
+    except RecursionError as exc:
+        raise PayloadError("payload is nested too deeply to decode as JSON") from exc
+    except msgspec.DecodeError:
+        pass  # not JSON: the server says so, as for any other malformed payload
 
 
 def _has_non_finite(payload: Any) -> bool:
@@ -79,6 +106,8 @@ def decode_payload(data: str | None, payload_type: type[T] | None) -> T:
         _decoders[payload_type] = decoder
     try:
         result: T = decoder.decode(data)
+    except RecursionError as exc:
+        raise PayloadError("payload is nested too deeply to decode") from exc
     except msgspec.DecodeError as exc:
         raise PayloadError(f"payload does not decode as {payload_type}: {exc}") from exc
     return result

@@ -10,6 +10,7 @@ import pytest
 from helpers import drain
 
 import pgque
+from pgque.codec import decode_payload
 
 
 @pytest.fixture
@@ -161,3 +162,46 @@ def test_non_finite_floats_are_refused(client: pgque.Client, bad: float) -> None
         client.send_batch("q", [("e", 1), ("e", {"z": bad})])
     assert state(client.conn) == before
     assert client.send("q", "e", {"x": None, "y": 1.5}) > 0  # null itself is fine
+
+
+def nested_list(depth: int) -> Any:
+    value: Any = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def nested_dict(depth: int) -> Any:
+    value: Any = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("payload", [nested_list(100_000), nested_dict(100_000),
+                                     b"[" * 100_000 + b"]" * 100_000],
+                         ids=["list", "dict", "raw bytes"])
+def test_deeply_nested_payloads_are_refused(client: pgque.Client, payload: Any) -> None:
+    """Neither RecursionError nor the server's stack depth error (54001): PayloadError."""
+    before = state(client.conn)
+    with pytest.raises(pgque.PayloadError):
+        client.send("q", "e", payload)
+    with pytest.raises(pgque.PayloadError):
+        client.send_batch("q", [("e", 1), ("e", payload)])
+    assert state(client.conn) == before
+
+
+def test_a_payload_too_deep_to_decode_is_a_payload_error(client: pgque.Client) -> None:
+    """The server accepts JSON deeper than Python can decode: accessing the payload says so."""
+    deep = "[" * 5000 + "]" * 5000
+    client.conn.execute("select pgque.send('q', 'e', %s::text)", (deep,))
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    [message] = batch.messages
+    assert message.data is not None and len(message.data) == 10_000
+    with pytest.raises(pgque.PayloadError):
+        message.payload  # noqa: B018
+    with pytest.raises(pgque.PayloadError):
+        decode_payload(deep, list)
+    client.ack(batch)

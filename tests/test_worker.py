@@ -206,3 +206,30 @@ def test_newcomer_gets_slots_while_the_others_are_busy(client: pgque.Client, dsn
     assert handled["c"], "the newcomer handled nothing"
     assert sorted(handled["a"] + handled["b"] + handled["c"]) == ids
     no_batch_open_no_lock(conn)
+
+
+def test_a_payload_too_deep_to_decode_is_retried_then_dead_lettered(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The server accepts JSON nested deeper than Python can decode: the handler's
+    access to the payload fails with PayloadError, which is nacked like any failure."""
+    make_queue(client, max_retries=1)
+    client.subscribe_slots("q", "g", slots=2)
+    conn.execute("select pgque.send('q', 'deep', %s::text, 'k')", ("[" * 5000 + "]" * 5000,))
+    ids = client.send_batch("q", [("e", {"n": i}, "k") for i in range(5)])
+    handled: list[int] = []
+
+    def handler(message: pgque.Message[Any]) -> None:
+        message.payload  # noqa: B018
+        handled.append(message.id)
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handler,
+                          retry_after=0, poll_interval=0.05,
+                          ticker=pgque.Ticker(dsn, maintenance_interval=0.1))
+    with worker:
+        wait_for(lambda: client.dead_letters("q"), timeout=30, what="the dead letter", dsn=dsn)
+        wait_for(lambda: len(handled) == len(ids) or None, timeout=30, what="the rest", dsn=dsn)
+    [letter] = client.dead_letters("q")
+    assert letter.type == "deep"
+    assert "PayloadError" in (letter.reason or "")
+    assert sorted(handled) == ids  # the slot went on past it
+    assert worker.failed == 2
