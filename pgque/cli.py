@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import date, datetime, timedelta
@@ -143,9 +144,36 @@ def _dumps(document: object, *, indent: int | None = 2) -> str:
     return json.dumps(document, default=_json_default, indent=indent, separators=separators)
 
 
+# How much of a payload too deeply nested to parse is shown (as a string).
+PAYLOAD_SHOWN_CHARS = 200
+
+
 def _payload(data: str | None) -> Any:
-    """A stored payload as a JSON value (the server only stores valid JSON)."""
-    return None if data is None else json.loads(data)
+    """A stored payload as a JSON value (the server only stores valid JSON).
+
+    JSON nested deeper than Python can parse (the server takes thousands of
+    levels) becomes a string: its start, cut, and a note saying why.
+    """
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+        json.dumps(value)  # what parses at the limit may not write back
+    except RecursionError:
+        cut = data[:PAYLOAD_SHOWN_CHARS] + ("..." if len(data) > PAYLOAD_SHOWN_CHARS else "")
+        return f"{cut} (payload nested too deeply to show)"
+    return value
+
+
+def _escape(text: str) -> str:
+    """Text with its control characters (Unicode category Cc: ESC, BEL, CR, newline...)
+    written as escapes (\\x1b), so user data cannot drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        if unicodedata.category(ch) == "Cc" else ch
+        for ch in text)
 
 
 def _age(value: timedelta | None) -> str:
@@ -173,7 +201,7 @@ def _cell(value: object) -> Text:
         return Text(_age(value))
     if isinstance(value, datetime):
         return Text(value.astimezone().isoformat(sep=" ", timespec="seconds"))
-    return Text(str(value))
+    return Text(_escape(str(value)))
 
 
 def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> Table:
@@ -552,9 +580,9 @@ def _event_line(message: pgque.Message[Any]) -> Text:
     return Text.assemble(
         (str(message.id), "bold"), " ",
         (message.created_at.astimezone().isoformat(sep=" ", timespec="milliseconds"), "dim"),
-        " ", (message.type, "cyan"), " ",
-        (f"key={message.partition_key}" if message.partition_key is not None else "key=-",
-         "yellow"),
+        " ", ("-", "dim") if message.type is None else (_escape(message.type), "cyan"), " ",
+        (f"key={_escape(message.partition_key)}" if message.partition_key is not None
+         else "key=-", "yellow"),
         " ", payload)
 
 

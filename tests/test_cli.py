@@ -717,3 +717,51 @@ def test_installed_console_script(dsn: str) -> None:
     result = subprocess.run([str(script), "queue", "list", "--json"], capture_output=True,
                             text=True, timeout=60, env=cli_env(PGQUE_DSN=dsn))
     assert json.loads(ok(result)) == []
+
+
+def _send_awkward_events(client: pgque.Client) -> None:
+    """A NULL type, a payload nested deeper than Python can parse, and control characters."""
+    client.conn.execute("select pgque.send('q', null, '{\"n\": 1}'::text)")
+    client.conn.execute("select pgque.send('q', 'deep', %s::text)", ("[" * 5000 + "]" * 5000,))
+    client.send("q", "T\x1b[31mred\x07", {"s": "a\x1b]0;title\x07\rb"}, partition_key="k\x1b[2J")
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["rich", "json"])
+def test_tail_survives_null_types_deep_payloads_and_escapes_control_characters(
+        client: pgque.Client, dsn: str, as_json: bool) -> None:
+    client.create_queue("q")
+    with cli_process("tail", "q", "--limit", "3", *(["--json"] if as_json else []),
+                     "--dsn", dsn) as proc:
+        wait_for(lambda: tail_consumers(client), timeout=30, what="the tail's consumer")
+        _send_awkward_events(client)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+    lines = out.splitlines()
+    assert len(lines) == 3, out
+    assert all(len(line) < 2000 for line in lines)  # the deep payload is cut
+    if as_json:
+        events = [json.loads(line) for line in lines]
+        assert events[0]["type"] is None and events[0]["payload"] == {"n": 1}
+        assert events[2]["type"] == "T\x1b[31mred\x07"  # JSON escapes it: no raw ESC in out
+        assert events[2]["payload"] == {"s": "a\x1b]0;title\x07\rb"}
+    else:
+        assert "\\x1b[31mred\\x07" in lines[2] and "key=k\\x1b[2J" in lines[2]
+        assert '{"n":1}' in lines[0]
+        assert "[[[[" in lines[1]
+
+
+def test_dlq_list_escapes_control_characters(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q", max_retries=0)
+    client.subscribe("q", "c")
+    client.send("q", "T\x1b[31mred", {"n": 1}, partition_key="k\x07")
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    client.nack(batch, batch.messages, reason="bad\x1b[2J\rthing")
+    client.ack(batch)
+    out = ok(run_cli("dlq", "list", "q", "--dsn", dsn, COLUMNS="300"))
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+    assert "T\\x1b[31mred" in out and "k\\x07" in out and "bad\\x1b[2J\\x0dthing" in out
+    shown = ok(run_cli("dlq", "show", "q", "1", "--dsn", dsn, COLUMNS="300"))
+    assert "\x1b" not in shown and "\x07" not in shown and "\r" not in shown
