@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -39,6 +40,7 @@ from rich.table import Table
 from rich.text import Text
 
 import pgque
+from pgque.client import redact
 
 __all__ = ["cli", "main"]
 
@@ -252,9 +254,16 @@ def describe_error(exc: BaseException) -> str:
     return _one_line(f"{text} (hint: {hint})" if hint else text)
 
 
-def _fail(message: str, code: int) -> None:
-    click.echo(f"error: {_one_line(message)}", err=True)
+def _fail(message: str, code: int, dsn: str | None = None) -> None:
+    click.echo(f"error: {_one_line(redact(message, dsn))}", err=True)
     sys.exit(code)
+
+
+def _fail_with_traceback(exc: BaseException, dsn: str | None) -> None:
+    """--debug: the traceback, with the DSN's password hidden wherever it shows."""
+    text = "".join(traceback.format_exception(exc))
+    click.echo(redact(text, dsn).rstrip("\n"), err=True)
+    sys.exit(1)
 
 
 # -- the command group ------------------------------------------------------------------
@@ -1180,12 +1189,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail("interrupted" if interrupted else "aborted", 130 if interrupted else 1)
     except (pgque.PgqueError, psycopg.Error) as exc:
         if state.debug:
-            raise
-        _fail(describe_error(exc), 1)
+            _fail_with_traceback(exc, state.dsn)
+        _fail(describe_error(exc), 1, state.dsn)
     except Exception as exc:
         if state.debug:
-            raise
-        _fail(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1)
+            _fail_with_traceback(exc, state.dsn)
+        _fail(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, state.dsn)
     sys.exit(result if isinstance(result, int) else 0)
 
 

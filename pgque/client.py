@@ -12,6 +12,7 @@ decodes rows and maps the engine's SQLSTATEs to :mod:`pgque.errors`.
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -47,6 +48,39 @@ def _seconds(value: float | timedelta) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+# A password in a key=value DSN (quoted or not) or in a URI's query string...
+_KEY_VALUE_PASSWORD = re.compile(r"""(?i)\b(password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&'"]+)""")
+# ...and in a URI's user info: scheme://user:password@host.
+_URI_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@]*:)[^\s@]*@")
+# A known password shorter than this is not hunted for in free text (it would
+# garble every message); the patterns above still hide it where it is a password.
+_MIN_QUOTED_PASSWORD = 3
+
+
+def redact(text: str, dsn: str | None = None) -> str:
+    """``text`` with every password hidden (``***``): in key=value and URI DSNs it
+    holds, and, when the ``dsn`` it came from is given, wherever that DSN's
+    password appears (libpq quotes fragments of a malformed DSN in its errors)."""
+    secrets_found: list[str] = []
+    if dsn:
+        try:
+            password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
+        except psycopg.Error:
+            password = None
+        if isinstance(password, str):
+            secrets_found.append(password)
+        for match in _KEY_VALUE_PASSWORD.finditer(dsn):
+            secrets_found.append(match.group(2).strip("'"))
+        for match in _URI_PASSWORD.finditer(dsn):
+            secrets_found.append(dsn[match.end(1):match.end() - 1])
+    text = _URI_PASSWORD.sub(r"\1***@", text)
+    text = _KEY_VALUE_PASSWORD.sub(r"\1***", text)
+    for secret in sorted(set(secrets_found), key=len, reverse=True):
+        if len(secret) >= _MIN_QUOTED_PASSWORD:
+            text = text.replace(secret, "***")
+    return text
+
+
 def open_connection(dsn: str, *, timeout: float = 30.0, stop: threading.Event | None = None,
                     **kwargs: Any) -> Conn:
     """Open an autocommit psycopg connection, retrying while the server starts.
@@ -66,19 +100,21 @@ def open_connection(dsn: str, *, timeout: float = 30.0, stop: threading.Event | 
         try:
             return psycopg.connect(dsn, **kwargs)
         except psycopg.ProgrammingError as exc:  # malformed DSN
-            error = ConnectError(f"invalid DSN: {exc}")
+            # The error names no password, and its cause is left out: psycopg's
+            # text can quote the DSN, password and all.
+            error = ConnectError(redact(f"invalid DSN: {exc}", dsn))
             error.transient = False
-            raise error from exc
+            raise error from None
         except psycopg.OperationalError as exc:
             transient = exc.sqlstate in _TRANSIENT_STATES
             if not transient or time.monotonic() + delay > deadline:
-                error = ConnectError(f"cannot connect to PostgreSQL: {exc}".strip())
+                error = ConnectError(redact(f"cannot connect to PostgreSQL: {exc}".strip(), dsn))
                 error.transient = transient
-                raise error from exc
+                raise error from None
             if stop is not None:
                 if stop.wait(delay):
                     error = ConnectError("stopped while connecting")
-                    raise error from exc
+                    raise error from None
             else:
                 time.sleep(delay)
             delay = min(delay * 2, 1.0)

@@ -765,3 +765,19 @@ def test_dlq_list_escapes_control_characters(client: pgque.Client, dsn: str) -> 
     assert "T\\x1b[31mred" in out and "k\\x07" in out and "bad\\x1b[2J\\x0dthing" in out
     shown = ok(run_cli("dlq", "show", "q", "1", "--dsn", dsn, COLUMNS="300"))
     assert "\x1b" not in shown and "\x07" not in shown and "\r" not in shown
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+@pytest.mark.parametrize("bad_dsn", [
+    "postgresql://u:hunter2-pw@[bad/db",
+    "host=127.0.0.1 port=1 user=u password=hunter2-pw dbname=x",
+    "host=127.0.0.1 password=hunter2-pw user",
+])
+def test_status_never_prints_the_dsns_password(bad_dsn: str, debug: bool) -> None:
+    result = run_cli(*(["--debug"] if debug else []), "status", "--dsn", bad_dsn,
+                     "--connect-timeout", "1")
+    assert result.returncode == 1
+    assert ("Traceback" in result.stderr) == debug
+    assert "hunter2-pw" not in result.stdout + result.stderr
+    result = run_cli("status", PGQUE_DSN=bad_dsn, PGQUE_DEBUG="1" if debug else "0")
+    assert result.returncode == 1 and "hunter2-pw" not in result.stdout + result.stderr

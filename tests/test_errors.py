@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from helpers import drain
 
 import pgque
+from pgque.client import redact
 from pgque.codec import decode_payload
 
 
@@ -205,3 +207,41 @@ def test_a_payload_too_deep_to_decode_is_a_payload_error(client: pgque.Client) -
     with pytest.raises(pgque.PayloadError):
         decode_payload(deep, list)
     client.ack(batch)
+
+
+PASSWORD = "hunter2-pw"
+LEAKY_DSNS = [
+    f"postgresql://u:{PASSWORD}@[bad/db",  # libpq echoes a malformed URI whole
+    f"postgresql://u:{PASSWORD}@127.0.0.1:1/db?connect_timeout=1",
+    f"host=127.0.0.1 port=1 user=u password={PASSWORD} dbname=x connect_timeout=1",
+    f"host=127.0.0.1 port=1 password='{PASSWORD}' user",  # malformed key=value
+    f"postgresql://u@[bad/db?password={PASSWORD}",
+]
+
+
+@pytest.mark.parametrize("dsn", LEAKY_DSNS)
+def test_connect_errors_never_show_the_password(dsn: str) -> None:
+    for connect in (pgque.connect, pgque.open_connection):
+        with pytest.raises(pgque.ConnectError) as info:
+            connect(dsn, timeout=0.5)
+        shown = "".join(traceback.format_exception(info.value))
+        assert PASSWORD not in shown
+        assert PASSWORD not in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("postgresql://u:pw@h/db", "postgresql://u:***@h/db"),
+    ("postgres://u:p%40w@h:5/db?x=1", "postgres://u:***@h:5/db?x=1"),
+    ("host=h password=pw user=u", "host=h password=*** user=u"),
+    ("host=h password = 'p w\\'x' user=u", "host=h password = *** user=u"),
+    ("postgresql://u@h/db?sslmode=require&password=pw&x=1",
+     "postgresql://u@h/db?sslmode=require&password=***&x=1"),
+    ("postgresql://u@h/db", "postgresql://u@h/db"),
+])
+def test_redact_hides_passwords(text: str, expected: str) -> None:
+    assert redact(text) == expected
+
+
+def test_redact_hides_the_dsns_password_wherever_it_is_quoted() -> None:
+    assert redact('missing "=" after "pw-x" in connection info string',
+                  "host=h password=pw-x") == 'missing "=" after "***" in connection info string'
