@@ -325,8 +325,6 @@ class Client:
         if queue is not None:
             return int(self._value("select pgque.ticker(%s) is not null", (queue,)))
         check, params = self._checked(None)
-        if self._pinned is None:
-            return int(self._value("select pgque.ticker()"))
         return int(self._value(f"select pgque.ticker() from (select {check}) s", params))
 
     def tick_overdue(self, after: float | timedelta) -> int:

@@ -207,11 +207,6 @@ class Worker(Service, Generic[T]):
         super().request_stop()
         self._wake.set()
 
-    def stop(self, timeout: float | None = 30.0) -> None:
-        """Ask the worker to finish its current batches, release its slots and exit;
-        waits up to timeout seconds for that when it runs in a thread."""
-        super().stop(timeout)
-
     # -- the service -----------------------------------------------------------
 
     def setup(self) -> None:

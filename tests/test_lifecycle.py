@@ -136,7 +136,7 @@ def test_configuration_errors_stop_the_worker_instead_of_looping(
     assert worker.error is raised[0]
 
 
-def test_bad_credentials_stop_the_worker(pg_server: Any, dsn: str) -> None:
+def test_a_role_without_pgque_rights_stops_the_worker(pg_server: Any, dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("drop role if exists pgque_nobody")
         conn.execute("create role pgque_nobody login password 'right'")
@@ -146,8 +146,9 @@ def test_bad_credentials_stop_the_worker(pg_server: Any, dsn: str) -> None:
                           slots=2, handler=noop, ticker=False)
     worker.start()
     assert worker.wait_stopped(10)
-    # Trusted local authentication lets the wrong password in; then it is the
-    # missing privileges that cannot heal. Either way the worker stops.
+    # The test server trusts local connections, so the wrong password gets in
+    # and the missing privileges are what cannot heal (a refused password is a
+    # ConnectError that is not transient: also fatal).
     assert isinstance(worker.error, (pgque.ConnectError, psycopg.errors.InsufficientPrivilege))
 
 

@@ -57,6 +57,8 @@ def test_non_owner_cannot_receive_or_ack(group: pgque.Client, dsn: str,
             intruder.ack(batch)
         with pytest.raises(pgque.SlotNotOwned):
             intruder.nack(batch, batch.messages)
+        with pytest.raises(pgque.SlotNotOwned):  # the nack-and-ack in one call too
+            intruder.ack(batch, nack=batch.messages)
         with pytest.raises(pgque.SlotNotOwned):
             intruder.receive_partitioned("q", "g", slot=0, slots=2)
         assert scalar(conn, "select count(*) from pgque.retry_queue") == 0

@@ -170,25 +170,6 @@ def test_workers_that_gave_up_behind_the_pooler_leave_no_slot_locked(
                      what="every event handled", dsn=dsn)
 
 
-def test_a_ticker_that_gave_up_behind_the_pooler_does_not_block_a_direct_one(
-        client: pgque.Client, dsn: str, pgbouncer: Any) -> None:
-    """The same for the ticker election lock."""
-    make_group(client)
-    pooled = pgbouncer.dsn(dbname(dsn))
-    ticker = pgque.Ticker(pooled, connect_timeout=5, maintenance_interval=0.2,
-                          network_timeout=4)
-    with churn(pooled):
-        ticker.start()
-        try:
-            wait_for(lambda: not ticker.alive, timeout=STOP_DEADLINE,
-                     what="the pooled ticker to stop by itself", dsn=dsn)
-        finally:
-            ticker.stop(timeout=10)
-    with pgque.Ticker(dsn) as direct:
-        assert direct.wait_active(STOP_DEADLINE), \
-            "the ticker lock is still held by the pooler's server session"
-
-
 def test_run_raises_session_unstable_behind_a_transaction_pooler(
         client: pgque.Client, dsn: str, pgbouncer: Any) -> None:
     """run() (the foreground loop, as the CLI uses it) raises instead of retrying."""
@@ -271,11 +252,15 @@ def test_receive_on_another_server_session_than_the_claim_raises(
     assert_session_unstable(info.value, "receive_partitioned")
 
 
-def test_ticker_behind_a_transaction_pooler_stops_with_session_unstable(
+def test_ticker_behind_a_transaction_pooler_stops_and_does_not_block_a_direct_one(
         client: pgque.Client, dsn: str, pgbouncer: Any) -> None:
+    """A Ticker behind a transaction pooler stops with SessionUnstable; the
+    election lock it left on the pooler's server session goes with that
+    session's idle timeout, so a correctly connected ticker then takes over."""
     make_group(client)
     pooled = pgbouncer.dsn(dbname(dsn))
-    ticker = pgque.Ticker(pooled, connect_timeout=5, maintenance_interval=0.2)
+    ticker = pgque.Ticker(pooled, connect_timeout=5, maintenance_interval=0.2,
+                          network_timeout=4)
     with churn(pooled):
         ticker.start()
         try:
@@ -284,6 +269,9 @@ def test_ticker_behind_a_transaction_pooler_stops_with_session_unstable(
         finally:
             ticker.stop(timeout=10)
     assert_session_unstable(ticker.error, "Ticker")
+    with pgque.Ticker(dsn) as direct:
+        assert direct.wait_active(STOP_DEADLINE), \
+            "the ticker lock is still held by the pooler's server session"
 
 
 def test_workers_behind_a_session_pooler_work_normally(
