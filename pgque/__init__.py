@@ -7,14 +7,17 @@ ticks. See the README and docs/ for the guarantees.
 
 from pgque.client import Client, connect, open_connection
 from pgque.errors import (
+    AccessDenied,
     BatchNotActive,
     ConnectError,
+    ConsumerAccessDenied,
     ConsumerNotFound,
     CronUnavailable,
     DeadLetterNotFound,
     EventNotInBatch,
     InvalidArgument,
     InvalidConfig,
+    InvalidGrant,
     InvalidName,
     InvalidSlot,
     InvalidSlotCount,
@@ -22,6 +25,7 @@ from pgque.errors import (
     PartitionKeyTooLong,
     PayloadError,
     PgqueError,
+    QueueAccessDenied,
     QueueExists,
     QueueInUse,
     QueueNotFound,
@@ -39,10 +43,12 @@ from pgque.worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDenied",
     "Batch",
     "BatchNotActive",
     "Client",
     "ConnectError",
+    "ConsumerAccessDenied",
     "ConsumerNotFound",
     "CronUnavailable",
     "DeadLetter",
@@ -51,6 +57,7 @@ __all__ = [
     "EventNotInBatch",
     "InvalidArgument",
     "InvalidConfig",
+    "InvalidGrant",
     "InvalidName",
     "InvalidSlot",
     "InvalidSlotCount",
@@ -59,6 +66,7 @@ __all__ = [
     "PartitionKeyTooLong",
     "PayloadError",
     "PgqueError",
+    "QueueAccessDenied",
     "QueueExists",
     "QueueInUse",
     "QueueNotFound",

@@ -308,8 +308,9 @@ def install(state: State, print_script: bool) -> None:
 
 
 # What CREATE ... IF NOT EXISTS says each time the idempotent script runs again:
-# duplicate schema, duplicate table (relations, sequences, indexes), duplicate object.
-_RERUN_NOTICES = frozenset({"42P06", "42P07", "42710"})
+# duplicate schema, duplicate table (relations, sequences, indexes), duplicate object,
+# duplicate column (ADD COLUMN IF NOT EXISTS).
+_RERUN_NOTICES = frozenset({"42P06", "42P07", "42710", "42701"})
 
 
 def _echo_notice(diag: psycopg.errors.Diagnostic) -> None:

@@ -269,6 +269,37 @@ class Client:
         """Remove a subscription (its cursor, open batch and pending retries)."""
         return bool(self._value("select pgque.unsubscribe(%s, %s)", (queue, consumer)))
 
+    # -- access ----------------------------------------------------------
+
+    def grant_queue(self, queue: str, role: str, privilege: str) -> bool:
+        """Restrict ``privilege`` ('send' or 'consume') on ``queue`` to the roles granted
+        it, adding ``role``; True when it was new. Admins only. Without grants of a
+        kind, a queue is open to every pgque_writer ('send') or pgque_reader
+        ('consume')."""
+        return bool(self._value("select pgque.grant_queue(%s, %s, %s)",
+                                (queue, role, privilege)))
+
+    def revoke_queue(self, queue: str, role: str, privilege: str) -> bool:
+        """Take ``privilege`` on ``queue`` back from ``role``; True when it had it.
+        Revoking the last grant of a kind opens the queue again. Admins only."""
+        return bool(self._value("select pgque.revoke_queue(%s, %s, %s)",
+                                (queue, role, privilege)))
+
+    def queue_grants(self, queue: str) -> list[tuple[str, str]]:
+        """The (privilege, role) grants of ``queue``; empty when it is unrestricted."""
+        return [(p, r) for p, r in self._rows("select * from pgque.queue_grants(%s)", (queue,))]
+
+    def grant_consumer(self, queue: str, consumer: str, role: str) -> bool:
+        """Let ``role`` use ``consumer`` (a plain consumer or a consumer group) as its
+        owner does; True when it was new. Its owner or an admin only."""
+        return bool(self._value("select pgque.grant_consumer(%s, %s, %s)",
+                                (queue, consumer, role)))
+
+    def revoke_consumer(self, queue: str, consumer: str, role: str) -> bool:
+        """Take ``role``'s access to ``consumer`` back; True when it had it."""
+        return bool(self._value("select pgque.revoke_consumer(%s, %s, %s)",
+                                (queue, consumer, role)))
+
     # -- producing -------------------------------------------------------
 
     def send(self, queue: str, type: str, payload: Any = None,
@@ -336,11 +367,21 @@ class Client:
             f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
             (_seconds(after), *params)))
 
-    def try_ticker_lock(self, key: int) -> bool:
-        """Try, without waiting, to take the session advisory lock ``key`` (the one
-        that elects the active ticker); checks a pinned session first."""
-        check, params = self._checked(str(key))
-        return bool(self._value(f"select pg_try_advisory_lock(({check})::bigint)", params))
+    def claim_ticker(self) -> bool:
+        """Try, without waiting, to become the database's active ticker (a session
+        advisory lock on the install's random election key); True when this session
+        holds it. Checks a pinned session first."""
+        check, params = self._checked(None)
+        return bool(self._value(f"select pgque.claim_ticker() from (select {check}) s", params))
+
+    def release_ticker(self) -> bool:
+        """Give up the ticker election if this session holds it."""
+        return bool(self._value("select pgque.release_ticker()"))
+
+    def active_ticker(self) -> int | None:
+        """The backend pid of the database's active ticker, or None."""
+        pid = self._value("select pgque.active_ticker()")
+        return None if pid is None else int(pid)
 
     def start_cron(self) -> int:
         """Tick from inside the database with pg_cron (job 'pgque-ticker'); returns the

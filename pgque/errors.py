@@ -14,14 +14,17 @@ from contextlib import contextmanager
 import psycopg
 
 __all__ = [
+    "AccessDenied",
     "BatchNotActive",
     "ConnectError",
+    "ConsumerAccessDenied",
     "ConsumerNotFound",
     "CronUnavailable",
     "DeadLetterNotFound",
     "EventNotInBatch",
     "InvalidArgument",
     "InvalidConfig",
+    "InvalidGrant",
     "InvalidName",
     "InvalidSlot",
     "InvalidSlotCount",
@@ -29,6 +32,7 @@ __all__ = [
     "PartitionKeyTooLong",
     "PayloadError",
     "PgqueError",
+    "QueueAccessDenied",
     "QueueExists",
     "QueueInUse",
     "QueueNotFound",
@@ -144,6 +148,32 @@ class SchemaNotOwned(PgqueError):
     sqlstate = "PQ013"
 
 
+class AccessDenied(PgqueError):
+    """Base of the refusals of pgque's own access rules (consumer ownership, queue grants).
+
+    A role outside pgque's roles gets PostgreSQL's permission error
+    (psycopg.errors.InsufficientPrivilege) instead.
+    """
+
+
+class ConsumerAccessDenied(AccessDenied):
+    """The consumer belongs to another role, which has not granted it to this one (PQ014)."""
+
+    sqlstate = "PQ014"
+
+
+class QueueAccessDenied(AccessDenied):
+    """The queue's grants leave this role out for sending or consuming (PQ015)."""
+
+    sqlstate = "PQ015"
+
+
+class InvalidGrant(PgqueError, ValueError):
+    """A grant names an unknown role, or a privilege other than 'send' or 'consume' (PQ016)."""
+
+    sqlstate = "PQ016"
+
+
 class SlotSubscriptionError(PgqueError):
     """A slot subscription was used through the plain receive/ack/nack (PQ021)."""
 
@@ -207,7 +237,8 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
     for cls in (
         QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
         QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
-        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, SlotSubscriptionError, SlotCountMismatch,
+        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, ConsumerAccessDenied,
+        QueueAccessDenied, InvalidGrant, SlotSubscriptionError, SlotCountMismatch,
         InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, CronUnavailable,
         InvalidArgument,
     )

@@ -2,9 +2,10 @@
 
 A log cut into batches by ticks delivers nothing without ticks. Any number of
 Tickers may run against one database (every Worker starts one); exactly one
-is *active*: the one holding a session advisory lock. The others stand by and
-try the lock every ``standby_interval``, so when the active one's session ends
-another takes over within that time.
+is *active*: the one holding a session advisory lock on the install's random
+election key (``pgque.claim_ticker``). The others stand by and try the lock
+every ``standby_interval``, so when the active one's session ends another takes
+over within that time.
 
 The active ticker polls ``pgque.ticker()`` (which only reads when nothing is
 due, so an idle database pays no WAL and no transaction ids) and ticks every
@@ -35,11 +36,7 @@ import psycopg
 from pgque.client import Client
 from pgque.lifecycle import CallWatch, Service, client_keepalives, server_timeouts
 
-__all__ = ["TICKER_LOCK_KEY", "Ticker"]
-
-#: The session advisory lock (bigint key, high word 'pgqk') that elects the
-#: active ticker of a database.
-TICKER_LOCK_KEY = 0x7067716B << 32
+__all__ = ["Ticker"]
 
 
 class Ticker(Service):
@@ -116,7 +113,7 @@ class Ticker(Service):
         next_maintenance = 0.0
         while not self.stopping:
             with watch.call():
-                elected = client.try_ticker_lock(TICKER_LOCK_KEY)
+                elected = client.claim_ticker()
             if elected:
                 self.log.info("%s: active (backend pid %s)", self.name, self.backend_pid)
                 self._active.set()

@@ -280,6 +280,10 @@ class Worker(Service, Generic[T]):
         """Claim free slots up to the fair share; release the surplus that is idle."""
         with session.call() as client:
             status = client.group_status(self.queue, self.consumer)
+            if status[0].my_rank is None and client.join_group(self.queue, self.consumer):
+                # Not counted as a member: the group's membership key was renewed
+                # (a session of a role outside the group sat on it). Joined again.
+                status = client.group_status(self.queue, self.consumer)
         members = status[0].members
         share = status[0].fair_share(self.slots)
         with self._lock:

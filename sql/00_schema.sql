@@ -110,7 +110,9 @@ create table if not exists pgque.queue (
     queue_ticker_max_lag     interval not null default '0',
     queue_ticker_idle_period interval not null default '1 minute',
     queue_max_retries        integer not null default 5,
-    queue_created            timestamptz not null default now()
+    queue_created            timestamptz not null default now(),
+    queue_senders            oid[],   -- roles granted 'send' (null: every pgque_writer)
+    queue_consumers          oid[]    -- roles granted 'consume' (null: every pgque_reader)
 );
 
 -- A tick records a snapshot of the database: the events of a batch are those
@@ -127,14 +129,21 @@ create table if not exists pgque.tick (
 create sequence if not exists pgque.tick_id_seq;
 create sequence if not exists pgque.batch_id_seq;
 
--- A subscription is a consumer's identity on a queue. Its row never changes
--- after insert: receive and ack take it FOR UPDATE as the receive lock, which
--- writes no new row version.
+-- A subscription is a consumer's identity on a queue. Its row changes only
+-- when access to it is granted or its lock key is renewed (both rare): receive
+-- and ack take it FOR UPDATE as the receive lock, which writes no new row
+-- version. A plain consumer belongs to the role that subscribed it (sub_owner,
+-- null for subscriptions made before 0.2, which every reader may use); a slot
+-- subscription belongs to its consumer group and carries the key of the
+-- session advisory lock that owns the slot (see 65_partition.sql).
 create table if not exists pgque.subscription (
     sub_id       integer generated always as identity primary key,
     sub_queue    integer not null references pgque.queue on delete cascade,
     sub_consumer text not null,
     sub_created  timestamptz not null default now(),
+    sub_owner    oid,
+    sub_grantees oid[],     -- roles the owner or an admin granted access to
+    sub_lock_key bigint,    -- slot subscriptions only
     unique (sub_queue, sub_consumer)
 );
 
@@ -224,3 +233,18 @@ create table if not exists pgque.event_template (
     ev_extra3 text,
     ev_extra4 text
 );
+
+-- The key of the session advisory lock that elects the active ticker: random
+-- per install (and renewed when a role outside pgque sits on it), so a role
+-- without pgque rights cannot know it in advance. One row.
+create table if not exists pgque.ticker_election (
+    te_single boolean primary key default true check (te_single),
+    te_key    bigint not null
+);
+
+-- Installs made before 0.2 lack these columns (issue 10 brings numbered migrations).
+alter table pgque.queue add column if not exists queue_senders oid[];
+alter table pgque.queue add column if not exists queue_consumers oid[];
+alter table pgque.subscription add column if not exists sub_owner oid;
+alter table pgque.subscription add column if not exists sub_grantees oid[];
+alter table pgque.subscription add column if not exists sub_lock_key bigint;

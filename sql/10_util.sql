@@ -9,6 +9,9 @@
 --   PQ009 dead letter not found     PQ010 event not in the batch
 --   PQ011 queue still has consumers PQ012 partition key too long
 --   PQ013 install refused: schema pgque or an object in it belongs to another role
+--   PQ014 the caller may not use the consumer
+--   PQ015 the caller may not send to or consume from the queue
+--   PQ016 invalid privilege or unknown role in a grant
 -- The partition layer adds PQ02x (see its file).
 
 -- pgque.version(): the version of the installed engine.
@@ -140,3 +143,12 @@ set search_path = pg_catalog, pg_temp
 as $$
     select tick_snapshot from pgque.tick where tick_queue = p_queue_id and tick_id = p_tick_id
 $$;
+
+-- pgque._random_key(): a fresh bigint for a session advisory lock key, from
+-- the server's strong random source (gen_random_uuid), so that nobody can
+-- guess the keys pgque's session locks use.
+create or replace function pgque._random_key()
+returns bigint
+language sql volatile
+set search_path = pg_catalog, pg_temp
+as $$ select ('x' || encode(substr(sha256(uuid_send(gen_random_uuid())), 1, 8), 'hex'))::bit(64)::bigint $$;

@@ -54,7 +54,8 @@ $$;
 
 -- pgque.send(queue, type, payload, partition_key): appends one event to the
 -- queue's log in the caller's transaction and returns its ev_id.
--- Raises PQ001 (unknown queue), PQ005 (payload not JSON), PQ012 (key too long).
+-- Raises PQ001 (unknown queue), PQ005 (payload not JSON), PQ012 (key too long),
+-- PQ015 (the queue's 'send' grants leave the caller out).
 create or replace function pgque.send(
     p_queue text, p_type text, p_payload text, p_partition_key text default null)
 returns bigint
@@ -66,6 +67,9 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_id bigint;
 begin
+    if v_queue.queue_senders is not null then
+        perform pgque._require_queue(v_queue, 'send');
+    end if;
     perform pgque._check_payloads(array[p_payload]);
     if octet_length(p_partition_key) > 512 then
         perform pgque._check_keys(array[p_partition_key]);
@@ -103,6 +107,9 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_ids bigint[];
 begin
+    if v_queue.queue_senders is not null then
+        perform pgque._require_queue(v_queue, 'send');
+    end if;
     if coalesce(cardinality(p_types), 0) <> coalesce(cardinality(p_payloads), 0)
        or (p_partition_keys is not null
            and cardinality(p_partition_keys) <> coalesce(cardinality(p_types), 0)) then

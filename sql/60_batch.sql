@@ -5,6 +5,7 @@
 -- fixed once opened, may be handed out in pieces (max_events), and is
 -- finished by ack() only when every event in it was handed out.
 
+
 -- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
 --                     slot, slots):
 -- the events of a batch, in ev_id order: those of transactions visible in
@@ -325,20 +326,31 @@ begin
 end
 $$;
 
--- pgque._refuse_slot(sub): plain receive/ack/nack refuse slot subscriptions
--- (their consumer name holds '#'); raises PQ021. Slots go through the
--- partition layer, which checks ownership.
-create or replace function pgque._refuse_slot(p_sub pgque.subscription)
-returns void
-language plpgsql immutable
+-- pgque._plain_sub(queue, consumer, lock): the queue and subscription rows
+-- and cursor of a plain consumer (as _find_subscription gives them, with the
+-- receive lock when lock), refusing slot subscriptions (PQ021: they go
+-- through the partition layer, which checks ownership) and callers that may
+-- not use the consumer (PQ014, PQ015).
+create or replace function pgque._plain_sub(
+    p_queue text, p_consumer text, p_lock boolean,
+    out queue pgque.queue, out sub pgque.subscription, out cur pgque.cursor)
+language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v record;
 begin
-    if position('#' in p_sub.sub_consumer) > 0 then
+    select * into v from pgque._find_subscription(p_queue, p_consumer, p_lock);
+    if position('#' in (v.sub).sub_consumer) > 0 then
         raise exception using errcode = 'PQ021',
             message = format('%L is a slot subscription; use receive_partitioned and its ack',
-                             p_sub.sub_consumer);
+                             (v.sub).sub_consumer);
     end if;
+    perform pgque._require_consumer(v.queue, (v.sub).sub_owner, (v.sub).sub_grantees,
+                                    p_consumer);
+    queue := v.queue;
+    sub := v.sub;
+    cur := v.cur;
 end
 $$;
 
@@ -360,8 +372,7 @@ declare
     v record;
 begin
     perform pgque._check_max_events(p_max_events);
-    select * into v from pgque._find_subscription(p_queue, p_consumer, false);
-    perform pgque._refuse_slot(v.sub);
+    select * into v from pgque._plain_sub(p_queue, p_consumer, false);
     if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
         return;  -- idle: no lock taken, nothing written
     end if;
@@ -381,8 +392,7 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
-    perform pgque._refuse_slot(v.sub);
+    select * into v from pgque._plain_sub(p_queue, p_consumer, true);
     return pgque._ack(v.sub, v.cur, p_batch_id);
 end
 $$;
@@ -401,8 +411,7 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
-    perform pgque._refuse_slot(v.sub);
+    select * into v from pgque._plain_sub(p_queue, p_consumer, true);
     return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, array[p_reason],
                        p_retry_after);
 end
@@ -423,8 +432,7 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
-    perform pgque._refuse_slot(v.sub);
+    select * into v from pgque._plain_sub(p_queue, p_consumer, true);
     perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
                         p_retry_after);
     return pgque._ack(v.sub, v.cur, p_batch_id);

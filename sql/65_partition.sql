@@ -11,19 +11,42 @@
 -- the calling session holds that lock, so a worker whose session died (and
 -- with it the lock) can never ack a batch another worker now owns.
 --
+-- Keys: every slot, and every group's membership lock, has its own random
+-- key, stored with it, so no role can take a slot's lock before a worker
+-- does. pg_locks shows held keys to everyone, though, and advisory locks need
+-- no privilege: a role without rights on the consumer could wait on a key it
+-- saw and get the lock when its worker goes. So a session counts as owner or
+-- member only if its role may use the consumer (_may_consume), and a claim
+-- that finds a slot's key held or awaited only by sessions that do not count
+-- renews the key (a new random value) and takes the new one.
+--
 -- Errors: PQ020 slot count differs from the persisted one, PQ021 slot
 -- subscription used through the plain API, PQ022 invalid slot count, PQ023
 -- invalid slot number, PQ024 the session does not own the slot.
 
--- One row per consumer group: its persisted slot count.
+-- One row per consumer group: its persisted slot count, the role that owns
+-- it (null for groups made before 0.2: every reader may use them), the roles
+-- granted access to it, and the key of its membership lock.
 create table if not exists pgque.consumer_group (
     cg_id       integer generated always as identity primary key,
     cg_queue    integer not null references pgque.queue on delete cascade,
     cg_consumer text not null,
     cg_slots    integer not null,
     cg_created  timestamptz not null default now(),
+    cg_owner    oid,
+    cg_grantees oid[],
+    cg_lock_key bigint,
     unique (cg_queue, cg_consumer)
 );
+alter table pgque.consumer_group add column if not exists cg_owner oid;
+alter table pgque.consumer_group add column if not exists cg_grantees oid[];
+alter table pgque.consumer_group add column if not exists cg_lock_key bigint;
+
+-- Groups and slots made before 0.2 used fixed lock keys: give them random ones.
+update pgque.consumer_group set cg_lock_key = pgque._random_key() where cg_lock_key is null;
+update pgque.subscription set sub_lock_key = pgque._random_key()
+ where sub_lock_key is null and position('#' in sub_consumer) > 0;
+
 
 -- pgque.max_slots(): the largest slot count a group may have.
 create or replace function pgque.max_slots()
@@ -31,24 +54,6 @@ returns integer
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$ select 1024 $$;
-
--- pgque._slot_lock_class(): high 32 bits of slot advisory-lock keys ('pgqs').
--- The low 32 bits are the slot subscription's sub_id, unique per database,
--- so slots of different queues and groups never share a key; another
--- application's bigint advisory locks meet ours only if their keys carry
--- this same high word.
-create or replace function pgque._slot_lock_class()
-returns bigint
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$ select 1885827443::bigint $$;
-
--- pgque._group_lock_class(): high 32 bits of group-membership lock keys ('pgqg').
-create or replace function pgque._group_lock_class()
-returns bigint
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$ select 1885827431::bigint $$;
 
 -- pgque.slot_of(key, slots): the slot a partition key routes to. This is
 -- the one definition of routing; the receive filter and the info functions
@@ -89,8 +94,9 @@ begin
 end
 $$;
 
--- pgque._group(queue, consumer, slots): the group row, checking that slots
--- equals its persisted count (PQ020); PQ002 when the group does not exist.
+-- pgque._group(queue, consumer, slots): the group row, checking that the
+-- caller may use the group (PQ014, PQ015) and that slots equals its persisted
+-- count (PQ020); PQ002 when the group does not exist.
 create or replace function pgque._group(p_queue pgque.queue, p_consumer text, p_slots integer)
 returns pgque.consumer_group
 language plpgsql stable
@@ -106,6 +112,7 @@ begin
             message = format('consumer group %L is not subscribed to queue %L',
                              pgque._name_for_message(p_consumer), p_queue.queue_name);
     end if;
+    perform pgque._require_consumer(p_queue, v_group.cg_owner, v_group.cg_grantees, p_consumer);
     if p_slots is not null and v_group.cg_slots <> p_slots then
         raise exception using errcode = 'PQ020',
             message = format('consumer group %L of queue %L has %s slots, not %s',
@@ -118,29 +125,34 @@ end
 $$;
 
 -- pgque._ensure_group(queue, consumer, slot, slots): validates the name, the
--- slot and the count, and registers the group with its count unless it exists
--- (PQ020 if it exists with another count).
+-- slot and the count, and registers the group, owned by the caller, with its
+-- count and a random membership key unless it exists; returns the group row
+-- (PQ020 if it exists with another count, PQ014 if it belongs to a role the
+-- caller may not act for).
 create or replace function pgque._ensure_group(
     p_queue pgque.queue, p_consumer text, p_slot integer, p_slots integer)
-returns void
+returns pgque.consumer_group
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
     perform pgque._check_name('consumer', p_consumer);
     perform pgque._check_slot(p_slot, p_slots);
-    insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots)
-    values (p_queue.queue_id, p_consumer, p_slots)
+    perform pgque._require_queue(p_queue, 'consume');
+    insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots, cg_owner, cg_lock_key)
+    values (p_queue.queue_id, p_consumer, p_slots, pgque._role_id(pgque._caller()),
+            pgque._random_key())
     on conflict (cg_queue, cg_consumer) do nothing;
-    perform pgque._group(p_queue, p_consumer, p_slots);
+    return pgque._group(p_queue, p_consumer, p_slots);
 end
 $$;
 
 -- pgque.subscribe_slots(queue, consumer, slots): subscribes consumer group
--- consumer with slots slots (all of them), persisting the count. Idempotent
--- for the same count; returns how many slot subscriptions were new. Raises
--- PQ020 if the group exists with another count, PQ022 for a bad count,
--- PQ004 for a bad name.
+-- consumer with slots slots (all of them), owned by the caller, persisting
+-- the count. Idempotent for the same count; returns how many slot
+-- subscriptions were new. Raises PQ020 if the group exists with another
+-- count, PQ022 for a bad count, PQ004 for a bad name, PQ014 if the group
+-- belongs to another role, PQ015 if the queue's grants leave the caller out.
 create or replace function pgque.subscribe_slots(p_queue text, p_consumer text, p_slots integer)
 returns integer
 language plpgsql
@@ -204,12 +216,13 @@ begin
 end
 $$;
 
--- pgque._slot_sub(queue, consumer, slot, slots, lock): the slot's queue and
--- subscription rows and cursor, after validating slot and slots and the
--- persisted count.
+-- pgque._slot_sub(queue, consumer, slot, slots, lock): the slot's queue,
+-- group and subscription rows and cursor, after validating slot and slots,
+-- the persisted count and the caller's access to the group.
 create or replace function pgque._slot_sub(
     p_queue text, p_consumer text, p_slot integer, p_slots integer, p_lock boolean,
-    out queue pgque.queue, out sub pgque.subscription, out cur pgque.cursor)
+    out queue pgque.queue, out grp pgque.consumer_group, out sub pgque.subscription,
+    out cur pgque.cursor)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -217,7 +230,8 @@ declare
     v record;
 begin
     perform pgque._check_slot(p_slot, p_slots);
-    perform pgque._group(pgque._queue_row(p_queue), p_consumer, p_slots);
+    queue := pgque._queue_row(p_queue);
+    grp := pgque._group(queue, p_consumer, p_slots);
     select * into v
       from pgque._find_subscription(p_queue, pgque._slot_name(p_consumer, p_slot, p_slots), p_lock);
     queue := v.queue;
@@ -227,7 +241,9 @@ end
 $$;
 
 -- pgque.slot_lock_key(queue, consumer, slot): the bigint key of the session
--- advisory lock that owns the slot. Every client derives it here.
+-- advisory lock that owns the slot now (random per slot; claim_slot may
+-- renew it, so do not keep it). Refused (PQ014) to roles that may not use
+-- the group.
 create or replace function pgque.slot_lock_key(p_queue text, p_consumer text, p_slot integer)
 returns bigint
 language plpgsql stable
@@ -240,41 +256,43 @@ declare
     v record;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, v_group.cg_slots, false);
-    return (pgque._slot_lock_class() << 32) | (v.sub).sub_id;
+    return (v.sub).sub_lock_key;
 end
 $$;
 
--- pgque._holds_lock(class, id, mode): whether this session holds the bigint
--- advisory lock (class << 32) | id in mode ('ExclusiveLock' or 'ShareLock').
--- Only an exclusive hold of a slot's key is ownership: any session may take
--- the key in share mode, and two of them would both pass a mode-blind check.
-create or replace function pgque._holds_lock(p_class bigint, p_id integer, p_mode text)
+-- pgque._key_taken_by_outsiders(key, queue, group): whether the group's key
+-- (a slot's or its membership key) is held or awaited by a session whose
+-- role may not use the group, while no session that may holds it
+-- exclusively: the case where renewing the key is the only way on.
+create or replace function pgque._key_taken_by_outsiders(
+    p_key bigint, p_queue pgque.queue, p_group pgque.consumer_group)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select exists (
-        select 1 from pg_locks
-         where locktype = 'advisory' and pid = pg_backend_pid() and granted
-           and classid = p_class::oid and objid = p_id::oid and objsubid = 1
-           and mode = p_mode)
+    with s as materialized (
+        select k.mode, k.granted,
+               pgque._may_consume(k.role, p_queue, p_group.cg_owner, p_group.cg_grantees) as ok
+          from pgque._key_sessions(p_key) k)
+    select exists (select 1 from s where not s.ok)
+       and not exists (select 1 from s where s.ok and s.granted and s.mode = 'ExclusiveLock')
 $$;
 
--- pgque._holds_slot(sub_id): whether this session holds the slot's lock exclusively.
-create or replace function pgque._holds_slot(p_sub_id integer)
+-- pgque._holds_slot(sub): whether this session holds the slot's lock exclusively.
+create or replace function pgque._holds_slot(p_sub pgque.subscription)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
-as $$ select pgque._holds_lock(pgque._slot_lock_class(), p_sub_id, 'ExclusiveLock') $$;
+as $$ select pgque._holds_key(p_sub.sub_lock_key, 'ExclusiveLock') $$;
 
--- pgque._require_owner(sub, slot): PQ024 unless this session holds the lock.
+-- pgque._require_owner(sub): PQ024 unless this session holds the slot's lock.
 create or replace function pgque._require_owner(p_sub pgque.subscription)
 returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if not pgque._holds_slot(p_sub.sub_id) then
+    if not pgque._holds_slot(p_sub) then
         raise exception using errcode = 'PQ024',
             message = format('this session does not own slot %L', p_sub.sub_consumer),
             hint = 'Claim the slot first (pgque.claim_slot); a session that lost its lock '
@@ -285,7 +303,11 @@ $$;
 
 -- pgque.claim_slot(queue, consumer, slot): tries, without waiting, to take
 -- the slot's session advisory lock; true when this session now holds it
--- (also when it already did; the lock is never taken twice).
+-- (also when it already did; the lock is never taken twice). When the key is
+-- held or awaited only by sessions whose roles may not use the group, the
+-- key is renewed first (see the top of this file), so such a session cannot
+-- keep a slot from its workers. Refused (PQ014) to roles that may not use
+-- the group.
 create or replace function pgque.claim_slot(p_queue text, p_consumer text, p_slot integer)
 returns boolean
 language plpgsql
@@ -293,10 +315,35 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_key bigint := pgque.slot_lock_key(p_queue, p_consumer, p_slot);
+    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
+    v record;
+    v_key bigint;
+    v_now bigint;
 begin
-    return pgque._holds_slot((v_key & x'ffffffff'::bigint)::integer)
-        or pg_try_advisory_lock(v_key);
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, v_group.cg_slots, false);
+    v_key := (v.sub).sub_lock_key;
+    if pgque._holds_key(v_key, 'ExclusiveLock') then
+        return true;
+    end if;
+    for attempt in 1 .. 3 loop
+        if pg_try_advisory_lock(v_key) then
+            -- The key is current unless a concurrent claim renewed it since it
+            -- was read: a lock on an old key owns nothing.
+            select sub_lock_key into v_now from pgque.subscription where sub_id = (v.sub).sub_id;
+            if v_now = v_key then
+                return true;
+            end if;
+            perform pg_advisory_unlock(v_key);
+            v_key := v_now;
+            continue;
+        end if;
+        exit when not pgque._key_taken_by_outsiders(v_key, v_queue, v_group);
+        update pgque.subscription s set sub_lock_key = pgque._random_key()
+         where s.sub_id = (v.sub).sub_id and s.sub_lock_key = v_key;
+        select sub_lock_key into v_key from pgque.subscription where sub_id = (v.sub).sub_id;
+    end loop;
+    return false;
 end
 $$;
 
@@ -309,17 +356,12 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_key bigint := pgque.slot_lock_key(p_queue, p_consumer, p_slot);
-    v_sub_id integer := (v_key & x'ffffffff'::bigint)::integer;
-    v_released boolean := false;
+    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
+    v record;
 begin
-    -- Unlock only while held (a session may hold it more than once if it took
-    -- the key itself): unlocking a lock not held makes the server warn.
-    while pgque._holds_slot(v_sub_id) loop
-        perform pg_advisory_unlock(v_key);
-        v_released := true;
-    end loop;
-    return v_released;
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, v_group.cg_slots, false);
+    return pgque._unlock_key((v.sub).sub_lock_key, false);
 end
 $$;
 
@@ -348,7 +390,8 @@ begin
     if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
         return;  -- idle: no lock taken, nothing written
     end if;
-    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
+    select * into v from pgque._find_subscription(p_queue, (v.sub).sub_consumer, true);
+    perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
     return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
                                               p_slots);
 end
@@ -418,8 +461,13 @@ end
 $$;
 
 -- pgque.join_group(queue, consumer): registers this session as a live
--- member of the group with a shared session advisory lock, so workers can
--- count each other (see group_status) and share slots fairly. Idempotent.
+-- member of the group with a shared session advisory lock on the group's
+-- membership key, so workers can count each other (see group_status) and
+-- share slots fairly. Never waits: when the key is held or awaited
+-- exclusively by sessions whose roles may not use the group, the key is
+-- renewed and the new one taken (members on the old key then count no
+-- more and join again). True when this session joined now, false when it
+-- was a member already or could not join.
 create or replace function pgque.join_group(p_queue text, p_consumer text)
 returns boolean
 language plpgsql
@@ -427,14 +475,30 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_group pgque.consumer_group := pgque._group(pgque._queue_row(p_queue), p_consumer, null);
-    v_key bigint := (pgque._group_lock_class() << 32) | v_group.cg_id;
+    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
+    v_key bigint := v_group.cg_lock_key;
+    v_now bigint;
 begin
-    if pgque._holds_lock(pgque._group_lock_class(), v_group.cg_id, 'ShareLock') then
+    if pgque._holds_key(v_key, 'ShareLock') then
         return false;
     end if;
-    perform pg_advisory_lock_shared(v_key);
-    return true;
+    for attempt in 1 .. 3 loop
+        if pg_try_advisory_lock_shared(v_key) then
+            select cg_lock_key into v_now from pgque.consumer_group where cg_id = v_group.cg_id;
+            if v_now = v_key then
+                return true;
+            end if;
+            perform pg_advisory_unlock_shared(v_key);
+            v_key := v_now;
+            continue;
+        end if;
+        exit when not pgque._key_taken_by_outsiders(v_key, v_queue, v_group);
+        update pgque.consumer_group g set cg_lock_key = pgque._random_key()
+         where g.cg_id = v_group.cg_id and g.cg_lock_key = v_key;
+        select cg_lock_key into v_key from pgque.consumer_group where cg_id = v_group.cg_id;
+    end loop;
+    return false;
 end
 $$;
 
@@ -444,6 +508,9 @@ $$;
 -- session's rank among them by backend pid (0-based; null if not a member).
 -- A member's fair share is members' integer share of the slots, plus one for
 -- the first (slots % members) ranks, so the shares always add up to slots.
+-- Only sessions whose roles may use the group count, as owners or members:
+-- a slot whose key another role sits on shows as unowned, so a worker
+-- claims it (and claim_slot renews the key).
 create or replace function pgque.group_status(p_queue text, p_consumer text)
 returns table (slot integer, owner_pid integer, mine boolean, members integer,
                my_rank integer)
@@ -457,30 +524,39 @@ declare
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
 begin
     return query
-    with locks as materialized (
+    with keys as materialized (
+        -- The group's keys: its membership key, then one per slot.
+        select null::integer as key_slot, v_group.cg_lock_key as key
+        union all
+        select n, s.sub_lock_key
+          from generate_series(0, v_group.cg_slots - 1) n
+          join pgque.subscription s
+            on s.sub_queue = v_queue.queue_id
+           and s.sub_consumer = pgque._slot_name(p_consumer, n, v_group.cg_slots)),
+    locks as materialized (
+        -- Advisory locks are per database, but pg_locks shows the whole
+        -- cluster: without the database, another one's locks would count.
         select l.classid, l.objid, l.pid, l.mode from pg_locks l
          where l.locktype = 'advisory' and l.granted and l.objsubid = 1
-           -- Advisory locks are per database, but pg_locks shows the whole
-           -- cluster: without this, another database's slots would look owned.
-           and l.database = (select oid from pg_database where datname = current_database())
-           and l.classid in (pgque._slot_lock_class()::oid, pgque._group_lock_class()::oid)),
+           and l.database = (select oid from pg_database where datname = current_database())),
+    holders as materialized (
+        select keys.key_slot, locks.pid, locks.mode
+          from keys
+          join locks on locks.classid = ((keys.key >> 32) & 4294967295)::oid
+                    and locks.objid = (keys.key & 4294967295)::oid
+          join pg_stat_activity a on a.pid = locks.pid
+         where pgque._may_consume(a.usesysid, v_queue, v_group.cg_owner, v_group.cg_grantees)),
     members as (
-        select array_agg(distinct m.pid order by m.pid) as pids from locks m
-         where m.classid = pgque._group_lock_class()::oid and m.objid = v_group.cg_id::oid
-           and m.mode = 'ShareLock')
-    select k::integer,
+        select array_agg(distinct h.pid order by h.pid) as pids from holders h
+         where h.key_slot is null and h.mode = 'ShareLock')
+    select n::integer,
            o.pid,
            coalesce(o.pid = pg_backend_pid(), false),
            coalesce(cardinality(members.pids), 0),
            array_position(members.pids, pg_backend_pid()) - 1
-      from generate_series(0, v_group.cg_slots - 1) k
+      from generate_series(0, v_group.cg_slots - 1) n
       cross join members
-      left join pgque.subscription s
-        on s.sub_queue = v_queue.queue_id
-       and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)
-      left join locks o
-        on o.classid = pgque._slot_lock_class()::oid and o.objid = s.sub_id::oid
-       and o.mode = 'ExclusiveLock'
-     order by k;
+      left join holders o on o.key_slot = n and o.mode = 'ExclusiveLock'
+     order by n;
 end
 $$;

@@ -41,9 +41,33 @@ begin
 end
 $$;
 
+-- pgque._may_read_dead_letters(queue, consumer, role): whether role (an
+-- oid) may read the dead letters of consumer (a plain consumer, or a slot
+-- subscription "group#k/n", judged by its group): the consumer must still
+-- exist and role must be allowed to use it. Dead letters of a consumer that
+-- is gone belong to nobody but the admins.
+create or replace function pgque._may_read_dead_letters(
+    p_queue pgque.queue, p_consumer text, p_role oid)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select 1 from pgque.subscription s
+                    where s.sub_queue = p_queue.queue_id and s.sub_consumer = p_consumer
+                      and position('#' in p_consumer) = 0
+                      and pgque._may_consume(p_role, p_queue, s.sub_owner, s.sub_grantees))
+        or exists (select 1 from pgque.consumer_group g
+                    where g.cg_queue = p_queue.queue_id
+                      and g.cg_consumer = split_part(p_consumer, '#', 1)
+                      and position('#' in p_consumer) > 0
+                      and pgque._may_consume(p_role, p_queue, g.cg_owner, g.cg_grantees))
+$$;
+
 -- pgque.dead_letters(queue, consumer, limit, after_id): dead letters of a
 -- queue (of one consumer, or of every slot of a consumer group, when given),
--- oldest first, after dl_id after_id.
+-- oldest first, after dl_id after_id. A role that is not an admin sees only
+-- those of the consumers it may use, and is refused (PQ014) when it names
+-- one it may not (or one that no longer exists).
 create or replace function pgque.dead_letters(
     p_queue text, p_consumer text default null, p_limit integer default 100,
     p_after_id bigint default 0)
@@ -56,7 +80,22 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_caller name := pgque._caller();
+    v_admin boolean := pgque._is_admin(v_caller);
+    v_role oid := pgque._role_id(v_caller);
 begin
+    if not v_admin then
+        perform pgque._require_queue(v_queue, 'consume');
+        if p_consumer is not null
+           and not pgque._may_read_dead_letters(v_queue, p_consumer, v_role)
+           and not pgque._may_read_dead_letters(v_queue, p_consumer || '#', v_role) then
+            raise exception using errcode = 'PQ014',
+                message = format('role %s may not read the dead letters of consumer %L of queue %L',
+                                 v_caller, pgque._name_for_message(p_consumer), v_queue.queue_name),
+                hint = 'Only roles that may use the consumer (its owner, roles it was granted to) '
+                       'and admins may; the dead letters of a consumer that is gone, admins only.';
+        end if;
+    end if;
     return query
         select d.dl_id, d.dl_consumer, d.dl_time, d.dl_reason, d.ev_id, d.ev_time, d.ev_retry,
                d.ev_type, d.ev_data, d.ev_extra1, d.ev_extra2, d.ev_extra3, d.ev_extra4
@@ -65,6 +104,7 @@ begin
            and (p_consumer is null or d.dl_consumer = p_consumer
                 or split_part(d.dl_consumer, '#', 1) = p_consumer)
            and d.dl_id > coalesce(p_after_id, 0)
+           and (v_admin or pgque._may_read_dead_letters(v_queue, d.dl_consumer, v_role))
          order by d.dl_id
          limit p_limit;
 end

@@ -4,18 +4,9 @@
 -- the pg_cron extension is installed in this database (cron.database_name
 -- names it). pg_cron schedules by the minute in most versions, so its job
 -- runs pgque.ticker_loop(), which ticks every 100 ms for just under a minute
--- and is started again by the next run. The loop takes the same advisory lock
--- as the Python Ticker, so only one of them ticks a database at a time.
-
--- pgque._ticker_lock_key(): the bigint advisory lock that elects the active
--- ticker of a database ('pgqk' << 32, shared with pgque.Ticker in Python).
--- ticker_loop writes the same value as a constant (tests check they agree), so
--- that admins, who may not call internal functions, may run the loop.
-create or replace function pgque._ticker_lock_key()
-returns bigint
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$ select 1885827435::bigint << 32 $$;
+-- and is started again by the next run. The loop runs in the same election
+-- as the Python Ticker (pgque.claim_ticker), so only one of them ticks a
+-- database at a time.
 
 -- pgque.ticker_loop(seconds, interval_ms): for about seconds seconds, every
 -- interval_ms milliseconds, ticks every queue that has pending events
@@ -38,8 +29,7 @@ declare
         operator(pg_catalog.+) pg_catalog.make_interval(secs => p_seconds);
     v_next_maint timestamp with time zone := pg_catalog.clock_timestamp();
 begin
-    -- The key is pgque._ticker_lock_key(), written out.
-    if not pg_catalog.pg_try_advisory_lock(8099567159224565760) then
+    if not pgque.claim_ticker() then
         return;
     end if;
     while pg_catalog.clock_timestamp() operator(pg_catalog.<) v_until loop
@@ -52,7 +42,7 @@ begin
         commit;
         perform pg_catalog.pg_sleep(p_interval_ms operator(pg_catalog./) 1000.0);
     end loop;
-    perform pg_catalog.pg_advisory_unlock(8099567159224565760);
+    perform pgque.release_ticker();
 end
 $$;
 

@@ -141,11 +141,12 @@ select q.queue_name,
   -- Read once: both the age column and the stalled flag need it.
   cross join lateral (select now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id,
                                         t.tick_snapshot, k.slot, g.cg_slots) as age) o
-  left join pg_locks l
-    on l.locktype = 'advisory' and l.granted and l.objsubid = 1
-   and l.database = (select oid from pg_database where datname = current_database())
-   and l.classid = pgque._slot_lock_class()::oid and l.objid = s.sub_id::oid
-   and l.mode = 'ExclusiveLock';
+  -- The owner: the session holding the slot's key exclusively, if its role
+  -- may use the group (see 65_partition.sql).
+  left join lateral (select k.pid from pgque._key_sessions(s.sub_lock_key) k
+                      where k.granted and k.mode = 'ExclusiveLock'
+                        and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees)
+                      limit 1) l on true;
 
 -- The info views read event tables and sequences that callers have no
 -- privileges on, so they are reached through SECURITY DEFINER functions.

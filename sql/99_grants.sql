@@ -6,6 +6,8 @@
 --   pgque_writer  send events
 --   pgque_reader  subscribe, receive, ack, nack, read the info views
 --   pgque_admin   everything, including queue management and maintenance
+-- Inside that bound, consumers belong to the roles that made them and queues
+-- may be restricted per role (see 15_access.sql).
 
 revoke all on all routines in schema pgque from public;
 revoke all on all tables in schema pgque from public;
@@ -32,7 +34,9 @@ declare
         'ack_partitioned(text,text,integer,integer,bigint,bigint[],text[],interval)',
         'nack_partitioned(text,text,integer,integer,bigint,bigint[],interval,text)',
         'join_group(text,text)', 'group_status(text,text)', 'slot_of(text,integer)',
-        'max_slots()', 'tick_channel(text)'];
+        'max_slots()', 'tick_channel(text)',
+        'grant_consumer(text,text,text)', 'revoke_consumer(text,text,text)',
+        'queue_grants(text)'];
     v_fn text;
 begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then

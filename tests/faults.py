@@ -100,11 +100,6 @@ DOOMED_KEY = "doomed"  # its events always fail
 ALWAYS_FAILS = 99  # a payload "fail" above any max_retries
 WORKER_NAME = re.compile(r"^(fw-\d+)(?:-|$)")
 
-try:
-    from pgque.ticker import TICKER_LOCK_KEY
-except ImportError:  # the lead may move it; the value is part of the lock protocol
-    TICKER_LOCK_KEY = 0x7067716B << 32
-
 SCHEMA = """
 create table fault_sent (
     ev_id    bigint primary key,
@@ -263,9 +258,10 @@ class Monitor:
          where a.datname = current_database() and a.backend_type = 'client backend'
     """
 
-    def __init__(self, dsn: str, lock_slots: dict[tuple[int, int], int],
+    def __init__(self, dsn: str, lock_slots: dict[tuple[int, int], int], ticker_key: int,
                  interval: float = 0.05) -> None:
         self.lock_slots = lock_slots  # (classid, objid) -> slot
+        self.ticker_key = ticker_key  # the election key, as pg_locks shows it (unsigned)
         self.interval = interval
         self.samples: list[Sample] = []
         self._db = Db(dsn, "fault-monitor")
@@ -290,7 +286,7 @@ class Monitor:
             slot = self.lock_slots.get((classid, objid))
             if slot is not None:
                 session.slots.add(slot)
-            elif (classid << 32) | objid == TICKER_LOCK_KEY:
+            elif (classid << 32) | objid == self.ticker_key:
                 session.ticker = True
         return Sample(at, sessions)
 
@@ -704,7 +700,8 @@ class FaultRun:
                 by_slot[slot].append(key)
         self.keys = sorted(k for keys in by_slot.values() for k in keys)
         self.key_slot = {k: slot for slot, keys in by_slot.items() for k in keys}
-        self.monitor = Monitor(dsn, lock_slots)
+        ticker_key = self.db.rows("select te_key from pgque.ticker_election")[0][0]
+        self.monitor = Monitor(dsn, lock_slots, ticker_key & 0xFFFFFFFFFFFFFFFF)
 
     # -- workers ---------------------------------------------------------------
 

@@ -8,16 +8,15 @@ tested here (docs/operations.md says how to set pg_cron up).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pgtest
 import psycopg
 import pytest
-from helpers import scalar
+from helpers import scalar, wait_for
 
 import pgque
-from pgque.ticker import TICKER_LOCK_KEY
 
 
 def test_start_cron_without_pg_cron_is_refused(client: pgque.Client) -> None:
@@ -27,12 +26,22 @@ def test_start_cron_without_pg_cron_is_refused(client: pgque.Client) -> None:
         client.stop_cron()
 
 
-def test_loop_and_python_ticker_share_the_election_lock(conn: psycopg.Connection[Any]) -> None:
-    assert scalar(conn, "select pgque._ticker_lock_key()") == TICKER_LOCK_KEY
-    # ticker_loop writes the key out (admins may not call internal functions).
-    source = scalar(conn, "select prosrc from pg_proc where proname = 'ticker_loop'")
-    assert source.count(f"advisory_lock({TICKER_LOCK_KEY})") == 1
-    assert source.count(f"advisory_unlock({TICKER_LOCK_KEY})") == 1
+def test_loop_and_python_ticker_share_the_election(client: pgque.Client, dsn: str) -> None:
+    with pgque.Ticker(dsn) as ticker:
+        assert ticker.wait_active(10)
+        # The loop returns at once: the Python ticker holds the election.
+        started = scalar(client.conn, "select clock_timestamp()")
+        client.conn.execute("call pgque.ticker_loop(5, 100)")
+        assert scalar(client.conn, "select clock_timestamp() - %s < interval '4 s'", (started,))
+        assert client.active_ticker() == ticker.backend_pid
+    # With no other ticker, the loop wins the election and gives it up when it ends.
+    with pgque.connect(dsn) as watcher:
+        loop = threading.Thread(target=lambda: client.conn.execute("call pgque.ticker_loop(1, 50)"))
+        loop.start()
+        wait_for(lambda: watcher.active_ticker() is not None, what="the loop to be elected")
+        assert watcher.active_ticker() != watcher.pinned_pid
+        loop.join(10)
+        assert watcher.active_ticker() is None
 
 
 @pytest.fixture

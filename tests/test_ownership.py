@@ -189,14 +189,21 @@ def test_group_status_counts_members(group: pgque.Client, dsn: str) -> None:
 def test_other_databases_slots_are_not_ours(group: pgque.Client, dsn: str, pg_server: Any,
                                             template_db: str) -> None:
     """Advisory locks are per database while pg_locks shows the whole cluster: the
-    same group in another database (same ids, same lock keys) must not look like
-    an owner or a member here, nor block a claim."""
+    same group in another database (same ids, and here the same lock keys) must not
+    look like an owner or a member here, nor block a claim."""
     other_db = pgtest.scratch_name("t")
     pgtest.create_database(pg_server, other_db, template=template_db)
     try:
         with pgque.connect(pg_server.dsn(other_db)) as other:
             other.create_queue("q")
             other.subscribe_slots("q", "g", slots=2)
+            # Keys are random per database: give the other one ours.
+            for table, key, name in (("subscription", "sub_lock_key", "sub_consumer"),
+                                     ("consumer_group", "cg_lock_key", "cg_consumer")):
+                for value, row in group.conn.execute(
+                        f"select {key}, {name} from pgque.{table}").fetchall():
+                    other.conn.execute(f"update pgque.{table} set {key} = %s where {name} = %s",
+                                       (value, row))
             other.join_group("q", "g")
             assert other.claim_slot("q", "g", 0)
             assert other.slot_lock_key("q", "g", 0) == group.slot_lock_key("q", "g", 0)

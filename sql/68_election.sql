@@ -1,0 +1,93 @@
+-- pgque: the ticker election.
+--
+-- Any number of tickers (pgque.Ticker, every Worker's, pg_cron's
+-- ticker_loop) may run against a database; the active one holds a session
+-- advisory lock on the install's random election key (pgque.ticker_election)
+-- and the others stand by. The key is not published, but pg_locks shows it
+-- while it is held, and advisory locks need no privilege: a role that may not
+-- tick could wait on it and get it when the active ticker goes. So only
+-- sessions of roles that may run claim_ticker count, and a claim that finds
+-- the key held or awaited by no such session, only by others, renews it.
+-- (The standbys' tick_overdue keeps delivery going meanwhile in any case.)
+
+insert into pgque.ticker_election (te_key) values (pgque._random_key()) on conflict do nothing;
+
+
+-- pgque._ticker_key(): the current election key.
+create or replace function pgque._ticker_key()
+returns bigint
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$ select te_key from pgque.ticker_election $$;
+
+-- pgque._may_tick(role): whether sessions of role (an oid) count in the
+-- election: those that may run claim_ticker (admins, or roles granted it).
+create or replace function pgque._may_tick(p_role oid)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select p_role is not null
+       and has_function_privilege(p_role, 'pgque.claim_ticker()', 'execute')
+$$;
+
+-- pgque.claim_ticker(): tries, without waiting, to become the active ticker
+-- of the database; true when this session holds the election lock (also
+-- when it already did). Renews the key first when only sessions that may not
+-- tick hold or await it.
+create or replace function pgque.claim_ticker()
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key bigint := pgque._ticker_key();
+    v_now bigint;
+begin
+    if pgque._holds_key(v_key, 'ExclusiveLock') then
+        return true;
+    end if;
+    for attempt in 1 .. 3 loop
+        if pg_try_advisory_lock(v_key) then
+            v_now := pgque._ticker_key();
+            if v_now = v_key then
+                return true;
+            end if;
+            perform pg_advisory_unlock(v_key);  -- renewed meanwhile: worthless
+            v_key := v_now;
+            continue;
+        end if;
+        exit when not (exists (select 1 from pgque._key_sessions(v_key) k
+                                where not pgque._may_tick(k.role))
+                       and not exists (select 1 from pgque._key_sessions(v_key) k
+                                        where pgque._may_tick(k.role) and k.granted
+                                          and k.mode = 'ExclusiveLock'));
+        update pgque.ticker_election set te_key = pgque._random_key() where te_key = v_key;
+        v_key := pgque._ticker_key();
+    end loop;
+    return false;
+end
+$$;
+
+-- pgque.release_ticker(): gives up the election if this session holds it;
+-- true when it did.
+create or replace function pgque.release_ticker()
+returns boolean
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgque._unlock_key(pgque._ticker_key(), false) $$;
+
+-- pgque.active_ticker(): the backend pid of the active ticker, or null. Only
+-- sessions that may tick count.
+create or replace function pgque.active_ticker()
+returns integer
+language sql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select k.pid from pgque._key_sessions(pgque._ticker_key()) k
+     where k.granted and k.mode = 'ExclusiveLock' and pgque._may_tick(k.role)
+     limit 1
+$$;
