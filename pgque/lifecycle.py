@@ -42,6 +42,7 @@ import psycopg
 
 from pgque.client import Conn, open_connection
 from pgque.errors import (
+    AccessDenied,
     ConnectError,
     ConsumerNotFound,
     InvalidArgument,
@@ -72,7 +73,7 @@ S = TypeVar("S", bound="Service")
 
 # Errors that retrying cannot fix: configuration, privileges, pgque missing.
 _FATAL = (
-    SessionUnstable, SlotCountMismatch, InvalidSlotCount, InvalidSlot, InvalidName,
+    AccessDenied, SessionUnstable, SlotCountMismatch, InvalidSlotCount, InvalidSlot, InvalidName,
     QueueNotFound, ConsumerNotFound, InvalidArgument, InvalidConfig,
     psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName,
     psycopg.errors.UndefinedFunction,

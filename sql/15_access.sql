@@ -143,7 +143,9 @@ declare
     v_caller name;
 begin
     if p_owner is not null then
-        v_caller := pgque._caller();
+        -- pgque._caller(), written out: this runs on every receive and ack.
+        v_caller := case when current_setting('role') = 'none' then session_user
+                         else current_setting('role')::name end;
         if not (pg_has_role(v_caller, p_owner, 'member')
                 or pgque._in_roles(pgque._role_id(v_caller), p_grantees)
                 or pgque._is_admin(v_caller)) then
@@ -155,7 +157,9 @@ begin
                               p_queue.queue_name, pgque._name_for_message(p_consumer), v_caller);
         end if;
     end if;
-    perform pgque._require_queue(p_queue, 'consume');
+    if p_queue.queue_consumers is not null then
+        perform pgque._require_queue(p_queue, 'consume');
+    end if;
 end
 $$;
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -236,3 +237,20 @@ def test_a_consumer_made_before_owners_existed_stays_open_to_readers(
     assert teams["b"].client.receive("q", "old") is None
     assert refused(lambda: teams["outsider"].client.receive("q", "old"),
                    psycopg.errors.InsufficientPrivilege)
+
+
+def test_a_worker_of_another_team_stops_with_the_refusal(teams: dict[str, Team]) -> None:
+    a, b = teams["a"], teams["b"]
+    a.client.subscribe_slots("q", "ga", slots=2)
+    worker = pgque.Worker(b.client.conn.info.dsn, queue="q", consumer="ga", slots=2,
+                          handler=lambda message: None, ticker=False)
+    with worker:
+        assert worker.wait_stopped(10)
+    assert isinstance(worker.error, pgque.ConsumerAccessDenied)
+    # Granted the group, the same worker runs and owns both slots.
+    a.client.grant_consumer("q", "ga", b.role)
+    worker = pgque.Worker(b.client.conn.info.dsn, queue="q", consumer="ga", slots=2,
+                          handler=lambda message: None, ticker=False, rebalance_interval=0.1)
+    with worker:
+        wait_for(lambda: len(worker.owned_slots) == 2, what="both slots owned")
+        assert worker.error is None
