@@ -94,9 +94,9 @@ def test_the_old_fixed_keys_stall_nothing(roles: dict[str, str]) -> None:
     with pgque.connect(roles["team"]) as team:
         team.subscribe_slots("q", "g", slots=4)
         with attacker(roles["outsider"]) as evil:
-            for sub_id in range(1, 64):
-                evil.execute("select pg_advisory_lock(%s, %s), pg_advisory_lock(%s, %s)",
-                             (OLD_SLOT_CLASS, sub_id, OLD_GROUP_CLASS, sub_id))
+            for sub_id in range(1, 64):  # bigint keys, as 0.1 took them
+                evil.execute("select pg_advisory_lock(%s), pg_advisory_lock(%s)",
+                             ((OLD_SLOT_CLASS << 32) | sub_id, (OLD_GROUP_CLASS << 32) | sub_id))
             evil.execute("select pg_advisory_lock(%s)", (OLD_TICKER_KEY,))
             assert team.join_group("q", "g") is True
             assert all(team.claim_slot("q", "g", k) for k in range(4))
