@@ -60,7 +60,7 @@ import psycopg
 from psycopg import sql
 
 from pgque.client import Client, open_connection
-from pgque.errors import ConsumerAccessDenied, SessionUnstable, SlotNotOwned
+from pgque.errors import SessionUnstable, SlotNotOwned
 from pgque.lifecycle import (
     STOP_LATENCY,
     CallWatch,
@@ -280,15 +280,11 @@ class Worker(Service, Generic[T]):
         """Claim free slots up to the fair share; release the surplus that is idle."""
         with session.call() as client:
             status = client.group_status(self.queue, self.consumer)
-            if status[0].my_rank is None:
-                # Not counted as a member. Either the group's membership key was
-                # renewed (a session of a role outside the group sat on it): join
-                # again; or this session's role may no longer use the group.
-                if not client.join_group(self.queue, self.consumer):
-                    raise ConsumerAccessDenied(
-                        f"this session (role {client.conn.info.user}) does not count as a "
-                        f"member of group {self.consumer!r} of queue {self.queue!r}: may "
-                        "its role still use the group and run pgque.receive_partitioned?")
+            # Not counted as a member: the group's membership key was renewed (a
+            # session of a role outside the group sat on it), so join again. The
+            # server refuses (ConsumerAccessDenied, which stops the worker) when
+            # this session's role may no longer use the group.
+            if status[0].my_rank is None and client.join_group(self.queue, self.consumer):
                 status = client.group_status(self.queue, self.consumer)
         members = status[0].members
         share = status[0].fair_share(self.slots)

@@ -248,3 +248,21 @@ alter table pgque.queue add column if not exists queue_consumers oid[];
 alter table pgque.subscription add column if not exists sub_owner oid;
 alter table pgque.subscription add column if not exists sub_grantees oid[];
 alter table pgque.subscription add column if not exists sub_lock_key bigint;
+-- The subscription a dead letter came from (no foreign key: dead letters outlive
+-- it). Who may read a dead letter follows that subscription, not its name, which
+-- another role may subscribe once the consumer is gone; null (a consumer gone
+-- before 0.2): admins only.
+-- Filled from the names once, when the column is added: never again, or a
+-- dead letter of a consumer gone since would go to a later one of its name.
+do $dl_sub$
+begin
+    if not exists (select 1 from pg_catalog.pg_attribute
+                    where attrelid = 'pgque.dead_letter'::regclass and attname = 'dl_sub'
+                      and not attisdropped) then
+        alter table pgque.dead_letter add column dl_sub integer;
+        update pgque.dead_letter d set dl_sub = s.sub_id
+          from pgque.subscription s
+         where s.sub_queue = d.dl_queue and s.sub_consumer = d.dl_consumer;
+    end if;
+end
+$dl_sub$;

@@ -77,13 +77,31 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 as $$ select oid from pg_roles where rolname = p_role $$;
 
--- pgque._may_consume(role, queue, owner, grantees): whether role (an oid) may
--- use a consumer of queue owned by owner with grantees, judged as the
--- session of that role would be: it must be able to run receive_partitioned
--- at all (a pgque_reader, an admin or a role granted EXECUTE), pass the
--- queue's 'consume' grants, and own the consumer or have been granted it.
--- An owner of null (a consumer made before 0.2) lets every such role in.
--- Used to tell which sessions holding a slot's or group's lock count.
+-- pgque._may_execute(role, routine): whether role (an oid) or a role it is a
+-- member of may execute routine. Membership, not inherited privilege: a login
+-- created NOINHERIT that acts through SET ROLE team may do what team may.
+create or replace function pgque._may_execute(p_role oid, p_routine regprocedure)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select p_role is not null and p_routine is not null
+       and (has_function_privilege(p_role, p_routine, 'execute')
+            or exists (select 1 from pg_proc p
+                        cross join lateral aclexplode(coalesce(p.proacl,
+                                                               acldefault('f', p.proowner))) a
+                        where p.oid = p_routine and a.privilege_type = 'EXECUTE'
+                          and (a.grantee = 0 or pg_has_role(p_role, a.grantee, 'member'))))
+$$;
+
+-- pgque._may_consume(role, queue, owner, grantees): whether sessions of role
+-- (an oid: another session's login role, as pg_stat_activity shows it) may
+-- use a consumer of queue owned by owner with grantees: role, or a role it is
+-- a member of, must be able to run receive_partitioned at all (a
+-- pgque_reader, an admin or a role granted EXECUTE), pass the queue's
+-- 'consume' grants, and own the consumer or have been granted it. An owner of
+-- null (a consumer made before 0.2) lets every such role in. Used to tell
+-- which sessions holding a slot's or group's lock count.
 create or replace function pgque._may_consume(
     p_role oid, p_queue pgque.queue, p_owner oid, p_grantees oid[])
 returns boolean
@@ -91,8 +109,8 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
     select p_role is not null
-       and has_function_privilege(
-               p_role, 'pgque.receive_partitioned(text,text,integer,integer,integer)', 'execute')
+       and pgque._may_execute(
+               p_role, to_regprocedure('pgque.receive_partitioned(text,text,integer,integer,integer)'))
        and (pgque._is_admin_id(p_role)
             or ((p_queue.queue_consumers is null
                  or pgque._in_roles(p_role, p_queue.queue_consumers))
@@ -163,16 +181,24 @@ begin
 end
 $$;
 
--- pgque._grant_role(role): the oid of a role named in a grant or revoke;
--- PQ016 when there is no such role.
-create or replace function pgque._grant_role(p_role text)
+-- pgque._grant_role(role, granted): the oid of the role named in a grant or
+-- revoke, compared as text (a name type would cut a long argument to 63 bytes
+-- and match another role). To revoke from a role dropped since it was
+-- granted, which queue_grants shows by its oid, that oid as text is accepted
+-- when it is among granted and names no role. PQ016 otherwise.
+create or replace function pgque._grant_role(p_role text, p_granted oid[] default null)
 returns oid
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_oid oid := pgque._role_id(p_role);
+    v_oid oid := (select r.oid from pg_roles r where r.rolname::text = p_role);
 begin
+    if v_oid is null and p_role ~ '^[0-9]{1,10}$' and p_role::bigint <= 4294967295
+       and p_role::bigint::oid = any(coalesce(p_granted, '{}'))
+       and not exists (select 1 from pg_roles r where r.oid = p_role::bigint::oid) then
+        v_oid := p_role::bigint::oid;
+    end if;
     if v_oid is null then
         raise exception using errcode = 'PQ016',
             message = format('role %L does not exist', pgque._name_for_message(p_role));
@@ -231,7 +257,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue;
-    v_role oid := pgque._grant_role(p_role);
+    v_role oid;
     v_before oid[];
     v_after oid[];
 begin
@@ -244,6 +270,7 @@ begin
        for no key update;
     v_before := case p_privilege when 'send' then v_queue.queue_senders
                                  else v_queue.queue_consumers end;
+    v_role := pgque._grant_role(p_role, v_before);
     if not v_role = any(coalesce(v_before, '{}')) then
         return false;
     end if;
@@ -275,11 +302,11 @@ as $$
 $$;
 
 -- pgque._change_consumer_grant(queue, consumer, role, add): adds role to (or
--- removes it from) the grantees of consumer, which is a plain consumer, a
--- consumer group, or both when both carry that name. Only the consumer's
--- owner or an admin may. Returns whether anything changed; PQ002 when there
--- is no such consumer, PQ014 when the caller may not, PQ016 for an unknown
--- role.
+-- removes it from) the grantees of consumer: the plain consumer and the
+-- consumer group of that name, those of them the caller owns (or all, for an
+-- admin). Returns whether anything changed; PQ002 when there is no such
+-- consumer, PQ014 when the caller owns none of them, PQ016 for an unknown
+-- role (on revoke, a dropped role may be named by the oid queue grants show).
 create or replace function pgque._change_consumer_grant(
     p_queue text, p_consumer text, p_role text, p_add boolean)
 returns boolean
@@ -288,46 +315,55 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
-    v_role oid := pgque._grant_role(p_role);
     v_caller name := pgque._caller();
+    v_admin boolean := pgque._is_admin(v_caller);
     v_found boolean := false;
+    v_subs integer[];
+    v_groups integer[];
+    v_granted oid[];
+    v_role oid;
     v_changed integer;
     v_total integer := 0;
-    v_owner oid;
 begin
-    for v_owner in
-        select s.sub_owner from pgque.subscription s
-         where s.sub_queue = v_queue.queue_id and s.sub_consumer = p_consumer
-           and position('#' in p_consumer) = 0
-        union all
-        select g.cg_owner from pgque.consumer_group g
-         where g.cg_queue = v_queue.queue_id and g.cg_consumer = p_consumer loop
-        v_found := true;
-        if not (pgque._is_admin(v_caller)
-                or (v_owner is not null and pg_has_role(v_caller, v_owner, 'member'))) then
-            raise exception using errcode = 'PQ014',
-                message = format('role %s may not grant consumer %L of queue %L', v_caller,
-                                 pgque._name_for_message(p_consumer), v_queue.queue_name),
-                hint = 'Only the role that owns the consumer, or an admin, may grant or revoke it.';
-        end if;
-    end loop;
+    select coalesce(bool_or(true), false) or v_found,
+           array_agg(s.sub_id) filter (where v_admin or pg_has_role(v_caller, s.sub_owner, 'member')),
+           array_agg(g) filter (where v_admin or pg_has_role(v_caller, s.sub_owner, 'member'))
+      into v_found, v_subs, v_granted
+      from pgque.subscription s
+      left join lateral unnest(s.sub_grantees) g on true
+     where s.sub_queue = v_queue.queue_id and s.sub_consumer = p_consumer
+       and position('#' in p_consumer) = 0 and s.sub_owner is not null;
+    select coalesce(bool_or(true), false) or v_found,
+           array_agg(c.cg_id) filter (where v_admin or pg_has_role(v_caller, c.cg_owner, 'member')),
+           v_granted || array_agg(g) filter (where v_admin or pg_has_role(v_caller, c.cg_owner, 'member'))
+      into v_found, v_groups, v_granted
+      from pgque.consumer_group c
+      left join lateral unnest(c.cg_grantees) g on true
+     where c.cg_queue = v_queue.queue_id and c.cg_consumer = p_consumer
+       and c.cg_owner is not null;
+    v_role := pgque._grant_role(p_role, case when not p_add then v_granted end);
     if not v_found then
         raise exception using errcode = 'PQ002',
-            message = format('consumer %L is not subscribed to queue %L',
+            message = format('consumer %L is not subscribed to queue %L (or has no owner)',
                              pgque._name_for_message(p_consumer), v_queue.queue_name);
+    end if;
+    if cardinality(v_subs) is null and cardinality(v_groups) is null then
+        raise exception using errcode = 'PQ014',
+            message = format('role %s may not grant consumer %L of queue %L', v_caller,
+                             pgque._name_for_message(p_consumer), v_queue.queue_name),
+            hint = 'Only the role that owns the consumer, or an admin, may grant or revoke it.';
     end if;
     update pgque.subscription
        set sub_grantees = case when p_add then coalesce(sub_grantees, '{}') || v_role
                                else nullif(array_remove(sub_grantees, v_role), '{}') end
-     where sub_queue = v_queue.queue_id and sub_consumer = p_consumer
-       and position('#' in p_consumer) = 0
+     where sub_id = any(v_subs)
        and (v_role = any(coalesce(sub_grantees, '{}'))) <> p_add;
     get diagnostics v_changed = row_count;
     v_total := v_changed;
     update pgque.consumer_group
        set cg_grantees = case when p_add then coalesce(cg_grantees, '{}') || v_role
                               else nullif(array_remove(cg_grantees, v_role), '{}') end
-     where cg_queue = v_queue.queue_id and cg_consumer = p_consumer
+     where cg_id = any(v_groups)
        and (v_role = any(coalesce(cg_grantees, '{}'))) <> p_add;
     get diagnostics v_changed = row_count;
     return v_total + v_changed > 0;

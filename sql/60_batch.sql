@@ -302,10 +302,11 @@ begin
           join fresh f on f.bn_ev_id = e.ev_id
          order by e.ev_id, e.ev_retry desc),
     dead as (
-        insert into pgque.dead_letter (dl_queue, dl_consumer, dl_reason, ev_id, ev_time, ev_txid,
-                                       ev_retry, ev_type, ev_data, ev_extra1, ev_extra2,
-                                       ev_extra3, ev_extra4)
-        select p_queue.queue_id, p_sub.sub_consumer, e.reason, e.ev_id, e.ev_time, e.ev_txid,
+        insert into pgque.dead_letter (dl_queue, dl_consumer, dl_sub, dl_reason, ev_id, ev_time,
+                                       ev_txid, ev_retry, ev_type, ev_data, ev_extra1,
+                                       ev_extra2, ev_extra3, ev_extra4)
+        select p_queue.queue_id, p_sub.sub_consumer, p_sub.sub_id, e.reason, e.ev_id, e.ev_time,
+               e.ev_txid,
                e.ev_retry, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3,
                e.ev_extra4
           from nacked e

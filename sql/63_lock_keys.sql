@@ -25,12 +25,15 @@ $$;
 
 -- pgque._key_sessions(key): every lock on the bigint advisory key in this
 -- database, held or awaited: the session's pid (null for a prepared
--- transaction), its login role, the mode and whether it is granted.
+-- transaction), its login role, the mode and whether it is granted. The
+-- activity snapshot is taken anew (PostgreSQL keeps one per transaction), so
+-- a session that started since the transaction began is known too.
 create or replace function pgque._key_sessions(p_key bigint)
 returns table (pid integer, role oid, mode text, granted boolean)
-language sql stable
+language sql volatile
 set search_path = pg_catalog, pg_temp
 as $$
+    select pg_stat_clear_snapshot();
     select l.pid, a.usesysid, l.mode, l.granted
       from pg_locks l
       left join pg_stat_activity a on a.pid = l.pid
@@ -63,3 +66,11 @@ begin
     return v_released;
 end
 $$;
+
+-- pgque._session_role(): the login role of this session as other sessions see
+-- it in pg_stat_activity, which is what they judge its locks by.
+create or replace function pgque._session_role()
+returns oid
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$ select usesysid from pg_stat_activity where pid = pg_backend_pid() $$;

@@ -267,7 +267,7 @@ $$;
 create or replace function pgque._key_taken_by_outsiders(
     p_key bigint, p_queue pgque.queue, p_group pgque.consumer_group)
 returns boolean
-language sql stable
+language sql volatile
 set search_path = pg_catalog, pg_temp
 as $$
     with s as materialized (
@@ -276,6 +276,29 @@ as $$
           from pgque._key_sessions(p_key) k)
     select exists (select 1 from s where not s.ok)
        and not exists (select 1 from s where s.ok and s.granted and s.mode = 'ExclusiveLock')
+$$;
+
+-- pgque._require_counting_session(queue, group): PQ014 unless the locks of
+-- this session will count for the group, i.e. unless its login role (not only
+-- the role it SETs) may use the group: otherwise it could hold a slot's lock
+-- that nobody counts, and lose the slot to the next claim.
+create or replace function pgque._require_counting_session(
+    p_queue pgque.queue, p_group pgque.consumer_group)
+returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_login oid := pgque._session_role();
+begin
+    if not pgque._may_consume(v_login, p_queue, p_group.cg_owner, p_group.cg_grantees) then
+        raise exception using errcode = 'PQ014',
+            message = format('sessions of login role %s do not count in group %L of queue %L',
+                             v_login::regrole, p_group.cg_consumer, p_queue.queue_name),
+            hint = 'Slot owners and members are judged by their login role: grant the login '
+                   'role (or a role it is a member of) the group and pgque_reader.';
+    end if;
+end
 $$;
 
 -- pgque._holds_slot(sub): whether this session holds the slot's lock exclusively.
@@ -322,6 +345,7 @@ declare
     v_now bigint;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, v_group.cg_slots, false);
+    perform pgque._require_counting_session(v_queue, v_group);
     v_key := (v.sub).sub_lock_key;
     if pgque._holds_key(v_key, 'ExclusiveLock') then
         return true;
@@ -480,6 +504,7 @@ declare
     v_key bigint := v_group.cg_lock_key;
     v_now bigint;
 begin
+    perform pgque._require_counting_session(v_queue, v_group);
     if pgque._holds_key(v_key, 'ShareLock') then
         return false;
     end if;
@@ -514,7 +539,7 @@ $$;
 create or replace function pgque.group_status(p_queue text, p_consumer text)
 returns table (slot integer, owner_pid integer, mine boolean, members integer,
                my_rank integer)
-language plpgsql stable
+language plpgsql volatile
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
@@ -523,6 +548,7 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
 begin
+    perform pg_stat_clear_snapshot();  -- see _key_sessions
     return query
     with keys as materialized (
         -- The group's keys: its membership key, then one per slot.

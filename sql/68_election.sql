@@ -20,16 +20,14 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 as $$ select te_key from pgque.ticker_election $$;
 
--- pgque._may_tick(role): whether sessions of role (an oid) count in the
--- election: those that may run claim_ticker (admins, or roles granted it).
+-- pgque._may_tick(role): whether sessions of role (an oid: a login role, as
+-- pg_stat_activity shows it) count in the election: those whose role, or a
+-- role they are members of, may run claim_ticker (admins, or roles granted it).
 create or replace function pgque._may_tick(p_role oid)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
-as $$
-    select p_role is not null
-       and has_function_privilege(p_role, 'pgque.claim_ticker()', 'execute')
-$$;
+as $$ select pgque._may_execute(p_role, to_regprocedure('pgque.claim_ticker()')) $$;
 
 -- pgque.claim_ticker(): tries, without waiting, to become the active ticker
 -- of the database; true when this session holds the election lock (also
@@ -45,6 +43,13 @@ declare
     v_key bigint := pgque._ticker_key();
     v_now bigint;
 begin
+    if not pgque._may_tick(pgque._session_role()) then
+        raise exception using errcode = '42501',
+            message = format('sessions of login role %s do not count in the ticker election',
+                             pgque._session_role()::regrole),
+            hint = 'The election judges sessions by their login role: grant the login role '
+                   '(or a role it is a member of) pgque_admin.';
+    end if;
     if pgque._holds_key(v_key, 'ExclusiveLock') then
         return true;
     end if;
@@ -83,7 +88,7 @@ as $$ select pgque._unlock_key(pgque._ticker_key(), false) $$;
 -- sessions that may tick count.
 create or replace function pgque.active_ticker()
 returns integer
-language sql stable
+language sql volatile
 security definer
 set search_path = pg_catalog, pg_temp
 as $$

@@ -41,12 +41,34 @@ begin
 end
 $$;
 
--- pgque._may_read_dead_letters(queue, consumer, role): whether role (an
--- oid) may read the dead letters of consumer (a plain consumer, or a slot
--- subscription "group#k/n", judged by its group): the consumer must still
--- exist and role must be allowed to use it. Dead letters of a consumer that
--- is gone belong to nobody but the admins.
+-- pgque._may_read_dead_letters(queue, sub_id, role): whether role (an oid)
+-- may read the dead letters that subscription sub_id made: it must still
+-- exist (a plain consumer, or a slot subscription judged by its group) and
+-- role must be allowed to use it. Dead letters of a consumer that is gone
+-- belong to the admins only, even once another consumer takes its name.
 create or replace function pgque._may_read_dead_letters(
+    p_queue pgque.queue, p_sub_id integer, p_role oid)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select 1 from pgque.subscription s
+                    where s.sub_id = p_sub_id and s.sub_queue = p_queue.queue_id
+                      and position('#' in s.sub_consumer) = 0
+                      and pgque._may_consume(p_role, p_queue, s.sub_owner, s.sub_grantees))
+        or exists (select 1 from pgque.subscription s
+                     join pgque.consumer_group g
+                       on g.cg_queue = s.sub_queue
+                      and g.cg_consumer = split_part(s.sub_consumer, '#', 1)
+                    where s.sub_id = p_sub_id and s.sub_queue = p_queue.queue_id
+                      and position('#' in s.sub_consumer) > 0
+                      and pgque._may_consume(p_role, p_queue, g.cg_owner, g.cg_grantees))
+$$;
+
+-- pgque._may_use_consumer_name(queue, consumer, role): whether role (an oid)
+-- may use the plain consumer or consumer group of that name on queue (a slot
+-- subscription's name "group#k/n" stands for its group).
+create or replace function pgque._may_use_consumer_name(
     p_queue pgque.queue, p_consumer text, p_role oid)
 returns boolean
 language sql stable
@@ -59,7 +81,6 @@ as $$
         or exists (select 1 from pgque.consumer_group g
                     where g.cg_queue = p_queue.queue_id
                       and g.cg_consumer = split_part(p_consumer, '#', 1)
-                      and position('#' in p_consumer) > 0
                       and pgque._may_consume(p_role, p_queue, g.cg_owner, g.cg_grantees))
 $$;
 
@@ -87,8 +108,7 @@ begin
     if not v_admin then
         perform pgque._require_queue(v_queue, 'consume');
         if p_consumer is not null
-           and not pgque._may_read_dead_letters(v_queue, p_consumer, v_role)
-           and not pgque._may_read_dead_letters(v_queue, p_consumer || '#', v_role) then
+           and not pgque._may_use_consumer_name(v_queue, p_consumer, v_role) then
             raise exception using errcode = 'PQ014',
                 message = format('role %s may not read the dead letters of consumer %L of queue %L',
                                  v_caller, pgque._name_for_message(p_consumer), v_queue.queue_name),
@@ -104,7 +124,7 @@ begin
            and (p_consumer is null or d.dl_consumer = p_consumer
                 or split_part(d.dl_consumer, '#', 1) = p_consumer)
            and d.dl_id > coalesce(p_after_id, 0)
-           and (v_admin or pgque._may_read_dead_letters(v_queue, d.dl_consumer, v_role))
+           and (v_admin or pgque._may_read_dead_letters(v_queue, d.dl_sub, v_role))
          order by d.dl_id
          limit p_limit;
 end

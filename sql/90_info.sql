@@ -149,7 +149,21 @@ select q.queue_name,
                       limit 1) l on true;
 
 -- The info views read event tables and sequences that callers have no
--- privileges on, so they are reached through SECURITY DEFINER functions.
+-- privileges on, so they are reached through SECURITY DEFINER functions,
+-- which show a caller that is not an admin only what it may use: the queues
+-- it may send to or consume from, the consumers it may use (see 15_access.sql).
+
+-- pgque._may_see_queue(queue, role): whether a caller acting as role (an oid)
+-- may see the queue: its grants of some kind let the role in.
+create or replace function pgque._may_see_queue(p_queue pgque.queue, p_role oid)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select p_queue.queue_consumers is null or p_queue.queue_senders is null
+        or pgque._in_roles(p_role, p_queue.queue_consumers)
+        or pgque._in_roles(p_role, p_queue.queue_senders)
+$$;
 
 -- pgque.get_queue_info(): the rows of pgque.queue_info.
 create or replace function pgque.get_queue_info()
@@ -157,7 +171,12 @@ returns setof pgque._queue_info
 language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
-as $$ select * from pgque._queue_info $$;
+as $$
+    select i.* from pgque._queue_info i
+      join pgque.queue q on q.queue_id = i.queue_id
+     where pgque._is_admin(pgque._caller())
+        or pgque._may_see_queue(q, pgque._role_id(pgque._caller()))
+$$;
 
 -- pgque.get_consumer_info(): the rows of pgque.consumer_info.
 create or replace function pgque.get_consumer_info()
@@ -165,7 +184,12 @@ returns setof pgque._consumer_info
 language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
-as $$ select * from pgque._consumer_info $$;
+as $$
+    select i.* from pgque._consumer_info i
+      join pgque.queue q on q.queue_name = i.queue_name
+     where pgque._is_admin(pgque._caller())
+        or pgque._may_use_consumer_name(q, i.consumer_name, pgque._role_id(pgque._caller()))
+$$;
 
 -- pgque.queue_info / pgque.consumer_info: what operators query.
 create or replace view pgque.queue_info as select * from pgque.get_queue_info();
@@ -174,10 +198,15 @@ create or replace view pgque.consumer_info as select * from pgque.get_consumer_i
 -- pgque.get_partition_slot_status(): the rows of pgque.partition_slot_status.
 create or replace function pgque.get_partition_slot_status()
 returns setof pgque._partition_slot_status
-language sql stable
+language sql volatile
 security definer
 set search_path = pg_catalog, pg_temp
-as $$ select * from pgque._partition_slot_status $$;
+as $$
+    select i.* from pgque._partition_slot_status i
+      join pgque.queue q on q.queue_name = i.queue_name
+     where pgque._is_admin(pgque._caller())
+        or pgque._may_use_consumer_name(q, i.consumer_name, pgque._role_id(pgque._caller()))
+$$;
 
 create or replace view pgque.partition_slot_status as
 select * from pgque.get_partition_slot_status();
