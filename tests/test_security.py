@@ -86,7 +86,7 @@ def test_admin_does_everything(users: dict[str, pgque.Client]) -> None:
     admin.unsubscribe("other", "x")
     admin.drop_queue("other")
     # Internal helpers are not part of the interface, even for admins.
-    assert refused(lambda: admin.conn.execute("select pgque._tick_lock_class()"))
+    assert refused(lambda: admin.conn.execute("select pgque._lock_queue(1, 'tick', true)"))
     assert refused(lambda: admin.conn.execute("delete from pgque.tick"))
 
 
