@@ -21,9 +21,17 @@ __all__ = ["install", "install_script", "uninstall"]
 # cannot shadow anything.
 PIN_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
 
-# Serializes concurrent installers (several workers starting at once would
-# otherwise race on CREATE OR REPLACE FUNCTION, which rewrites pg_proc rows).
-_INSTALL_LOCK = 0x7067_7169  # 'pgqi'
+# Concurrent installers serialize on the row of pgque.install_lock, which the
+# script takes before it writes any catalog row (see sql/00_schema.sql). Into
+# an empty database (or one whose install predates that table) they may still
+# race on CREATE SCHEMA or CREATE TABLE: the losers fail with a unique
+# violation once the winner commits. An install that waited behind an
+# uninstall finds the table it waited for, or the schema, gone. Either way the
+# failing statement rolled the transaction back, and it runs again: it then
+# finds the schema (or its absence) as it now is. A few attempts are plenty.
+_INSTALL_ATTEMPTS = 5
+_RETRIED = (psycopg.errors.UniqueViolation, psycopg.errors.UndefinedTable,
+            psycopg.errors.InvalidSchemaName)
 
 
 def _sql_files() -> list[tuple[str, str]]:
@@ -52,16 +60,34 @@ def install(conn: psycopg.Connection[Any]) -> None:
     Works for a non-superuser that owns the database (roles it may not create
     are skipped with a notice). Safe to run concurrently and repeatedly.
     """
-    script = install_script()
-    with conn.transaction(), conn.cursor() as cur:
-        cur.execute(PIN_SEARCH_PATH)
-        cur.execute("select pg_catalog.pg_advisory_xact_lock(%s::bigint)", (_INSTALL_LOCK,))
-        cur.execute(script.encode())
+    script = install_script().encode()
+    for attempt in range(1, _INSTALL_ATTEMPTS + 1):
+        try:
+            with conn.transaction(), conn.cursor() as cur:
+                cur.execute(PIN_SEARCH_PATH)
+                cur.execute(script)
+            return
+        except _RETRIED:
+            if attempt == _INSTALL_ATTEMPTS:
+                raise
 
 
 def uninstall(conn: psycopg.Connection[Any]) -> None:
-    """Drop schema pgque with every queue, event and cursor in it. Roles are kept."""
+    """Drop schema pgque with every queue, event and cursor in it. Roles are kept.
+
+    Waits for installs in progress, and installs that start meanwhile wait for
+    it: it locks pgque.install_lock exclusively before it drops anything.
+    """
     with conn.transaction(), conn.cursor() as cur:
         cur.execute(PIN_SEARCH_PATH)
-        cur.execute("select pg_catalog.pg_advisory_xact_lock(%s::bigint)", (_INSTALL_LOCK,))
+        cur.execute("""
+            do $uninstall$
+            begin
+                if to_regclass('pgque.install_lock') is not null then
+                    lock table pgque.install_lock in access exclusive mode;
+                end if;
+            exception when undefined_table then
+                null;  -- another uninstall dropped it while this one waited
+            end
+            $uninstall$""")
         cur.execute("drop schema if exists pgque cascade")

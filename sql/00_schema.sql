@@ -74,6 +74,39 @@ end
 $owner$;
 
 create schema if not exists pgque;
+
+-- The install lock: concurrent installers serialize on the one row of
+-- pgque.install_lock, taken FOR UPDATE before anything that writes a catalog
+-- row. Two transactions updating the same catalog row (REVOKE and GRANT
+-- rewrite the schema's ACL, CREATE OR REPLACE FUNCTION its pg_proc row) do not
+-- wait for each other: one fails with "tuple concurrently updated". Up to the
+-- lock, this script only reads, or creates what does not exist yet: on an
+-- existing install it writes no catalog row and locks nothing else of pgque
+-- (CREATE ... IF NOT EXISTS of an existing table would lock the schema, and
+-- so deadlock with an uninstall waiting for this install). Installers of an
+-- empty database may race on CREATE SCHEMA and CREATE TABLE; the losers fail
+-- with a unique violation once the winner commits, and pgque.schema.install()
+-- runs the whole transaction again. uninstall() locks this table exclusively
+-- before it drops the schema: it waits for running installs, and installs
+-- wait for it. A lock on pgque's own table rather than an advisory lock: an
+-- advisory key is a constant any role that can connect may take first and
+-- hold, while this table is reachable only by the installer (schema pgque has
+-- no USAGE for PUBLIC, and no role is granted anything on this table).
+do $install_lock$
+begin
+    if pg_catalog.to_regclass('pgque.install_lock') is null then
+        create table pgque.install_lock (
+            il_singleton boolean primary key default true check (il_singleton)
+        );
+    end if;
+    perform from pgque.install_lock for update;
+    if not found then
+        insert into pgque.install_lock default values on conflict do nothing;
+        perform from pgque.install_lock for update;
+    end if;
+end
+$install_lock$;
+
 revoke all on schema pgque from public;
 
 -- Roles are cluster-wide. Create them when the installer may; otherwise the
@@ -114,6 +147,29 @@ create table if not exists pgque.queue (
     queue_senders            oid[],   -- roles granted 'send' (null: every pgque_writer)
     queue_consumers          oid[]    -- roles granted 'consume' (null: every pgque_reader)
 );
+
+-- The per-queue locks, one row per queue and purpose, taken FOR UPDATE:
+--   tick   serializes the ticks of a queue (pgque._make_tick); the ticker
+--          takes it SKIP LOCKED and passes over a queue being ticked or
+--          dropped elsewhere;
+--   maint  serializes the maintenance of a queue; a second maint() caller
+--          takes it SKIP LOCKED and skips the queue.
+-- drop_queue takes both, tick first, then the queue row: the order everyone
+-- follows. Rows, not advisory locks: an advisory key is a constant any role
+-- that can connect may hold forever, while these rows are reachable only
+-- through pgque's SECURITY DEFINER functions. create_queue inserts them; the
+-- insert below gives them to queues made before this table existed. Taking
+-- one assigns a transaction id and writes WAL, so the ticker and maintenance
+-- first look, without any lock, whether there is anything to do.
+create table if not exists pgque.queue_lock (
+    ql_queue   integer not null references pgque.queue on delete cascade,
+    ql_purpose text not null check (ql_purpose in ('tick', 'maint')),
+    primary key (ql_queue, ql_purpose)
+);
+insert into pgque.queue_lock (ql_queue, ql_purpose)
+select q.queue_id, p.purpose
+  from pgque.queue q cross join (values ('tick'), ('maint')) p (purpose)
+on conflict do nothing;
 
 -- A tick records a snapshot of the database: the events of a batch are those
 -- committed as of one tick's snapshot and not as of the previous one.

@@ -113,9 +113,34 @@ as $$
      where queue_id = p_queue.queue_id
 $$;
 
+-- pgque._lock_queue(queue_id, purpose, wait): takes the queue's lock row of
+-- purpose ('tick' or 'maint', see pgque.queue_lock) FOR UPDATE, until the end
+-- of the transaction; true when this transaction now holds it. With wait it
+-- waits for another holder; without, it gives up at once when the row is
+-- locked. False also when the row is gone: the queue was dropped.
+create or replace function pgque._lock_queue(p_queue_id integer, p_purpose text, p_wait boolean)
+returns boolean
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_wait then
+        perform from pgque.queue_lock where ql_queue = p_queue_id and ql_purpose = p_purpose
+            for update;
+    else
+        perform from pgque.queue_lock where ql_queue = p_queue_id and ql_purpose = p_purpose
+            for update skip locked;
+    end if;
+    return found;
+end
+$$;
+
 -- pgque.create_queue(queue, config, exist_ok): creates a queue with its event
--- tables, sequence and first tick; returns the queue id. An existing queue
--- raises PQ006 unless exist_ok, in which case its id is returned unchanged.
+-- tables, sequence, lock rows and first tick; returns the queue id. An
+-- existing queue raises PQ006 unless exist_ok, in which case its id is
+-- returned unchanged. Concurrent creators of one name need no lock of their
+-- own: the insert of the queue row waits for another transaction's
+-- uncommitted row of that name, and finds it once that one commits.
 create or replace function pgque.create_queue(
     p_queue text, p_config jsonb default '{}', p_exist_ok boolean default false)
 returns integer
@@ -131,21 +156,29 @@ declare
     n integer;
 begin
     perform pgque._check_name('queue', p_queue);
-    -- Serialize creators of the same name so exist_ok is race-free.
-    perform pg_advisory_xact_lock(hashtext('pgque.create_queue'), hashtext(p_queue));
-    select * into v_queue from pgque.queue where queue_name = p_queue;
-    if found then
-        if p_exist_ok then
-            return v_queue.queue_id;
+    loop
+        -- Looked up first, so that exist_ok on an existing queue writes nothing.
+        select * into v_queue from pgque.queue where queue_name = p_queue;
+        if found then
+            if p_exist_ok then
+                return v_queue.queue_id;
+            end if;
+            raise exception using errcode = 'PQ006', message = format('queue %L already exists',
+                                                              pgque._name_for_message(p_queue));
         end if;
-        raise exception using errcode = 'PQ006', message = format('queue %L already exists',
-                                                          pgque._name_for_message(p_queue));
-    end if;
-
-    -- Insert with the table's defaults first, then apply the caller's settings.
-    insert into pgque.queue (queue_name, queue_event_seq)
-    values (p_queue, 'pgque.tick_id_seq'::regclass)
-    returning * into v_queue;
+        -- Insert with the table's defaults first, then apply the caller's
+        -- settings. A concurrent creator's row of the same name makes this
+        -- wait for its transaction: when that commits, nothing is inserted
+        -- and the lookup above finds its queue; when it rolls back, this
+        -- insert goes ahead.
+        insert into pgque.queue (queue_name, queue_event_seq)
+        values (p_queue, 'pgque.tick_id_seq'::regclass)
+        on conflict (queue_name) do nothing
+        returning * into v_queue;
+        exit when found;
+    end loop;
+    insert into pgque.queue_lock (ql_queue, ql_purpose)
+    values (v_queue.queue_id, 'tick'), (v_queue.queue_id, 'maint');
     v_queue := pgque._configure(v_queue, p_config, true);
 
     v_parent := pgque._event_table(v_queue.queue_id);
@@ -221,11 +254,14 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_parent text := pgque._event_table(v_queue.queue_id);
 begin
-    -- Locks in the order the ticker and maintenance take them (their
-    -- per-queue locks first, then rows, then tables), so a running ticker
-    -- never deadlocks with a drop: it finishes its pass, or skips the queue.
-    perform pg_advisory_xact_lock(pgque._tick_lock_class(), v_queue.queue_id);
-    perform pg_advisory_xact_lock(pgque._maint_lock_class(), v_queue.queue_id);
+    -- Locks in the order the ticker and maintenance take them (the queue's
+    -- tick lock, then its maintenance lock, then the queue row, then
+    -- tables), so a running ticker or maintenance never deadlocks with a
+    -- drop: it finishes its pass, or skips the queue. Once a concurrent drop
+    -- of the same queue commits, its lock rows and queue row are gone and the
+    -- check below raises PQ001.
+    perform pgque._lock_queue(v_queue.queue_id, 'tick', true);
+    perform pgque._lock_queue(v_queue.queue_id, 'maint', true);
     perform from pgque.queue where queue_id = v_queue.queue_id for update;
     if not found then
         raise exception using errcode = 'PQ001', message = format('queue %L does not exist',

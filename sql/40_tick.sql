@@ -2,18 +2,15 @@
 --
 -- A tick stores pg_current_snapshot() and the position of the queue's event
 -- sequence. Consecutive ticks of a queue must be taken in snapshot order, or
--- a batch could miss events: ticks of one queue are serialized by an advisory
--- transaction lock, and each snapshot is taken after that lock is granted,
--- which in READ COMMITTED means after the previous tick committed.
-
--- pgque._tick_lock_class(): the first key of the two-integer advisory locks
--- pgque takes for ticking ('pgqt'), so they cannot meet other applications'
--- locks that use the same space unless those chose the same constant.
-create or replace function pgque._tick_lock_class()
-returns integer
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$ select 1885827444 $$;
+-- a batch could miss events: ticks of one queue are serialized by the queue's
+-- tick lock, its 'tick' row of pgque.queue_lock taken FOR UPDATE, and each
+-- snapshot is taken in a statement after that lock is granted, which in READ
+-- COMMITTED means after the previous tick committed. Ticks of different
+-- queues take different rows and never wait for each other.
+--
+-- Taking the row assigns a transaction id and writes WAL, so the ticker
+-- first looks, without it, whether a tick is due, and looks again once it
+-- holds it: an idle poll writes nothing, and two tickers do not both tick.
 
 -- pgque._tick_channel(queue_id): the NOTIFY channel announcing ticks of a queue.
 create or replace function pgque._tick_channel(p_queue_id integer)
@@ -32,8 +29,10 @@ set search_path = pg_catalog, pg_temp
 as $$ select pgque._tick_channel((pgque._queue_row(p_queue)).queue_id) $$;
 
 -- pgque._make_tick(queue): makes a tick for the queue now, unconditionally, and
--- returns its id. Raises PQ008 outside READ COMMITTED, where the snapshot
--- would be the transaction's and could predate the previous tick.
+-- returns its id. Takes the queue's tick lock first, waiting for a tick in
+-- progress elsewhere; raises PQ001 when the queue was dropped meanwhile, and
+-- PQ008 outside READ COMMITTED, where the snapshot would be the
+-- transaction's and could predate the previous tick.
 create or replace function pgque._make_tick(p_queue pgque.queue)
 returns bigint
 language plpgsql
@@ -47,7 +46,12 @@ begin
         raise exception using errcode = 'PQ008',
             message = 'pgque ticks must be made in a READ COMMITTED transaction';
     end if;
-    perform pg_advisory_xact_lock(pgque._tick_lock_class(), p_queue.queue_id);
+    -- The queue's tick lock (held already when the ticker calls this). When
+    -- it is gone, so is the queue: a drop committed while this waited.
+    if not pgque._lock_queue(p_queue.queue_id, 'tick', true) then
+        raise exception using errcode = 'PQ001', message = format('queue %L does not exist',
+                                                          pgque._name_for_message(p_queue.queue_name));
+    end if;
     -- The sequence position, read before the snapshot is taken: the insert
     -- below is a new statement, hence a new snapshot, after the lock too.
     v_event_seq := coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
@@ -137,21 +141,95 @@ begin
 end
 $$;
 
+-- pgque._tick_wanted(queue, overdue): whether the queue should be ticked
+-- now: with overdue null, whether its thresholds ask for a tick (_tick_due);
+-- otherwise whether it has pending events and its last tick is at least
+-- overdue old. Reads only.
+create or replace function pgque._tick_wanted(p_queue pgque.queue, p_overdue interval)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_last pgque.tick := pgque._last_tick(p_queue.queue_id);
+begin
+    if p_overdue is not null and now() - v_last.tick_time < p_overdue then
+        return false;
+    end if;
+    return pgque._tick_due(p_queue, v_last, p_overdue is not null);
+end
+$$;
+
+-- pgque._tick_wanted_nowait(queue, overdue): _tick_wanted for the look taken
+-- before the tick lock, which must neither wait nor fail: true when it cannot
+-- tell at once, and the caller decides under the lock. A drop_queue holds
+-- the queue's tables and sequence exclusively until it commits, and then they
+-- are gone: reading them would wait for the drop and then fail, so every lock
+-- is waited for at most 1 ms, and any error is left to the look under the
+-- lock (which a drop never gets past, and which raises a real error again).
+-- Reads only: the caught error costs a subtransaction without a transaction id.
+create or replace function pgque._tick_wanted_nowait(p_queue pgque.queue, p_overdue interval)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '1ms'
+as $$
+begin
+    return pgque._tick_wanted(p_queue, p_overdue);
+exception when others then
+    return true;
+end
+$$;
+
+-- pgque._tick_if_wanted(queue_id, overdue, wait): ticks the queue if
+-- _tick_wanted says so, both before taking its tick lock (so a poll of an idle
+-- queue takes no lock, assigns no transaction id and writes nothing) and
+-- again under it, in a new statement that sees ticks committed meanwhile (so
+-- two tickers do not both tick). The queue row is read again under the lock;
+-- a queue dropped meanwhile is not touched. Without wait, a queue whose tick
+-- lock is taken (being ticked or dropped elsewhere) is skipped at once.
+-- Returns the new tick id, or null when none was made.
+create or replace function pgque._tick_if_wanted(p_queue_id integer, p_overdue interval,
+                                                 p_wait boolean)
+returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue;
+begin
+    select * into v_queue from pgque.queue where queue_id = p_queue_id;
+    if not found then
+        return null;
+    end if;
+    if not pgque._tick_wanted_nowait(v_queue, p_overdue) then
+        return null;
+    end if;
+    if not pgque._lock_queue(p_queue_id, 'tick', p_wait) then
+        return null;
+    end if;
+    select * into v_queue from pgque.queue where queue_id = p_queue_id;
+    if not found then
+        return null;
+    end if;
+    if not pgque._tick_wanted(v_queue, p_overdue) then
+        return null;
+    end if;
+    return pgque._make_tick(v_queue);
+end
+$$;
+
 -- pgque.ticker(queue): ticks the queue if its thresholds ask for it; returns
--- the new tick id, or null when no tick was due.
+-- the new tick id, or null when no tick was due. Waits for a tick of the
+-- queue in progress elsewhere, then looks again.
 create or replace function pgque.ticker(p_queue text)
 returns bigint
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-declare
-    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
-    if pgque._tick_due(v_queue, pgque._last_tick(v_queue.queue_id)) then
-        return pgque._make_tick(v_queue);
-    end if;
-    return null;
+    return pgque._tick_if_wanted((pgque._queue_row(p_queue)).queue_id, null, true);
 end
 $$;
 
@@ -163,7 +241,7 @@ $$;
 -- first, then its rows and tables. A queue whose tick lock is taken (being
 -- ticked or dropped elsewhere) is skipped without waiting, and the queue row
 -- is read again once the lock is held, so a queue dropped meanwhile is not
--- touched.
+-- touched (see _tick_if_wanted).
 create or replace function pgque._ticker(p_overdue interval)
 returns integer
 language plpgsql
@@ -171,18 +249,10 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_id integer;
-    v_queue pgque.queue;
-    v_last pgque.tick;
     v_count integer := 0;
 begin
     for v_id in select queue_id from pgque.queue order by queue_id loop
-        continue when not pg_try_advisory_xact_lock(pgque._tick_lock_class(), v_id);
-        select * into v_queue from pgque.queue where queue_id = v_id;
-        continue when not found;
-        v_last := pgque._last_tick(v_id);
-        continue when p_overdue is not null and now() - v_last.tick_time < p_overdue;
-        if pgque._tick_due(v_queue, v_last, p_overdue is not null) then
-            perform pgque._make_tick(v_queue);
+        if pgque._tick_if_wanted(v_id, p_overdue, false) is not null then
             v_count := v_count + 1;
         end if;
     end loop;

@@ -1,15 +1,12 @@
 -- pgque: maintenance (rotation, retry re-insertion, tick and cursor cleanup).
 --
 -- Each step is safe to run concurrently and repeatedly: steps of one queue
--- are serialized by an advisory transaction lock, and a second caller simply
--- skips the queue.
-
--- pgque._maint_lock_class(): first key of maintenance advisory locks ('pgqm').
-create or replace function pgque._maint_lock_class()
-returns integer
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$ select 1885827437 $$;
+-- are serialized by the queue's maintenance lock, its 'maint' row of
+-- pgque.queue_lock taken FOR UPDATE, and a second caller skips the queue
+-- without waiting. Taking the row assigns a transaction id and writes WAL,
+-- so maint() first looks, without it, whether any step has work
+-- (_maint_due): maintenance of an idle queue, run every second, writes
+-- nothing.
 
 -- pgque._consumed_floor(queue_id): a transaction id below which every event
 -- of the queue has been consumed by every subscription: the lowest xmin of the
@@ -88,6 +85,20 @@ begin
 end
 $$;
 
+-- pgque._ticks_kept_from(queue_id): the oldest tick of the queue that a
+-- subscription may still need: the oldest last finished tick of its
+-- subscriptions; with no subscription, its newest tick.
+create or replace function pgque._ticks_kept_from(p_queue_id integer)
+returns bigint
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce((select min(c.cur_last_tick)
+                       from pgque.subscription s cross join lateral pgque._current_cursor(s.sub_id) c
+                      where s.sub_queue = p_queue_id),
+                    (pgque._last_tick(p_queue_id)).tick_id)
+$$;
+
 -- pgque._maint_ticks(queue): deletes, in one statement, the ticks no
 -- subscription needs any more (all before the oldest last tick; with no
 -- subscription, all but the newest). Returns how many.
@@ -97,15 +108,10 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_keep bigint;
     v_count bigint;
 begin
-    select coalesce((select min(c.cur_last_tick)
-                       from pgque.subscription s cross join lateral pgque._current_cursor(s.sub_id) c
-                      where s.sub_queue = p_queue.queue_id),
-                    (pgque._last_tick(p_queue.queue_id)).tick_id)
-      into v_keep;
-    delete from pgque.tick where tick_queue = p_queue.queue_id and tick_id < v_keep;
+    delete from pgque.tick
+     where tick_queue = p_queue.queue_id and tick_id < pgque._ticks_kept_from(p_queue.queue_id);
     get diagnostics v_count = row_count;
     return v_count;
 end
@@ -136,10 +142,81 @@ begin
 end
 $$;
 
+-- pgque._maint_due(queue): whether any maintenance step has work for the
+-- queue, looked at without its maintenance lock and without writing: a
+-- table to truncate (a non-current event table, not empty, whose newest
+-- event is below the consumed floor) or to switch to (rotation_period passed
+-- and the next table is empty), a due retry, a tick no subscription needs,
+-- a superseded cursor row or a nack record of a finished batch. Each test is
+-- the one its step applies, so it never says no while a step would act.
+-- (Rows of a transaction still in progress are not seen; they would not be
+-- seen by the step either, and an in-progress transaction's id is never
+-- below the consumed floor.) It must neither wait nor fail: locks are waited
+-- for at most 1 ms (a drop_queue holds the queue's tables until it commits,
+-- a running truncate holds one), and when it cannot tell it says yes, and
+-- the steps decide under the lock.
+create or replace function pgque._maint_due(p_queue pgque.queue)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '1ms'
+as $$
+declare
+    v_floor xid8;
+    v_max xid8;
+    v_nonempty boolean;
+    n integer;
+begin
+    if exists (select 1 from pgque.retry_queue r
+                where r.ev_queue = p_queue.queue_id and r.ev_retry_after <= now()) then
+        return true;
+    end if;
+    if exists (select 1 from pgque.tick t
+                where t.tick_queue = p_queue.queue_id
+                  and t.tick_id < pgque._ticks_kept_from(p_queue.queue_id)) then
+        return true;
+    end if;
+    if exists (select 1
+                 from pgque.subscription s cross join lateral pgque._current_cursor(s.sub_id) c
+                where s.sub_queue = p_queue.queue_id
+                  and (exists (select 1 from pgque.cursor o
+                                where o.cur_sub = s.sub_id and o.cur_seq < c.cur_seq)
+                       or exists (select 1 from pgque.batch_nack b
+                                   where b.bn_sub = s.sub_id
+                                     and b.bn_batch is distinct from c.cur_batch))) then
+        return true;
+    end if;
+    if now() - p_queue.queue_switch_time >= p_queue.queue_rotation_period then
+        execute format('select exists (select 1 from pgque.%I)',
+                       pgque._event_table(p_queue.queue_id,
+                                          (p_queue.queue_cur_table + 1) % p_queue.queue_ntables))
+           into v_nonempty;
+        if not v_nonempty then
+            return true;
+        end if;
+    end if;
+    v_floor := pgque._consumed_floor(p_queue.queue_id);
+    if v_floor is not null then
+        for n in 0 .. p_queue.queue_ntables - 1 loop
+            continue when n = p_queue.queue_cur_table;
+            execute format('select max(ev_txid) from pgque.%I', pgque._event_table(p_queue.queue_id, n))
+               into v_max;
+            if v_max < v_floor then
+                return true;
+            end if;
+        end loop;
+    end if;
+    return false;
+exception when others then
+    return true;
+end
+$$;
+
 -- pgque.maint(queue): runs every maintenance step for one queue (all queues
 -- when null) and reports what it did as rows (queue_name, step, amount).
 -- A queue whose maintenance is already running elsewhere (or that is being
--- dropped) is skipped.
+-- dropped) is skipped, and so, without taking any lock, is a queue where no
+-- step has work (_maint_due).
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
 language plpgsql
@@ -148,19 +225,25 @@ set search_path = pg_catalog, pg_temp
 as $$
 #variable_conflict use_column
 declare
+    v_id integer;
     v_queue pgque.queue;
     v_amount bigint;
 begin
     if p_queue is not null then
         perform pgque._queue_row(p_queue);
     end if;
-    for v_queue in select * from pgque.queue q
-                    where p_queue is null or q.queue_name = p_queue
-                    order by q.queue_id loop
-        continue when not pg_try_advisory_xact_lock(pgque._maint_lock_class(), v_queue.queue_id);
+    for v_id in select q.queue_id from pgque.queue q
+                 where p_queue is null or q.queue_name = p_queue
+                 order by q.queue_id loop
+        -- The look without the lock, on the queue row as it is now (another
+        -- maint may have rotated it since the loop began).
+        select * into v_queue from pgque.queue q where q.queue_id = v_id;
+        continue when not found;
+        continue when not pgque._maint_due(v_queue);
+        continue when not pgque._lock_queue(v_id, 'maint', false);
         -- Read again under the lock: drop_queue takes it too, so a queue
         -- dropped since the loop began is gone now and must not be touched.
-        select * into v_queue from pgque.queue q where q.queue_id = v_queue.queue_id;
+        select * into v_queue from pgque.queue q where q.queue_id = v_id;
         continue when not found;
         v_amount := pgque._maint_rotate(v_queue);
         if v_amount > 0 then

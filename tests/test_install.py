@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import pgtest
 import psycopg
 import pytest
-from helpers import drain
+from helpers import drain, scalar
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -224,3 +230,98 @@ def test_install_refuses_an_object_someone_else_owns_in_its_schema(dsn: str) -> 
             assert caught.value.sqlstate == "PQ013"
     finally:
         _drop_role(dsn, squatter)
+
+
+# -- upgrades ----------------------------------------------------------------------------
+
+# The install script of pgque 0.1.0 as it was released, frozen: upgrades start from it.
+FROZEN_0_1 = Path(__file__).resolve().parent / "data" / "pgque-0.1.0.sql"
+
+
+def install_0_1(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(FROZEN_0_1.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.1.0"
+
+
+@contextmanager
+def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
+    name = pgtest.scratch_name("e")
+    pgtest.create_database(pg_server, name)
+    try:
+        yield pg_server.dsn(name)
+    finally:
+        pgtest.drop_database(pg_server, name)
+
+
+def test_upgrade_from_0_1_keeps_queues_ticking_and_maintained(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """Queues made by 0.1 get the lock rows ticks and maintenance now take, and the
+    upgraded catalog is the one a fresh install makes."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        client.subscribe("q", "c")
+        first = client.send("q", "e", "fails")
+        client.tick("q")
+        batch = client.receive("q", "c")
+        assert batch is not None and [m.id for m in batch] == [first]
+        client.ack(batch, nack=batch.messages, retry_after=0)
+        second = client.send("q", "e", "pending")
+
+        assert client.install() == pgque.__version__
+        assert client.conn.execute(
+            "select ql_purpose from pgque.queue_lock order by 1").fetchall() == [
+                ("maint",), ("tick",)]
+        assert ("q", "retry", 1) in client.maintenance()
+        assert client.ticker() == 1
+        assert [m.id for m in drain(client, "q", "c")] == [first, second]
+        assert client.tick("q") > 0
+        upgraded = catalog(client.conn)
+
+    with scratch_database(pg_server) as fresh_dsn, pgque.connect(fresh_dsn) as fresh:
+        fresh.install()
+        fresh.create_queue("q")
+        fresh.install()  # as over the upgraded queue (the install sets its tables' ACLs)
+        installed = catalog(fresh.conn)
+    for name in CATALOG_QUERIES:
+        assert upgraded[name] == installed[name], f"{name} differs after the upgrade"
+
+
+def test_concurrent_upgrades_from_0_1(empty_dsn: str) -> None:
+    """0.1 has no install lock table: concurrent upgraders race to create it, and the
+    losers run the install again."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+    test_concurrent_installs(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        assert scalar(client.conn, "select pgque.version()") == pgque.__version__
+        assert scalar(client.conn, "select count(*) from pgque.queue_lock") == 2
+        assert client.ticker("q") in (0, 1)
+
+
+@pytest.mark.skipif(shutil.which("psql") is None, reason="no psql")
+def test_psql_runs_the_install_script(empty_dsn: str, tmp_path: Path) -> None:
+    """The documented path: psql -1 -f of the assembled script, into an empty
+    database, over an install, and over 0.1."""
+    script = tmp_path / "pgque.sql"
+    script.write_text(pgque.install_script())
+
+    def psql() -> None:
+        result = subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-1", "-f",
+                                 str(script), "-d", empty_dsn],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+
+    psql()
+    psql()
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        client.uninstall()
+    install_0_1(empty_dsn)
+    psql()
+    with pgque.connect(empty_dsn) as client:
+        assert scalar(client.conn, "select pgque.version()") == pgque.__version__
+        client.create_queue("q")
+        assert client.tick("q") > 0
