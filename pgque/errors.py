@@ -21,6 +21,7 @@ __all__ = [
     "ConsumerNotFound",
     "CronUnavailable",
     "DeadLetterNotFound",
+    "DependentObjects",
     "EventNotInBatch",
     "InvalidArgument",
     "InvalidConfig",
@@ -148,6 +149,14 @@ class SchemaNotOwned(PgqueError):
     sqlstate = "PQ013"
 
 
+class DependentObjects(PgqueError):
+    """The install refused: objects outside schema pgque depend on its views or
+    functions, which every install drops and recreates (PQ017). Drop them, install,
+    and create them again."""
+
+    sqlstate = "PQ017"
+
+
 class AccessDenied(PgqueError):
     """Base of the refusals of pgque's own access rules (consumer ownership, queue grants).
 
@@ -237,7 +246,7 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
     for cls in (
         QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
         QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
-        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, ConsumerAccessDenied,
+        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, DependentObjects, ConsumerAccessDenied,
         QueueAccessDenied, InvalidGrant, SlotSubscriptionError, SlotCountMismatch,
         InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, CronUnavailable,
         InvalidArgument,

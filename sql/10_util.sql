@@ -12,6 +12,7 @@
 --   PQ014 the caller may not use the consumer
 --   PQ015 the caller may not send to or consume from the queue
 --   PQ016 invalid privilege or unknown role in a grant
+--   PQ017 install refused: objects outside schema pgque depend on its code
 -- The partition layer adds PQ02x (see its file).
 
 -- pgque.version(): the version of the installed engine.

@@ -325,3 +325,21 @@ def test_psql_runs_the_install_script(empty_dsn: str, tmp_path: Path) -> None:
         assert scalar(client.conn, "select pgque.version()") == pgque.__version__
         client.create_queue("q")
         assert client.tick("q") > 0
+
+
+def test_install_names_objects_of_others_built_on_its_code(empty_dsn: str) -> None:
+    """Every install drops and recreates pgque's views and functions: a view of
+    yours over one of them would go too, so the install refuses and names it, and
+    changes nothing."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.create_queue("q")
+        client.conn.execute("create view public.lagging as select * from pgque.consumer_info")
+        before = catalog(client.conn)
+        with pytest.raises(pgque.DependentObjects, match=r"public\.lagging"):
+            client.install()
+        assert catalog(client.conn) == before
+        assert client.conn.execute("select count(*) from public.lagging").fetchone() == (0,)
+        client.conn.execute("drop view public.lagging")
+        client.install()
+        assert client.send("q", "e", 1) > 0
