@@ -5,6 +5,7 @@ consumer reads the whole log through its own cursor, in batches cut by
 ticks. See the README and docs/ for the guarantees.
 """
 
+from pgque._version import __version__
 from pgque.client import Client, connect, open_connection
 from pgque.errors import (
     AccessDenied,
@@ -22,6 +23,7 @@ from pgque.errors import (
     InvalidName,
     InvalidSlot,
     InvalidSlotCount,
+    NewerSchema,
     NotReadCommitted,
     PartitionKeyTooLong,
     PayloadError,
@@ -40,8 +42,6 @@ from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
 from pgque.types import Batch, DeadLetter, Event, Message, SlotOwner
 from pgque.worker import Worker
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied",
@@ -64,6 +64,7 @@ __all__ = [
     "InvalidSlot",
     "InvalidSlotCount",
     "Message",
+    "NewerSchema",
     "NotReadCommitted",
     "PartitionKeyTooLong",
     "PayloadError",

@@ -301,10 +301,16 @@ def install(state: State, print_script: bool) -> None:
     # may not create, whose grants are skipped) only in notices: pass them on.
     client.conn.add_notice_handler(_echo_notice)
     try:
+        before = pgque.schema.installed_version(client.conn)
         version = client.install()
     finally:
         client.conn.remove_notice_handler(_echo_notice)
-    click.echo(f"pgque {version} installed")
+    if before is None:
+        click.echo(f"pgque {version} installed")
+    elif before == version:
+        click.echo(f"pgque {version} was installed already: nothing changed")
+    else:
+        click.echo(f"pgque upgraded from {before} to {version}")
 
 
 # What CREATE ... IF NOT EXISTS says each time the idempotent script runs again:

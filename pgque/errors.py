@@ -29,6 +29,7 @@ __all__ = [
     "InvalidName",
     "InvalidSlot",
     "InvalidSlotCount",
+    "NewerSchema",
     "NotReadCommitted",
     "PartitionKeyTooLong",
     "PayloadError",
@@ -157,6 +158,15 @@ class DependentObjects(PgqueError):
     sqlstate = "PQ017"
 
 
+class NewerSchema(PgqueError):
+    """The install refused: a newer pgque has migrated this database (PQ018).
+
+    Migrations go forward only; install with that version or a later one.
+    """
+
+    sqlstate = "PQ018"
+
+
 class AccessDenied(PgqueError):
     """Base of the refusals of pgque's own access rules (consumer ownership, queue grants).
 
@@ -246,7 +256,8 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
     for cls in (
         QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
         QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
-        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, DependentObjects, ConsumerAccessDenied,
+        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, DependentObjects, NewerSchema,
+        ConsumerAccessDenied,
         QueueAccessDenied, InvalidGrant, SlotSubscriptionError, SlotCountMismatch,
         InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, CronUnavailable,
         InvalidArgument,

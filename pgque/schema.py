@@ -1,19 +1,43 @@
-"""The engine's install script: assembled from ``sql/*.sql`` and run in one transaction.
+"""The engine's install script, and installing, upgrading and uninstalling it.
 
-The SQL files are the source of truth. In a wheel they are shipped as
-``pgque/sql``; in a source checkout they are read from the repository's ``sql/``
-folder. Installing is idempotent: running it again changes nothing.
+The SQL lives in this package, in three parts run in this order, in one
+transaction:
+
+``sql/guard.sql``
+    Who may install (the schema's owner), one installer at a time, the roles,
+    and the table of applied migrations.
+``sql/migrations/NNNN_name.sql``
+    The tables and their data, changed forward only: each migration runs once
+    per database, in number order, and is recorded in ``pgque.migration``.
+``sql/code/*.sql``
+    Everything stateless (functions, procedures, views, grants), dropped and
+    created again on every run, so an upgraded database has exactly a fresh
+    install's code.
+
+So one script installs into an empty database, upgrades an older install in
+place, and changes nothing when run again; it refuses (PQ018) a database that
+a newer pgque has migrated.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
-__all__ = ["install", "install_script", "uninstall"]
+from pgque._version import __version__
+
+if sys.version_info >= (3, 11):
+    from importlib.resources.abc import Traversable
+else:
+    from importlib.abc import Traversable
+
+__all__ = ["Migration", "install", "install_script", "installed_version", "migrations",
+           "uninstall"]
 
 # The first statement of the install transaction, also at the top of the script:
 # every name the install resolves comes from pg_catalog, never from a schema
@@ -22,41 +46,124 @@ __all__ = ["install", "install_script", "uninstall"]
 PIN_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
 
 # Concurrent installers serialize on the row of pgque.install_lock, which the
-# script takes before it writes any catalog row (see sql/00_schema.sql). Into
-# an empty database (or one whose install predates that table) they may still
-# race on CREATE SCHEMA or CREATE TABLE: the losers fail with a unique
-# violation once the winner commits. An install that waited behind an
-# uninstall finds the table it waited for, or the schema, gone. Either way the
-# failing statement rolled the transaction back, and it runs again: it then
-# finds the schema (or its absence) as it now is. A few attempts are plenty.
+# guard takes before it writes any catalog row. Into an empty database (or one
+# whose install predates that table) they may still race on CREATE SCHEMA or
+# CREATE TABLE: the losers fail with a unique violation once the winner
+# commits. An install that waited behind an uninstall finds the table it waited
+# for, or the schema, gone. Either way the failing statement rolled the
+# transaction back, and it runs again: it then finds the schema (or its
+# absence) as it now is. A few attempts are plenty.
 _INSTALL_ATTEMPTS = 5
 _RETRIED = (psycopg.errors.UniqueViolation, psycopg.errors.UndefinedTable,
             psycopg.errors.InvalidSchemaName)
 
+_MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
-def _sql_files() -> list[tuple[str, str]]:
-    packaged = resources.files("pgque").joinpath("sql")
-    if packaged.is_dir():
-        entries = [(p.name, p.read_text("utf-8")) for p in packaged.iterdir()]
-    else:
-        source = Path(__file__).resolve().parent.parent / "sql"
-        entries = [(p.name, p.read_text("utf-8")) for p in source.iterdir()]
-    return sorted((name, text) for name, text in entries if name.endswith(".sql"))
+
+@dataclass(frozen=True)
+class Migration:
+    """One migration file: its number, name and SQL."""
+
+    number: int
+    name: str
+    sql: str
+
+
+def _sql_dir() -> Traversable:
+    return resources.files("pgque").joinpath("sql")
+
+
+def migrations() -> list[Migration]:
+    """The package's migrations, in the order they apply."""
+    found = []
+    for entry in _sql_dir().joinpath("migrations").iterdir():
+        match = _MIGRATION_FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
+        elif entry.name.endswith(".sql"):
+            raise RuntimeError(f"migration file {entry.name} is not named NNNN_name.sql")
+    found.sort(key=lambda m: m.number)
+    if [m.number for m in found] != list(range(1, len(found) + 1)):
+        raise RuntimeError("migrations must be numbered 1, 2, 3, ... without gaps")
+    return found
+
+
+def _code_files() -> list[tuple[str, str]]:
+    entries = _sql_dir().joinpath("code").iterdir()
+    return sorted((e.name, e.read_text("utf-8")) for e in entries if e.name.endswith(".sql"))
+
+
+def _newer_check(latest: int) -> str:
+    return f"""-- ===== refuse a database migrated by a newer pgque =====
+do $pgque_newer$
+declare
+    v_mine integer;
+    v_by text;
+begin
+    select m.mig_number, m.mig_package into v_mine, v_by
+      from pgque.migration m order by m.mig_number desc limit 1;
+    if v_mine > {latest} then
+        raise exception using
+            errcode = 'PQ018',
+            message = pg_catalog.format(
+                'this database has pgque migration %s (from pgque %s); pgque {__version__} '
+                'knows migrations up to {latest} only', v_mine, v_by),
+            hint = 'Install with the newer pgque (or later); never downgrade.';
+    end if;
+end
+$pgque_newer$;
+"""
+
+
+def _wrapped(migration: Migration) -> str:
+    """A migration as one step of the script: run and recorded unless recorded."""
+    tag = f"$pgque_migration_{migration.number:04d}$"
+    if tag in migration.sql:
+        raise RuntimeError(f"migration {migration.number} contains {tag}")
+    return f"""-- ===== migration {migration.number:04d}_{migration.name} =====
+do $pgque_migrate$
+begin
+    if not exists (select 1 from pgque.migration where mig_number = {migration.number}) then
+        execute {tag}
+{migration.sql}
+{tag};
+        insert into pgque.migration (mig_number, mig_name, mig_package)
+        values ({migration.number}, '{migration.name}', '{__version__}');
+    end if;
+end
+$pgque_migrate$;
+"""
 
 
 def install_script() -> str:
-    """Return the whole install script: every ``sql/*.sql`` file in name order.
+    """Return the whole install (and upgrade) script.
 
     Run it in one transaction (``psql -1 -f``): its first statement pins
     ``search_path`` for that transaction only.
     """
-    parts = [f"-- ===== {name} =====\n{text}" for name, text in _sql_files()]
-    return "\n".join([f"{PIN_SEARCH_PATH};\n", *parts])
+    steps = migrations()
+    parts = [f"{PIN_SEARCH_PATH};\n",
+             f"-- ===== guard.sql =====\n{_sql_dir().joinpath('guard.sql').read_text('utf-8')}",
+             _newer_check(steps[-1].number),
+             *(_wrapped(m) for m in steps),
+             *(f"-- ===== code/{name} =====\n{text.replace('@PGQUE_VERSION@', __version__)}"
+               for name, text in _code_files())]
+    return "\n".join(parts)
 
 
-def install(conn: psycopg.Connection[Any]) -> None:
-    """Install or upgrade the pgque engine in the connected database, in one transaction.
+def installed_version(conn: psycopg.Connection[Any]) -> str | None:
+    """The version of pgque installed in the connected database, or None."""
+    found = conn.execute("select pg_catalog.to_regprocedure('pgque.version()') is not null")
+    if found.fetchone() != (True,):
+        return None
+    row = conn.execute("select pgque.version()").fetchone()
+    return None if row is None else str(row[0])
 
+
+def install(conn: psycopg.Connection[Any]) -> str | None:
+    """Install pgque in the connected database, or upgrade it, in one transaction.
+
+    Returns the version that was installed before (None for a fresh install).
     Works for a non-superuser that owns the database (roles it may not create
     are skipped with a notice). Safe to run concurrently and repeatedly.
     """
@@ -65,11 +172,13 @@ def install(conn: psycopg.Connection[Any]) -> None:
         try:
             with conn.transaction(), conn.cursor() as cur:
                 cur.execute(PIN_SEARCH_PATH)
+                before = installed_version(conn)
                 cur.execute(script)
-            return
+            return before
         except _RETRIED:
             if attempt == _INSTALL_ATTEMPTS:
                 raise
+    return None  # not reached
 
 
 def uninstall(conn: psycopg.Connection[Any]) -> None:

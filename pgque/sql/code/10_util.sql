@@ -13,14 +13,16 @@
 --   PQ015 the caller may not send to or consume from the queue
 --   PQ016 invalid privilege or unknown role in a grant
 --   PQ017 install refused: objects outside schema pgque depend on its code
+--   PQ018 install refused: a newer pgque has migrated this database
 -- The partition layer adds PQ02x (see its file).
 
--- pgque.version(): the version of the installed engine.
+-- pgque.version(): the version of the installed engine (the install script
+-- puts the package's version, pgque.__version__, in its place).
 create or replace function pgque.version()
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select '0.1.0'::text $$;
+as $$ select '@PGQUE_VERSION@'::text $$;
 
 -- pgque._name_for_message(text): a caller-supplied name (or other text) as
 -- error messages show it: cut to 100 characters, with "..." when it was

@@ -10,8 +10,6 @@
 -- the key held or awaited by no such session, only by others, renews it.
 -- (The standbys' tick_overdue keeps delivery going meanwhile in any case.)
 
-insert into pgque.ticker_election (te_key) values (pgque._random_key()) on conflict do nothing;
-
 
 -- pgque._ticker_key(): the current election key.
 create or replace function pgque._ticker_key()

@@ -193,6 +193,9 @@ begin
         v_child := pgque._event_table(v_queue.queue_id, n);
         execute format('create table pgque.%I () inherits (pgque.%I)', v_child, v_parent);
         execute format('create index %I on pgque.%I (ev_txid)', v_child || '_txid_idx', v_child);
+        -- An explicit ACL, as the install's revoke gives every table: the same
+        -- rights as the default, and the same catalog whichever made the queue.
+        execute format('revoke all on pgque.%I from public', v_child);
     end loop;
     execute format('revoke all on pgque.%I, pgque.%I from public', v_parent, v_seq);
 

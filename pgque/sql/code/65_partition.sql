@@ -24,30 +24,6 @@
 -- subscription used through the plain API, PQ022 invalid slot count, PQ023
 -- invalid slot number, PQ024 the session does not own the slot.
 
--- One row per consumer group: its persisted slot count, the role that owns
--- it (null for groups made before 0.2: every reader may use them), the roles
--- granted access to it, and the key of its membership lock.
-create table if not exists pgque.consumer_group (
-    cg_id       integer generated always as identity primary key,
-    cg_queue    integer not null references pgque.queue on delete cascade,
-    cg_consumer text not null,
-    cg_slots    integer not null,
-    cg_created  timestamptz not null default now(),
-    cg_owner    oid,
-    cg_grantees oid[],
-    cg_lock_key bigint,
-    unique (cg_queue, cg_consumer)
-);
-alter table pgque.consumer_group add column if not exists cg_owner oid;
-alter table pgque.consumer_group add column if not exists cg_grantees oid[];
-alter table pgque.consumer_group add column if not exists cg_lock_key bigint;
-
--- Groups and slots made before 0.2 used fixed lock keys: give them random ones.
-update pgque.consumer_group set cg_lock_key = pgque._random_key() where cg_lock_key is null;
-update pgque.subscription set sub_lock_key = pgque._random_key()
- where sub_lock_key is null and position('#' in sub_consumer) > 0;
-
-
 -- pgque.max_slots(): the largest slot count a group may have.
 create or replace function pgque.max_slots()
 returns integer
