@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -11,6 +13,7 @@ import pytest
 from helpers import drain
 
 import pgque
+import pgque.errors
 from pgque.client import redact
 from pgque.codec import decode_payload
 
@@ -245,3 +248,24 @@ def test_redact_hides_passwords(text: str, expected: str) -> None:
 def test_redact_hides_the_dsns_password_wherever_it_is_quoted() -> None:
     assert redact('missing "=" after "pw-x" in connection info string',
                   "host=h password=pw-x") == 'missing "=" after "***" in connection info string'
+
+
+def test_the_error_catalogue_is_one_source() -> None:
+    """pgque/errors.py is the catalogue: every code the SQL (or the install) raises
+    has its class, every class's code is raised, and the docs' table is the
+    catalogue, class for class."""
+    root = Path(pgque.__file__).resolve().parent
+    sources = [p.read_text("utf-8") for p in (root / "sql").rglob("*.sql")]
+    sources.append((root / "schema.py").read_text("utf-8"))
+    raised = {code for text in sources
+              for code in re.findall(r"errcode\s*=\s*'(PQ\d{3})'", text)}
+    classes = [getattr(pgque.errors, name) for name in pgque.errors.__all__]
+    errors = [cls for cls in classes if isinstance(cls, type) and issubclass(cls, Exception)]
+    coded = {cls.sqlstate: cls for cls in errors if cls.sqlstate}
+    assert raised == {code for code in coded if code.startswith("PQ")}
+    assert all(code in pgque.errors._BY_SQLSTATE for code in coded)  # mapped by code
+    api = (root.parent / "docs" / "api.md").read_text("utf-8")
+    section = api[api.index("### Errors"):api.index("## SQL")]
+    documented = {(name, code.strip().replace("(none)", ""))
+                  for name, code in re.findall(r"^\| `(\w+)` \|([^|]*)\|", section, re.M)}
+    assert documented == {(cls.__name__, cls.sqlstate or "") for cls in errors}

@@ -1,20 +1,9 @@
 -- pgque: small internal helpers shared by the rest of the engine.
 --
 -- Errors carry SQLSTATEs of class PQ so that clients map them by code, never
--- by message text:
---   PQ001 queue not found           PQ002 consumer not found
---   PQ003 batch not active          PQ004 invalid name
---   PQ005 payload is not JSON       PQ006 queue already exists
---   PQ007 invalid configuration     PQ008 tick outside READ COMMITTED
---   PQ009 dead letter not found     PQ010 event not in the batch
---   PQ011 queue still has consumers PQ012 partition key too long
---   PQ013 install refused: schema pgque or an object in it belongs to another role
---   PQ014 the caller may not use the consumer
---   PQ015 the caller may not send to or consume from the queue
---   PQ016 invalid privilege or unknown role in a grant
---   PQ017 install refused: objects outside schema pgque depend on its code
---   PQ018 install refused: a newer pgque has migrated this database
--- The partition layer adds PQ02x (see its file).
+-- by message text. pgque/errors.py is their catalogue (a class per code,
+-- saying when it is raised); the suite checks that every code raised here
+-- has its class there.
 
 -- pgque.version(): the version of the installed engine (the install script
 -- puts the package's version, pgque.__version__, in its place).

@@ -23,8 +23,7 @@
 -- caller that reaches pgque through a SECURITY DEFINER function of its own is
 -- therefore judged as the session's role, not as that function's owner.
 --
--- Errors: PQ014 the caller may not use the consumer; PQ015 the caller may not
--- send to or consume from the queue; PQ016 invalid privilege or role.
+-- Errors (see pgque/errors.py): PQ014, PQ015, PQ016.
 
 -- pgque._caller(): the name of the role the session acts as.
 create or replace function pgque._caller()

@@ -20,9 +20,7 @@
 -- that finds a slot's key held or awaited only by sessions that do not count
 -- renews the key (a new random value) and takes the new one.
 --
--- Errors: PQ020 slot count differs from the persisted one, PQ021 slot
--- subscription used through the plain API, PQ022 invalid slot count, PQ023
--- invalid slot number, PQ024 the session does not own the slot.
+-- Errors (see pgque/errors.py): PQ020 to PQ024.
 
 -- pgque.max_slots(): the largest slot count a group may have.
 create or replace function pgque.max_slots()
