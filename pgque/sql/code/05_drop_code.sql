@@ -1,7 +1,7 @@
 -- pgque: drop the stateless part before recreating it.
 --
--- Tables hold the state; everything else (functions, procedures, views) is
--- code, dropped here and created again by the files that follow, on every
+-- Tables hold the state; everything else (functions, procedures, views,
+-- composite types) is code, dropped here and created again by the files that follow, on every
 -- install and upgrade. So an upgraded install has exactly a fresh install's
 -- code: a routine whose signature changed or that is gone leaves nothing
 -- behind. EXECUTE grants go with the routines and 99_grants.sql makes them
@@ -31,7 +31,7 @@ begin
                                     where c.relnamespace = v_schema and c.relkind = 'v'))
             or (d.refclassid = 'pg_catalog.pg_type'::pg_catalog.regclass
                 and d.refobjid in (select c.reltype from pg_catalog.pg_class c
-                                    where c.relnamespace = v_schema and c.relkind = 'v')))
+                                    where c.relnamespace = v_schema and c.relkind in ('v', 'c'))))
        -- The schema of the dependent object; a view's rule, a default, a
        -- trigger have none of their own: their table's.
        and case d.classid
@@ -70,6 +70,11 @@ begin
         if pg_catalog.to_regprocedure(v_object) is not null then
             execute pg_catalog.format('drop routine %s cascade', v_object);
         end if;
+    end loop;
+    for v_object in
+        select c.reltype::pg_catalog.regtype::text from pg_catalog.pg_class c
+         where c.relnamespace = v_schema and c.relkind = 'c' loop
+        execute pg_catalog.format('drop type %s cascade', v_object);
     end loop;
     perform pg_catalog.set_config('client_min_messages', v_messages, true);
 end

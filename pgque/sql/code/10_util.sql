@@ -96,32 +96,32 @@ as $$
             p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end)
 $$;
 
--- pgque._find_subscription(queue, consumer, lock): the queue row, the subscription
--- row and its current cursor; PQ001 or PQ002 when the queue or subscription
--- is missing. With lock, the subscription row is taken FOR UPDATE first: this
--- is the receive lock that serializes a consumer, and the cursor is read
--- after it is granted (a new statement, so a fresh snapshot).
+-- pgque._find_subscription(queue, consumer, lock): the subscription row of
+-- consumer on queue (a row the caller looked up once) and its current cursor;
+-- PQ002 when there is no such subscription. With lock, the subscription row is
+-- taken FOR UPDATE first: this is the receive lock that serializes a consumer,
+-- and the cursor is read after it is granted (a new statement, so a fresh
+-- snapshot).
 create or replace function pgque._find_subscription(
-    p_queue text, p_consumer text, p_lock boolean,
-    out queue pgque.queue, out sub pgque.subscription, out cur pgque.cursor)
+    p_queue pgque.queue, p_consumer text, p_lock boolean,
+    out sub pgque.subscription, out cur pgque.cursor)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    queue := pgque._queue_row(p_queue);
     if p_lock then
         select * into sub from pgque.subscription s
-         where s.sub_queue = queue.queue_id and s.sub_consumer = p_consumer
+         where s.sub_queue = p_queue.queue_id and s.sub_consumer = p_consumer
            for update;
     else
         select * into sub from pgque.subscription s
-         where s.sub_queue = queue.queue_id and s.sub_consumer = p_consumer;
+         where s.sub_queue = p_queue.queue_id and s.sub_consumer = p_consumer;
     end if;
     if not found then
         raise exception using
             errcode = 'PQ002',
             message = format('consumer %L is not subscribed to queue %L',
-                             pgque._name_for_message(p_consumer), pgque._name_for_message(p_queue));
+                             pgque._name_for_message(p_consumer), p_queue.queue_name);
     end if;
     cur := pgque._current_cursor(sub.sub_id);
 end

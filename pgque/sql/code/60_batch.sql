@@ -6,6 +6,23 @@
 -- finished by ack() only when every event in it was handed out.
 
 
+-- pgque.batch_event: one event of a batch as receive and receive_partitioned
+-- return it: the batch it belongs to, then the event. ev_extra1 is its
+-- partition key; ev_extra2..4 are carried from PgQ's event shape and no pgque
+-- function sets them.
+create type pgque.batch_event as (
+    batch_id  bigint,
+    ev_id     bigint,
+    ev_time   timestamptz,
+    ev_retry  integer,
+    ev_type   text,
+    ev_data   text,
+    ev_extra1 text,
+    ev_extra2 text,
+    ev_extra3 text,
+    ev_extra4 text
+);
+
 -- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
 --                     slot, slots):
 -- the events of a batch, in ev_id order: those of transactions visible in
@@ -112,9 +129,7 @@ $$;
 create or replace function pgque._receive(
     p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_max_events integer,
     p_slot integer default null, p_slots integer default null)
-returns table (batch_id bigint, ev_id bigint, ev_time timestamptz, ev_retry integer,
-               ev_type text, ev_data text, ev_extra1 text, ev_extra2 text,
-               ev_extra3 text, ev_extra4 text)
+returns setof pgque.batch_event
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -130,7 +145,7 @@ declare
     v_ask integer := case when p_max_events is not null
                           then least(p_max_events::bigint + 1, 2147483647) end;
 begin
-    perform pgque._check_max_events(p_max_events);
+    -- max_events was checked by the caller (receive, receive_partitioned).
     if p_cur.cur_batch is null then
         loop
             p_cur.cur_next_tick := pgque._next_tick(p_queue, p_cur);
@@ -341,15 +356,15 @@ as $$
 declare
     v record;
 begin
-    select * into v from pgque._find_subscription(p_queue, p_consumer, p_lock);
+    queue := pgque._queue_row(p_queue);
+    select * into v from pgque._find_subscription(queue, p_consumer, p_lock);
     if position('#' in (v.sub).sub_consumer) > 0 then
         raise exception using errcode = 'PQ021',
             message = format('%L is a slot subscription; use receive_partitioned and its ack',
                              (v.sub).sub_consumer);
     end if;
-    perform pgque._require_consumer(v.queue, (v.sub).sub_owner, (v.sub).sub_grantees,
+    perform pgque._require_consumer(queue, (v.sub).sub_owner, (v.sub).sub_grantees,
                                     p_consumer);
-    queue := v.queue;
     sub := v.sub;
     cur := v.cur;
 end
@@ -362,9 +377,7 @@ $$;
 -- then returns the same open batch. An open batch with no events left yields
 -- one row with a null ev_id; no rows means no batch is ready.
 create or replace function pgque.receive(p_queue text, p_consumer text, p_max_events integer default null)
-returns table (batch_id bigint, ev_id bigint, ev_time timestamptz, ev_retry integer,
-               ev_type text, ev_data text, ev_extra1 text, ev_extra2 text,
-               ev_extra3 text, ev_extra4 text)
+returns setof pgque.batch_event
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
@@ -377,7 +390,8 @@ begin
     if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
         return;  -- idle: no lock taken, nothing written
     end if;
-    select * into v from pgque._find_subscription(p_queue, p_consumer, true);
+    select v.queue, f.sub, f.cur into v
+      from pgque._find_subscription(v.queue, p_consumer, true) f;
     return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events);
 end
 $$;

@@ -191,8 +191,9 @@ end
 $$;
 
 -- pgque._slot_sub(queue, consumer, slot, slots, lock): the slot's queue,
--- group and subscription rows and cursor, after validating slot and slots,
--- the persisted count and the caller's access to the group.
+-- group and subscription rows and cursor, each looked up once, after
+-- validating slot and slots (null: the group's), the persisted count and the
+-- caller's access to the group.
 create or replace function pgque._slot_sub(
     p_queue text, p_consumer text, p_slot integer, p_slots integer, p_lock boolean,
     out queue pgque.queue, out grp pgque.consumer_group, out sub pgque.subscription,
@@ -203,12 +204,19 @@ as $$
 declare
     v record;
 begin
-    perform pgque._check_slot(p_slot, p_slots);
+    if p_slots is not null then
+        perform pgque._check_slot(p_slot, p_slots);
+    end if;
     queue := pgque._queue_row(p_queue);
     grp := pgque._group(queue, p_consumer, p_slots);
+    if p_slots is null then
+        -- The slot functions that take only a slot number: the group's count.
+        perform pgque._check_slot(p_slot, grp.cg_slots);
+    end if;
     select * into v
-      from pgque._find_subscription(p_queue, pgque._slot_name(p_consumer, p_slot, p_slots), p_lock);
-    queue := v.queue;
+      from pgque._find_subscription(
+               queue, pgque._slot_name(p_consumer, p_slot, coalesce(p_slots, grp.cg_slots)),
+               p_lock);
     sub := v.sub;
     cur := v.cur;
 end
@@ -225,11 +233,9 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue_row(p_queue);
-    v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v record;
 begin
-    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, v_group.cg_slots, false);
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
     return (v.sub).sub_lock_key;
 end
 $$;
@@ -312,13 +318,15 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue_row(p_queue);
-    v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v record;
+    v_queue pgque.queue;
+    v_group pgque.consumer_group;
     v_key bigint;
     v_now bigint;
 begin
-    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, v_group.cg_slots, false);
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
+    v_queue := v.queue;
+    v_group := v.grp;
     perform pgque._require_counting_session(v_queue, v_group);
     v_key := (v.sub).sub_lock_key;
     if pgque._holds_key(v_key, 'ExclusiveLock') then
@@ -354,11 +362,9 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue_row(p_queue);
-    v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v record;
 begin
-    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, v_group.cg_slots, false);
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
     return pgque._unlock_key((v.sub).sub_lock_key, false);
 end
 $$;
@@ -370,9 +376,7 @@ $$;
 create or replace function pgque.receive_partitioned(
     p_queue text, p_consumer text, p_slot integer, p_slots integer,
     p_max_events integer default null)
-returns table (batch_id bigint, ev_id bigint, ev_time timestamptz, ev_retry integer,
-               ev_type text, ev_data text, ev_extra1 text, ev_extra2 text,
-               ev_extra3 text, ev_extra4 text)
+returns setof pgque.batch_event
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
@@ -388,7 +392,8 @@ begin
     if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
         return;  -- idle: no lock taken, nothing written
     end if;
-    select * into v from pgque._find_subscription(p_queue, (v.sub).sub_consumer, true);
+    select v.queue, v.grp, f.sub, f.cur into v
+      from pgque._find_subscription(v.queue, (v.sub).sub_consumer, true) f;
     perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
     return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
                                               p_slots);
