@@ -23,6 +23,7 @@ from typing import Any, TypeVar, overload
 
 import msgspec
 import psycopg
+from psycopg.rows import namedtuple_row, tuple_row
 from psycopg_pool import ConnectionPool
 
 from pgque import schema
@@ -172,8 +173,12 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _rows(self, sql: str, params: Sequence[Any] = (), conn: Conn | None = None) -> list[Any]:
-        with translated(), (conn or self.conn).cursor() as cur:
+    def _rows(self, sql: str, params: Sequence[Any] = (), conn: Conn | None = None, *,
+              by_name: bool = False) -> list[Any]:
+        """The rows of one statement: tuples, or with by_name named tuples whose
+        fields are the result's column names (records read by name, not position)."""
+        row_factory: Any = namedtuple_row if by_name else tuple_row
+        with translated(), (conn or self.conn).cursor(row_factory=row_factory) as cur:
             try:
                 cur.execute(sql.encode(), params)
             except (psycopg.errors.InvalidSqlStatementName,
@@ -418,7 +423,7 @@ class Client:
         A batch may have no messages (a tick with no events); ack it all the same.
         """
         rows = self._rows("select * from pgque.receive(%s, %s, %s)",
-                          (queue, consumer, max_events))
+                          (queue, consumer, max_events), by_name=True)
         return _batch(queue, consumer, rows, payload_type)
 
     def ack(self, batch: Batch[Any], *,
@@ -572,7 +577,7 @@ class Client:
         partition key routes to it. The session must own the slot (SlotNotOwned)."""
         check, params = self._checked(queue)
         rows = self._rows(f"select * from pgque.receive_partitioned({check}, %s, %s, %s, %s)",
-                          (*params, consumer, slot, slots, max_events))
+                          (*params, consumer, slot, slots, max_events), by_name=True)
         return _batch(queue, consumer, rows, payload_type, slot, slots)
 
     def partition_slot_status(self, queue: str | None = None) -> list[dict[str, Any]]:
@@ -588,10 +593,11 @@ class Client:
                      after_id: int = 0) -> list[DeadLetter]:
         """Dead letters of a queue (of one consumer), oldest first."""
         rows = self._rows("select * from pgque.dead_letters(%s, %s, %s, %s)",
-                          (queue, consumer, limit, after_id))
-        return [DeadLetter(id=r[0], consumer=r[1], failed_at=r[2], reason=r[3], event_id=r[4],
-                           created_at=r[5], retry_count=r[6], type=r[7], data=r[8],
-                           partition_key=r[9]) for r in rows]
+                          (queue, consumer, limit, after_id), by_name=True)
+        return [DeadLetter(id=r.dl_id, consumer=r.consumer, failed_at=r.dl_time, reason=r.reason,
+                           event_id=r.ev_id, created_at=r.ev_time, retry_count=r.ev_retry,
+                           type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1)
+                for r in rows]
 
     def replay_dead_letter(self, queue: str, dead_letter_id: int) -> int:
         """Put a dead letter back into the log for its consumer; returns the event id."""
@@ -636,14 +642,15 @@ def _message_ids(messages: Message[Any] | int | Iterable[Message[Any] | int]) ->
 
 def _batch(queue: str, consumer: str, rows: list[Any], payload_type: type[T] | None,
            slot: int | None = None, slots: int | None = None) -> Batch[Any] | None:
-    """Build a Batch from receive rows (batch_id, ev_id, ev_time, ev_retry,
-    ev_type, ev_data, ev_extra1..4); None when there are no rows."""
+    """Build a Batch from pgque.batch_event rows, read by name; None when there
+    are no rows."""
     if not rows:
         return None
     messages = [
-        Message(id=r[1], type=r[4], data=r[5], partition_key=r[6], retry_count=r[3],
-                created_at=r[2], extra=(r[7], r[8], r[9]), payload_type=payload_type)
-        for r in rows if r[1] is not None
+        Message(id=r.ev_id, type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1,
+                retry_count=r.ev_retry, created_at=r.ev_time,
+                extra=(r.ev_extra2, r.ev_extra3, r.ev_extra4), payload_type=payload_type)
+        for r in rows if r.ev_id is not None
     ]
-    return Batch(queue=queue, consumer=consumer, batch_id=rows[0][0], messages=messages,
+    return Batch(queue=queue, consumer=consumer, batch_id=rows[0].batch_id, messages=messages,
                  slot=slot, slots=slots)
