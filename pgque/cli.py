@@ -4,6 +4,10 @@ Every command that talks to a database takes ``--dsn`` (default: the
 ``PGQUE_DSN`` environment variable) and ``--connect-timeout``. Errors end as one
 line on stderr, ``error: ...``, with exit code 1 (2 for bad usage); ``--debug``
 or ``PGQUE_DEBUG=1`` shows the traceback instead.
+
+Here are the commands and their options; how things are shown is in
+:mod:`pgque.display`, and the long-running commands are services
+(:mod:`pgque.lifecycle`): ``tail`` (:mod:`pgque.tail`), ``worker`` and ``ticker``.
 """
 
 from __future__ import annotations
@@ -13,34 +17,25 @@ import json
 import logging
 import math
 import os
-import secrets
-import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
-import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from datetime import date, datetime, timedelta
-from decimal import Decimal
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import click
 import msgspec
 import psycopg
-from psycopg import errors as pg_errors
-from rich.console import Console, Group, RenderableType
 from rich.json import JSON
 from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 import pgque
+from pgque import display
 from pgque.client import redact
+from pgque.tail import ConsumerLeftBehind, Tail, queue_row
 
 __all__ = ["cli", "main"]
 
@@ -73,21 +68,19 @@ class State:
                                    click.get_current_context(silent=True))
         return self.dsn
 
+    def connect_kwargs(self) -> dict[str, Any]:
+        """The psycopg.connect settings of the invocation's connections."""
+        # libpq's own limit bounds each attempt at an unreachable host (it
+        # rounds values below 2 up to 2).
+        return {"connect_timeout": max(2, math.ceil(self.connect_timeout)),
+                "application_name": "pgque-cli"}
+
     def client(self) -> pgque.Client:
         """The invocation's client, connected on first use (failing fast on a bad DSN)."""
         if self._client is None:
-            self._client = pgque.connect(
-                self.require_dsn(), timeout=self.connect_timeout, pool_size=0,
-                # libpq's own limit bounds each attempt at an unreachable host
-                # (it rounds values below 2 up to 2).
-                connect_timeout=max(2, math.ceil(self.connect_timeout)),
-                application_name="pgque-cli")
+            self._client = pgque.connect(self.require_dsn(), timeout=self.connect_timeout,
+                                         pool_size=0, **self.connect_kwargs())
         return self._client
-
-    def broken(self) -> bool:
-        """Whether the connection was lost (or was never opened, or was closed)."""
-        client = self._client
-        return client is None or client.conn.closed or client.conn.broken
 
     def close(self) -> None:
         """Close the connection, if one was opened; a dead one closes quietly."""
@@ -120,142 +113,11 @@ def db_options(command: F) -> F:
     return command
 
 
-# -- output helpers -----------------------------------------------------------------
-
-
-def _console() -> Console:
-    console = Console(highlight=False, soft_wrap=True)  # an event line stays one line
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 200  # piped: don't squeeze tables into 80 columns
-    return console
-
-
-def _json_default(value: object) -> object:
-    """JSON for what the info views return: intervals as seconds, times as ISO 8601."""
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, (datetime, date)):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return int(value) if value == value.to_integral_value() else float(value)
-    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
-
-
-def _dumps(document: object, *, indent: int | None = 2) -> str:
-    separators = None if indent else (",", ":")
-    return json.dumps(document, default=_json_default, indent=indent, separators=separators)
-
-
-# How much of a payload too deeply nested to parse is shown (as a string).
-PAYLOAD_SHOWN_CHARS = 200
-
-
-def _payload(data: str | None) -> Any:
-    """A stored payload as a JSON value (the server only stores valid JSON).
-
-    JSON nested deeper than Python can parse (the server takes thousands of
-    levels) becomes a string: its start, cut, and a note saying why.
-    """
-    if data is None:
-        return None
-    try:
-        value = json.loads(data)
-        json.dumps(value)  # what parses at the limit may not write back
-    except RecursionError:
-        cut = data[:PAYLOAD_SHOWN_CHARS] + ("..." if len(data) > PAYLOAD_SHOWN_CHARS else "")
-        return f"{cut} (payload nested too deeply to show)"
-    return value
-
-
-def _escape(text: str) -> str:
-    """Text with its control characters (Unicode category Cc: ESC, BEL, CR, newline...)
-    written as escapes (\\x1b), so user data cannot drive the terminal."""
-    if text.isprintable():
-        return text
-    return "".join(
-        (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
-        if unicodedata.category(ch) == "Cc" else ch
-        for ch in text)
-
-
-def _age(value: timedelta | None) -> str:
-    """A short human duration: 0.35s, 42.0s, 3m07s, 2h05m, 4d03h."""
-    if value is None:
-        return "-"
-    seconds = value.total_seconds()
-    if seconds < 60:
-        return f"{seconds:.2f}s" if seconds < 1 else f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-def _cell(value: object) -> Text:
-    """A table cell; Text, so user data is never read as rich markup."""
-    if value is None:
-        return Text("-", style="dim")
-    if isinstance(value, timedelta):
-        return Text(_age(value))
-    if isinstance(value, datetime):
-        return Text(value.astimezone().isoformat(sep=" ", timespec="seconds"))
-    return Text(_escape(str(value)))
-
-
-def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> Table:
-    table = Table(title=title, title_justify="left", title_style="bold")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(v if isinstance(v, Text) else _cell(v) for v in row))
-    return table
-
-
-def _queues_table(queues: list[dict[str, Any]], title: str | None = None) -> Table:
-    return _table(
-        title,
-        ["queue", "consumers", "last tick", "tick age", "since tick", "tables", "rotation",
-         "max retries"],
-        ([q["queue_name"], q["consumers"], q["last_tick_id"], q["last_tick_age"],
-          q["events_since_last_tick"], f"{q['current_table']}/{q['event_tables']}",
-          q["rotation_period"], q["max_retries"]] for q in queues))
-
-
 # -- errors ---------------------------------------------------------------------------
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _not_installed(exc: psycopg.Error) -> bool:
-    """Whether an error says pgque's schema or one of its objects is missing."""
-    missing = (pg_errors.UndefinedFunction, pg_errors.UndefinedTable,
-               pg_errors.InvalidSchemaName)
-    text = exc.diag.message_primary or str(exc)
-    return isinstance(exc, missing) and ("pgque." in text or '"pgque"' in text)
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line saying what went wrong, with the server's hint when it gave one."""
-    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
-    if isinstance(cause, psycopg.Error) and _not_installed(cause):
-        return ("pgque is not installed in this database, or is older than this client "
-                "(run 'pgque install')")
-    if isinstance(exc, psycopg.Error):
-        text = exc.diag.message_primary or str(exc) or type(exc).__name__
-    else:
-        text = str(exc) or type(exc).__name__
-    hint = cause.diag.message_hint if isinstance(cause, psycopg.Error) else None
-    return _one_line(f"{text} (hint: {hint})" if hint else text)
-
-
 def _fail(message: str, code: int, dsn: str | None = None) -> None:
-    click.echo(f"error: {_one_line(redact(message, dsn))}", err=True)
+    click.echo(f"error: {display.one_line(redact(message, dsn))}", err=True)
     sys.exit(code)
 
 
@@ -324,7 +186,7 @@ def _echo_notice(diag: psycopg.errors.Diagnostic) -> None:
     if diag.sqlstate in _RERUN_NOTICES:
         return
     severity = (diag.severity_nonlocalized or diag.severity or "notice").lower()
-    click.echo(f"{severity}: {_one_line(diag.message_primary or '')}", err=True)
+    click.echo(f"{severity}: {display.one_line(diag.message_primary or '')}", err=True)
 
 
 @cli.command()
@@ -371,9 +233,9 @@ def _setting_value(text: str) -> float | str:
 
 def _show_config(config: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        click.echo(_dumps(config))
+        click.echo(display.dumps(config))
         return
-    _console().print(_table(None, ["setting", "value"], sorted(config.items())))
+    display.console().print(display.table(None, ["setting", "value"], sorted(config.items())))
 
 
 @cli.group()
@@ -424,9 +286,9 @@ def queue_list(state: State, as_json: bool) -> None:
     """List the queues."""
     queues = state.client().queue_info()
     if as_json:
-        click.echo(_dumps(queues))
+        click.echo(display.dumps(queues))
     else:
-        _console().print(_queues_table(queues))
+        display.console().print(display.queues_table(queues))
 
 
 @queue.command("config")
@@ -514,274 +376,6 @@ def send(state: State, queue_name: str, event_type: str, payload: str | None, ke
 
 # -- tail ---------------------------------------------------------------------------------
 
-# Pause before reconnecting after a lost connection; it doubles after each failed
-# attempt, up to the maximum.
-RECONNECT_DELAY = 0.1
-RECONNECT_DELAY_MAX = 5.0
-TAIL_MAX_EVENTS = 500  # events per receive
-
-
-class StopRequested(BaseException):
-    """A stop signal arrived inside :meth:`StopSignals.interruptible`.
-
-    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on
-    the way up swallows it.
-    """
-
-
-class StopSignals:
-    """SIGINT/SIGTERM ask a loop to stop at its next check instead of raising in the
-    middle of a database call; a second signal gets the previous behaviour back.
-
-    Inside :meth:`interruptible`, a stop signal raises :class:`StopRequested` at
-    once instead: for waits whose work may be abandoned (a sleep, a connect, a
-    call to a server that may never answer).
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._interruptible = False
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
-        self.restore()
-        if self._interruptible:
-            self._interruptible = False
-            raise StopRequested
-
-    def __enter__(self) -> StopSignals:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def restore(self) -> None:
-        """Put the previous handlers back."""
-        previous, self._previous = self._previous, {}
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
-
-    @contextmanager
-    def interruptible(self) -> Iterator[None]:
-        """A block that a stop ends at once, raising StopRequested (at the start,
-        too, if the stop came earlier)."""
-        if self.requested:
-            raise StopRequested
-        outer, self._interruptible = self._interruptible, True
-        try:
-            if self.requested:  # arrived between the check and the switch
-                raise StopRequested
-            yield
-        finally:
-            self._interruptible = outer
-
-    def sleep(self, seconds: float) -> None:
-        """Sleep, waking early when a stop was requested."""
-        deadline = time.monotonic() + seconds
-        while not self.requested and (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(left, 0.05))
-
-
-def _event_json(message: pgque.Message[Any]) -> str:
-    return _dumps({"id": message.id, "time": message.created_at, "type": message.type,
-                   "key": message.partition_key, "retry_count": message.retry_count,
-                   "payload": _payload(message.data)}, indent=None)
-
-
-def _event_line(message: pgque.Message[Any]) -> Text:
-    payload = _dumps(_payload(message.data), indent=None)
-    return Text.assemble(
-        (str(message.id), "bold"), " ",
-        (message.created_at.astimezone().isoformat(sep=" ", timespec="milliseconds"), "dim"),
-        " ", ("-", "dim") if message.type is None else (_escape(message.type), "cyan"), " ",
-        (f"key={_escape(message.partition_key)}" if message.partition_key is not None
-         else "key=-", "yellow"),
-        " ", payload)
-
-
-def _sql_literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _tick_privileges(client: pgque.Client) -> tuple[bool, bool]:
-    """Whether this role may call pgque.ticker(queue) and pgque.tick(queue):
-    pgque_admin may, pgque_reader may not."""
-    row = client.conn.execute(
-        "select has_function_privilege('pgque.ticker(text)', 'execute'),"
-        " has_function_privilege('pgque.tick(text)', 'execute')").fetchone()
-    assert row is not None
-    return bool(row[0]), bool(row[1])
-
-
-def _wait_for_next_tick(client: pgque.Client, queue_name: str, stop: StopSignals,
-                        poll_interval: float) -> None:
-    """--from-now for a role that may not tick: wait until someone else's ticker
-    has cut what was sent so far (at once when nothing was sent since the last tick)."""
-    first = _queue_row(client, queue_name)
-    if not first["events_since_last_tick"]:
-        return
-    click.echo(f"waiting for the next tick of {queue_name} (this role may not tick; "
-               "a ticker or a worker must run)", err=True)
-    while (not stop.requested
-           and _queue_row(client, queue_name)["last_tick_id"] == first["last_tick_id"]):
-        stop.sleep(poll_interval)
-
-
-class _Tail:
-    """The receive loop of ``pgque tail``: shows each event once, until the limit or
-    a stop, and reconnects (with backoff) whenever its connection is lost."""
-
-    def __init__(self, state: State, stop: StopSignals, queue_name: str, consumer: str, *,
-                 key: str | None, as_json: bool, limit: int | None, poll_interval: float,
-                 may_tick: bool) -> None:
-        self.state = state
-        self.stop = stop
-        self.queue_name = queue_name
-        self.consumer = consumer
-        self.key = key
-        self.as_json = as_json
-        self.limit = limit
-        self.poll_interval = poll_interval
-        self.may_tick = may_tick
-        self.shown = 0
-        self._console = _console()
-        self._batch_id: int | None = None
-        self._printed: set[int] = set()  # events of the open batch already shown
-
-    @property
-    def finished(self) -> bool:
-        return self.stop.requested or (self.limit is not None and self.shown >= self.limit)
-
-    def run(self) -> None:
-        """Receive, show and ack until finished; StopRequested ends it at once."""
-        delay = RECONNECT_DELAY
-        lost = False
-        while not self.finished:
-            try:
-                with self.stop.interruptible():
-                    client = self.state.client()
-                    if lost:
-                        click.echo("reconnected", err=True)
-                        lost, delay = False, RECONNECT_DELAY
-                    self._step(client)
-            except (psycopg.OperationalError, pgque.ConnectError) as exc:
-                if not self._connection_lost(exc):
-                    raise
-                if not lost:
-                    click.echo(f"connection lost ({describe_error(exc)}); reconnecting",
-                               err=True)
-                    lost = True
-                self.state.close()
-                with self.stop.interruptible():
-                    self.stop.sleep(delay)
-                delay = min(delay * 2, RECONNECT_DELAY_MAX)
-
-    def _connection_lost(self, exc: Exception) -> bool:
-        """Whether an error means the server is out of reach for now (so reconnect),
-        rather than a refusal that retrying cannot change."""
-        if isinstance(exc, pgque.ConnectError):
-            return exc.transient
-        return self.state.broken()
-
-    def _step(self, client: pgque.Client) -> None:
-        batch = client.receive(self.queue_name, self.consumer, max_events=TAIL_MAX_EVENTS)
-        if batch is None:
-            if not self._tick(client):
-                self.stop.sleep(self.poll_interval)
-            return
-        if batch.batch_id != self._batch_id:
-            self._batch_id, self._printed = batch.batch_id, set()
-        for message in batch:
-            if self.limit is not None and self.shown >= self.limit:
-                break
-            if message.id in self._printed:
-                continue  # shown before the connection was lost, and the batch not acked
-            self._printed.add(message.id)
-            if self.key is not None and message.partition_key != self.key:
-                continue
-            if self.as_json:
-                click.echo(_event_json(message))
-            else:
-                self._console.print(_event_line(message))
-            self.shown += 1
-        client.ack(batch)
-
-    def _tick(self, client: pgque.Client) -> bool:
-        """Tick the queue if its thresholds ask for it and this role may; whether it did."""
-        if not self.may_tick:
-            return False
-        try:
-            return bool(client.ticker(self.queue_name))
-        except pg_errors.InsufficientPrivilege:
-            self.may_tick = False
-            click.echo(_NO_TICKS_NOTE, err=True)
-            return False
-
-
-_NO_TICKS_NOTE = ("note: this role may not tick (pgque_admin may): events show up as a "
-                  "running ticker or worker ticks them")
-
-
-def _remove_subscription(state: State, stop: StopSignals, queue_name: str, consumer: str, *,
-                         raising: bool) -> None:
-    """Unsubscribe the tail's consumer: on its session, or on a new one when that one
-    is unusable (lost, or left in the middle of a call by a stop).
-
-    Waits at most --connect-timeout seconds (a signal ends the wait sooner), then
-    leaves the consumer behind and says how to remove it: as a ClickException
-    when ``raising``, else as a warning (another error is on its way out).
-    """
-    outcome: list[BaseException | None] = []
-
-    def unsubscribe() -> None:
-        try:
-            try:
-                state.client().unsubscribe(queue_name, consumer)
-            except psycopg.Error:
-                state.close()
-                state.client().unsubscribe(queue_name, consumer)
-        except pgque.QueueNotFound:
-            outcome.append(None)  # dropped with its queue
-        except BaseException as exc:
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
-    # A thread, so that a server that does not answer cannot hold the exit.
-    remover = threading.Thread(target=unsubscribe, name="pgque-tail-unsubscribe", daemon=True)
-    remover.start()
-    deadline = time.monotonic() + max(state.connect_timeout, 1.0)
-
-    def wait() -> None:
-        remover.join(0.5)
-        if remover.is_alive():
-            again = " again" if stop.requested else ""
-            click.echo(f"removing consumer {consumer} (Ctrl-C{again} to leave it)", err=True)
-            remover.join(max(deadline - time.monotonic(), 0))
-
-    reason = "the server did not answer in time"
-    try:
-        if stop.requested:  # a second signal now has its usual effect (SIGINT: this)
-            wait()
-        else:
-            with stop.interruptible():
-                wait()
-    except (StopRequested, KeyboardInterrupt):
-        reason = "interrupted"
-    if outcome:
-        if (failure := outcome[0]) is None:
-            return
-        reason = describe_error(failure)
-    message = (f"could not remove the tail's consumer {consumer} ({reason}); it holds back "
-               f"rotation of {queue_name} until removed: select pgque.unsubscribe("
-               f"{_sql_literal(queue_name)}, {_sql_literal(consumer)})")
-    if raising:
-        raise click.ClickException(message)
-    click.echo(f"warning: {_one_line(message)}", err=True)
-
 
 @cli.command()
 @click.argument("queue_name", metavar="QUEUE")
@@ -805,36 +399,24 @@ def tail(state: State, queue_name: str, key: str | None, as_json: bool, from_now
     its role may (pgque_admin); for a role that may not (pgque_reader) a ticker
     or a worker must run. A lost connection is retried until it comes back.
     """
-    client = state.client()  # fail fast: reachable, and pgque installed
-    may_tick, may_force = _tick_privileges(client)
-    consumer = f"tail-{os.getpid()}-{secrets.token_hex(3)}"
-    # Signals only set a flag or, inside interruptible(), raise StopRequested
-    # within the try that guarantees the unsubscribe.
-    with StopSignals() as stop:
-        try:
-            with stop.interruptible():
-                if from_now and may_force:
-                    client.tick(queue_name)  # the subscription starts at the newest tick
-                elif from_now:
-                    _wait_for_next_tick(client, queue_name, stop, poll_interval)
-        except StopRequested:
-            return  # nothing subscribed yet
-        follower = _Tail(state, stop, queue_name, consumer, key=key, as_json=as_json,
-                         limit=limit, poll_interval=poll_interval, may_tick=may_tick)
-        try:
-            with stop.interruptible():
-                client.subscribe(queue_name, consumer)
-            click.echo(f"tailing {queue_name} as consumer {consumer} (Ctrl-C to stop)",
-                       err=True)
-            if not may_tick:
-                click.echo(_NO_TICKS_NOTE, err=True)
-            follower.run()
-        except StopRequested:
-            pass
-        except BaseException:
-            _remove_subscription(state, stop, queue_name, consumer, raising=False)
-            raise
-        _remove_subscription(state, stop, queue_name, consumer, raising=True)
+    out = display.console()
+
+    def show(message: pgque.Message[Any]) -> None:
+        if as_json:
+            click.echo(display.event_json(message))
+        else:
+            out.print(display.event_line(message))
+
+    def say(text: str) -> None:
+        click.echo(text, err=True)
+
+    follower = Tail(state.require_dsn(), queue_name, show=show, say=say, key=key, limit=limit,
+                    from_now=from_now, poll_interval=poll_interval,
+                    connect_timeout=state.connect_timeout, connect_kwargs=state.connect_kwargs())
+    try:
+        follower.run()  # until --limit, SIGINT or SIGTERM; raises what cannot heal
+    except ConsumerLeftBehind as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 # -- worker and ticker --------------------------------------------------------------------
@@ -950,16 +532,8 @@ def ticker(state: State, min_interval: float, idle_interval: float,
 # -- status -------------------------------------------------------------------------------
 
 
-def _queue_row(client: pgque.Client, queue_name: str) -> dict[str, Any]:
-    """The queue_info row of one queue; QueueNotFound when there is none."""
-    for row in client.queue_info():
-        if row["queue_name"] == queue_name:
-            return row
-    raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
-
-
 def _status(client: pgque.Client, queue_name: str | None) -> dict[str, list[dict[str, Any]]]:
-    queues = client.queue_info() if queue_name is None else [_queue_row(client, queue_name)]
+    queues = client.queue_info() if queue_name is None else [queue_row(client, queue_name)]
     consumers = client.consumer_info(queue_name)
     slots = client.partition_slot_status(queue_name)
     # A slot's retries and dead letters are those of its slot subscription,
@@ -969,34 +543,6 @@ def _status(client: pgque.Client, queue_name: str | None) -> dict[str, list[dict
         name = f"{s['consumer_name']}#{s['slot']}/{s['slots']}"
         s.setdefault("dead_letters", letters.get((s["queue_name"], name), 0))
     return {"queues": queues, "consumers": consumers, "slots": slots}
-
-
-def _status_view(status: dict[str, list[dict[str, Any]]]) -> RenderableType:
-    # Slot subscriptions (group#k/N) are shown per slot below, not as consumers.
-    plain = [c for c in status["consumers"] if "#" not in c["consumer_name"]]
-    consumers = _table(
-        "consumers",
-        ["queue", "consumer", "lag", "ticks behind", "pending", "oldest unconsumed",
-         "open batch", "retries", "dead letters"],
-        ([c["queue_name"], c["consumer_name"], c["lag"], c["ticks_behind"],
-          c["pending_events"], c["oldest_unconsumed_age"], c["open_batch_id"],
-          c["retries_waiting"], c["dead_letters"]] for c in plain))
-    slots = _table(
-        "consumer group slots",
-        ["queue", "group", "slot", "owner pid", "pending", "oldest unconsumed", "ticks behind",
-         "retries", "dead letters", ""],
-        ([s["queue_name"], s["consumer_name"], f"{s['slot']}/{s['slots']}",
-          s["owner_pid"] if s["owner_pid"] is not None else Text("unowned", style="dim"),
-          s["pending_events"], s["oldest_unconsumed_age"], s["ticks_behind"],
-          s["retries_waiting"], s["dead_letters"],
-          Text("STALLED", style="bold red") if s["stalled"] else Text("")]
-         for s in status["slots"]))
-    parts: list[RenderableType] = [_queues_table(status["queues"], "queues")]
-    if plain:
-        parts.append(consumers)
-    if status["slots"]:
-        parts.append(slots)
-    return Group(*parts)
 
 
 @cli.command()
@@ -1014,20 +560,20 @@ def status(state: State, queue_name: str | None, as_json: bool, watch: float | N
     client = state.client()
     if watch is None:
         if as_json:
-            click.echo(_dumps(_status(client, queue_name)))
+            click.echo(display.dumps(_status(client, queue_name)))
         else:
-            _console().print(_status_view(_status(client, queue_name)))
+            display.console().print(display.status_view(_status(client, queue_name)))
         return
     try:
         if as_json:
             while True:
-                click.echo(_dumps(_status(client, queue_name), indent=None))
+                click.echo(display.dumps(_status(client, queue_name), indent=None))
                 time.sleep(watch)
-        with Live(_status_view(_status(client, queue_name)), console=_console(),
+        with Live(display.status_view(_status(client, queue_name)), console=display.console(),
                   auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(_status_view(_status(client, queue_name)), refresh=True)
+                live.update(display.status_view(_status(client, queue_name)), refresh=True)
     except KeyboardInterrupt:  # the way to leave --watch
         return
 
@@ -1037,7 +583,7 @@ def status(state: State, queue_name: str | None, as_json: bool, watch: float | N
 
 def _letter_dict(letter: pgque.DeadLetter) -> dict[str, Any]:
     document: dict[str, Any] = msgspec.structs.asdict(letter)
-    document["payload"] = _payload(document.pop("data"))
+    document["payload"] = display.payload(document.pop("data"))
     return document
 
 
@@ -1058,9 +604,9 @@ def dlq_list(state: State, queue_name: str, consumer: str | None, limit: int,
     """List the dead letters of QUEUE, oldest first."""
     letters = state.client().dead_letters(queue_name, consumer, limit=limit)
     if as_json:
-        click.echo(_dumps([_letter_dict(letter) for letter in letters]))
+        click.echo(display.dumps([_letter_dict(letter) for letter in letters]))
         return
-    _console().print(_table(
+    display.console().print(display.table(
         None, ["id", "consumer", "failed at", "event", "type", "key", "retries", "reason"],
         ([d.id, d.consumer, d.failed_at, d.event_id, d.type, d.partition_key, d.retry_count,
           d.reason] for d in letters)))
@@ -1080,12 +626,12 @@ def dlq_show(state: State, queue_name: str, letter_id: int, as_json: bool) -> No
         raise pgque.DeadLetterNotFound(f"queue {queue_name!r} has no dead letter {letter_id}")
     document = _letter_dict(found[0])
     if as_json:
-        click.echo(_dumps(document))
+        click.echo(display.dumps(document))
         return
     payload = document.pop("payload")
-    console = _console()
-    console.print(_table(None, ["field", "value"], document.items()))
-    console.print(JSON(_dumps(payload)))
+    console = display.console()
+    console.print(display.table(None, ["field", "value"], document.items()))
+    console.print(JSON(display.dumps(payload)))
 
 
 @dlq.command("replay")
@@ -1197,7 +743,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (pgque.PgqueError, psycopg.Error) as exc:
         if state.debug:
             _fail_with_traceback(exc, state.dsn)
-        _fail(describe_error(exc), 1, state.dsn)
+        _fail(display.describe_error(exc), 1, state.dsn)
     except Exception as exc:
         if state.debug:
             _fail_with_traceback(exc, state.dsn)

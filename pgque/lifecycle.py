@@ -1,5 +1,5 @@
-"""One lifecycle for pgque's long-running services: the Worker, the Ticker and
-the command line's ``tail``.
+"""One lifecycle for pgque's long-running services: the Worker, the Ticker, the
+command line's ``tail`` (:mod:`pgque.tail`) and the demo's recorder.
 
 A service connects, works until it is asked to stop, and reconnects with
 capped backoff when the database goes away. ``run()`` blocks (and turns
@@ -11,12 +11,16 @@ Two promises live here so that no service has to remember them:
 * **A stop is noticed within** :data:`STOP_LATENCY` in every wait the service
   makes on its own: backoff, reconnect, and the connection attempt itself,
   which runs in a helper thread so that a server that drops packets cannot
-  hold a stop for the length of a TCP timeout. (Work in progress, such as a
-  handler or a query already sent, is waited for: that is the caller's to bound.)
+  hold a stop for the length of a TCP timeout. Work in progress, such as a
+  handler or a query already sent, is waited for: that is the caller's to
+  bound. A service whose work may be dropped at any point (the tail: an
+  unacked batch just comes again) sets :attr:`Service.abandon_on_stop`, and
+  a call in flight on a watched connection is then cut when a stop comes.
 * **What cannot heal is not retried.** A wrong slot count, an unknown queue,
   a bad name, missing privileges, a session that a pooler swaps underneath:
   retrying changes nothing, so the service stops, keeps the exception in
-  :attr:`Service.error`, and ``run()`` raises it.
+  :attr:`Service.error`, and ``run()`` raises it. A service may draw that
+  line elsewhere (:meth:`Service.retryable`).
 
 Signal handlers only assign a flag (taking a lock in a handler could deadlock
 with the code it interrupted); every wait here is sliced so the flag is seen.
@@ -102,6 +106,10 @@ class Service:
     #: Logger of the service; subclasses set their own.
     log = logging.getLogger("pgque")
 
+    #: Whether a stop cuts the calls in flight on the connections the service
+    #: watches (see :meth:`watch`), instead of waiting for their answers.
+    abandon_on_stop = False
+
     def __init__(self, name: str, *, connect_timeout: float = 30.0,
                  max_backoff: float = 5.0) -> None:
         self.name = name
@@ -112,6 +120,7 @@ class Service:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._signalled: int | None = None
+        self._signal_count = 0
         self._thread: threading.Thread | None = None
         self._backoff = 0.1
         self._watches: set[CallWatch] = set()
@@ -160,6 +169,12 @@ class Service:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def signals(self) -> int:
+        """How many SIGTERM/SIGINT run() has caught so far. The first one stops the
+        service; a later one may cut its cleanup short (the tail's unsubscribe)."""
+        return self._signal_count
+
+    @property
     def stopping(self) -> bool:
         """Whether a stop was requested (by stop(), or by a signal)."""
         if self._signalled is not None and not self._stop.is_set():
@@ -185,7 +200,13 @@ class Service:
         """Called once when the service starts, before the first serve()."""
 
     def cleanup(self) -> None:
-        """Called once when the service ends, whatever the reason."""
+        """Called once when the service ends, whatever the reason. It may set
+        :attr:`error` for run() to raise."""
+
+    def retryable(self, exc: Exception) -> bool:
+        """Whether serve() may be tried again after raising ``exc`` (after a backoff);
+        by default every error but those :func:`is_fatal` names."""
+        return not is_fatal(exc)
 
     def sleep(self, seconds: float) -> bool:
         """Wait ``seconds`` or until a stop is requested; True when stopping."""
@@ -248,8 +269,14 @@ class Service:
         while not self._stopped.wait(STOP_LATENCY):
             with self._watches_lock:
                 watches = list(self._watches)
+            abandon = self.abandon_on_stop and self.stopping
             for watch in watches:
-                if not watch.lost and watch.overdue():
+                if watch.lost:
+                    continue
+                if abandon and watch.busy():
+                    self.log.info("%s: stopping; abandoning the call in flight", self.name)
+                    watch.abort()
+                elif watch.overdue():
                     self.log.warning("%s: a call got no answer for %.0fs; giving up on the "
                                      "connection", self.name, watch.deadline)
                     watch.abort()
@@ -265,7 +292,7 @@ class Service:
                 except Stopped:
                     break
                 except Exception as exc:
-                    if is_fatal(exc):
+                    if not self.retryable(exc):
                         self.error = exc
                         self.log.error("%s: %s; stopping (retrying cannot help)", self.name,
                                        _describe(exc))
@@ -291,7 +318,10 @@ class Service:
             return {}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            self._signalled = signum  # a plain assignment: see the module docstring
+            # Plain assignments, no lock: see the module docstring. Only this
+            # handler, always on the main thread, writes either.
+            self._signalled = signum
+            self._signal_count += 1
 
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -382,6 +412,11 @@ class CallWatch:
         finally:
             with self._lock:
                 self._started.pop(me, None)
+
+    def busy(self) -> bool:
+        """Whether a call is in flight on the connection."""
+        with self._lock:
+            return bool(self._started)
 
     def overdue(self) -> bool:
         """Whether a call has been in flight for longer than the deadline."""

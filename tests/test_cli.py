@@ -496,6 +496,32 @@ def test_tail_stops_at_once_while_the_server_does_not_answer(client: pgque.Clien
     assert proc.returncode == 1 and consumer in err, err
 
 
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_ends_the_wait_to_remove_the_consumer(client: pgque.Client, dsn: str,
+                                                              second: signal.Signals) -> None:
+    """Removing the consumer waits up to --connect-timeout for a server that does not
+    answer; a second signal ends the wait at once, and the tail says how to remove it."""
+    client.create_queue("q")
+    with Proxy(dsn) as proxy, cli_process("tail", "q", "--connect-timeout", "30",
+                                          "--dsn", proxy.dsn) as proc:
+        output = Output(proc)
+        [consumer] = wait_for(lambda: tail_consumers(client), timeout=30,
+                              what="the tail's consumer")
+        proxy.blackhole()
+        proc.send_signal(signal.SIGINT)
+        output.wait_stderr("Ctrl-C again to leave it")
+        stopped = time.monotonic()
+        proc.send_signal(second)
+        proc.wait(timeout=30)
+        elapsed = time.monotonic() - stopped
+        _, err = output.rest()
+    assert elapsed < 2.5, err
+    assert proc.returncode == 1, err
+    last = err.splitlines()[-1]
+    assert "(interrupted)" in last and f"pgque.unsubscribe('q', '{consumer}')" in last, err
+    assert tail_consumers(client) == [consumer]
+
+
 # -- worker and ticker ------------------------------------------------------------------------
 
 

@@ -1,0 +1,314 @@
+"""The demo's consumers: worker processes, each a :class:`pgque.Worker` of the group.
+
+In each process (:func:`_worker_main`, started with multiprocessing's spawn) the
+handler records every call it makes, with start and end read from the database
+clock, and fails on purpose when the event's fate says so. A
+:class:`Recorder` beside the Worker copies those records into the handling
+table. Both are :class:`~pgque.lifecycle.Service` s: SIGTERM stops the Worker,
+which finishes its batches and releases its slots, then the recorder flushes
+the rest and the process exits 0, which the demo checks.
+
+In the demo's own process, :class:`Workers` starts the processes, tells who
+owns which slot and stops them; :class:`RollingRestart` replaces one of them
+halfway through the run, while its slots have a backlog.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from rich.console import Console
+
+import pgque
+from pgque.demo.checks import DOOMED_REASON, HANDLING_COLUMNS
+from pgque.lifecycle import Service
+
+__all__ = ["GROUP", "RollingRestart", "SimulatedFailure", "WorkerConfig", "Workers"]
+
+GROUP = "indexer"  # the consumer group the workers form
+
+# How often a worker copies its records into the handling table.
+FLUSH_INTERVAL = 0.2
+
+
+# -- in a worker process -----------------------------------------------------------------------
+
+
+class SimulatedFailure(Exception):
+    """What the demo's handler raises on purpose."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker process needs (pickled to a spawned interpreter)."""
+
+    dsn: str
+    queue: str
+    table: str  # schema-qualified name of the handling table
+    slots: int
+    number: int
+    work: float  # seconds of simulated work per event
+    retry_after: float
+
+
+class Recorder(Service):
+    """Buffers handling rows and copies them into the table every FLUSH_INTERVAL, so
+    the handler's own cost is two clock reads, not an insert per event.
+
+    Should its session be lost, the rows wait while it reconnects. A process
+    killed outright would lose up to FLUSH_INTERVAL of rows (events acked but
+    not recorded); the demo only ever stops workers with SIGTERM, after which
+    :meth:`close` flushes the rest.
+    """
+
+    log = logging.getLogger("pgque.demo")
+
+    def __init__(self, dsn: str, table: str) -> None:
+        super().__init__("demo-recorder")
+        self.dsn = dsn
+        self._copy = sql.SQL("copy {} ({}) from stdin").format(
+            sql.Identifier(*table.split(".")),
+            sql.SQL(", ").join(map(sql.Identifier, HANDLING_COLUMNS)))
+        self._rows: list[tuple[Any, ...]] = []
+        self._lock = threading.Lock()
+
+    def add(self, row: tuple[Any, ...]) -> None:
+        """Queue one row for the next flush."""
+        with self._lock:
+            self._rows.append(row)
+
+    def close(self) -> None:
+        """Stop after a last flush; raises if rows are left unrecorded."""
+        self.stop()
+        if self.error is not None:
+            raise self.error
+        if self._rows:
+            raise RuntimeError(f"{len(self._rows)} handling rows could not be recorded")
+
+    def serve(self) -> None:
+        conn = self.connect(self.dsn)
+        try:
+            while not self.sleep(FLUSH_INTERVAL):
+                self._flush(conn)
+            self._flush(conn)  # what came in before the stop
+        finally:
+            conn.close()
+
+    def _flush(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            rows, self._rows = self._rows, []
+        if not rows:
+            return
+        try:
+            with conn.cursor() as cur, cur.copy(self._copy) as copy:
+                for row in rows:
+                    copy.write_row(row)
+        except BaseException:
+            with self._lock:  # back in front, for the next session to copy
+                self._rows[:0] = rows
+            raise
+
+
+class _QuietSimulatedFailures(logging.Filter):
+    """Drop the Worker's tracebacks of failures the demo causes on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], SimulatedFailure))
+
+
+def _worker_main(config: WorkerConfig) -> None:
+    """Body of a worker process: run a pgque.Worker until SIGTERM, then flush the records.
+
+    Returning normally is exit code 0, which the demo checks.
+    """
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"  [worker {config.number}, pid {os.getpid()}] %(message)s")
+    logging.getLogger("pgque.worker").addFilter(_QuietSimulatedFailures())
+    recorder = Recorder(config.dsn, config.table)
+    recorder.start()
+    local = threading.local()
+    clocks: list[psycopg.Connection[Any]] = []
+    clocks_lock = threading.Lock()
+    pid = os.getpid()
+
+    def clock() -> datetime:
+        # One connection per handler thread: reading the database clock is the
+        # only round trip a handler makes.
+        conn: psycopg.Connection[Any] | None = getattr(local, "conn", None)
+        if conn is None or conn.closed:
+            conn = psycopg.connect(config.dsn, autocommit=True)
+            local.conn = conn
+            with clocks_lock:
+                clocks.append(conn)
+        row = conn.execute("select clock_timestamp()").fetchone()
+        assert row is not None
+        value: datetime = row[0]
+        return value
+
+    def handle(message: pgque.Message[Any]) -> None:
+        started = clock()
+        payload = message.payload
+        fails = payload["fail"] == "always" or (payload["fail"] == "once"
+                                                and message.retry_count == 0)
+        if config.work:
+            time.sleep(config.work)  # stands for the indexing work
+        ended = clock()
+        recorder.add((message.id, message.partition_key, payload["producer"], payload["seq"],
+                      config.number, pid, message.retry_count, not fails, started, ended))
+        if fails:
+            what = DOOMED_REASON if payload["fail"] == "always" else "fails its first attempt"
+            raise SimulatedFailure(f"event {message.id} {what}")
+
+    worker = pgque.Worker(
+        config.dsn, queue=config.queue, consumer=GROUP, slots=config.slots, handler=handle,
+        retry_after=config.retry_after, rebalance_interval=0.25, poll_interval=0.1,
+        # Frequent maintenance brings retries back soon after retry_after.
+        ticker=pgque.Ticker(config.dsn, maintenance_interval=0.2,
+                            name=f"demo-ticker-{config.number}"),
+        name=f"demo-worker-{config.number}")
+    worker.run()  # until SIGTERM: finishes its batches and releases its slots
+    recorder.close()
+    for conn in clocks:
+        conn.close()
+
+
+# -- in the demo's process ---------------------------------------------------------------------
+
+
+class Workers:
+    """The worker processes of one run, by number (1, 2, ...): started, watched,
+    stopped with SIGTERM, with their exit codes."""
+
+    def __init__(self, dsn: str, queue: str, table: str, *, slots: int, work: float,
+                 retry_after: float, console: Console) -> None:
+        self.dsn = dsn
+        self.queue = queue
+        self.table = table
+        self.slots = slots
+        self.work = work  # seconds of simulated work per event
+        self.retry_after = retry_after
+        self.console = console
+        self.processes: dict[int, BaseProcess] = {}
+        self.exit_codes: dict[int, int | None] = {}
+        self.stopping: set[int] = set()  # workers sent SIGTERM
+
+    def spawn(self, number: int) -> None:
+        """Start worker process ``number``."""
+        context = multiprocessing.get_context("spawn")
+        config = WorkerConfig(self.dsn, self.queue, self.table, self.slots, number, self.work,
+                              self.retry_after)
+        # daemon: should the demo itself die, multiprocessing still ends its workers.
+        process = context.Process(target=_worker_main, args=(config,),
+                                  name=f"demo-worker-{number}", daemon=True)
+        process.start()
+        self.processes[number] = process
+
+    def terminate(self, number: int) -> None:
+        """SIGTERM to worker ``number``: it finishes its batches and returns."""
+        self.stopping.add(number)
+        self.processes[number].terminate()
+
+    def exited(self) -> list[int]:
+        """The workers whose process has ended."""
+        return [n for n, process in self.processes.items() if process.exitcode is not None]
+
+    def stop_all(self) -> None:
+        """SIGTERM every worker still running and collect its exit code (idempotent)."""
+        for number, process in self.processes.items():
+            if process.exitcode is None:
+                self.terminate(number)
+        for number, process in sorted(self.processes.items()):
+            process.join(30)
+            if process.exitcode is None:
+                self.console.print(f"[red]worker {number} ignored SIGTERM; killing it[/]")
+                process.kill()
+                process.join(10)
+            self.exit_codes.setdefault(number, process.exitcode)
+
+    def owned(self, admin: pgque.Client) -> dict[int, list[int]]:
+        """The slots each worker owns now."""
+        rows = admin.conn.execute(
+            "select a.application_name, array_agg(s.slot order by s.slot) "
+            "from pgque.group_status(%s, %s) s join pg_stat_activity a on a.pid = s.owner_pid "
+            "group by 1", (self.queue, GROUP)).fetchall()
+        # Worker sessions are named demo-worker-<number> (see _worker_main).
+        return {int(name.rsplit("-", 1)[-1]): slots for name, slots in rows}
+
+    def owners(self, admin: pgque.Client) -> str:
+        """Which worker owns which slots, e.g. ``w1: 0,5  w2: 1,3``."""
+        owned = self.owned(admin)
+        return "  ".join(f"w{n}: {','.join(map(str, owned[n]))}" for n in sorted(owned)) or "none"
+
+
+class RollingRestart:
+    """The halfway event of the demo, advanced one step per progress poll.
+
+    The joining worker starts with the producers; once every producer waits
+    at the halfway barrier and the newcomer has joined, the leaving worker gets
+    SIGTERM. It finishes its batches and releases its slots, which then have a
+    backlog; the newcomer, below its share, claims them. The producers go on
+    when the leaving worker has exited.
+    """
+
+    def __init__(self, workers: Workers, admin: pgque.Client, halfway: threading.Barrier, *,
+                 producers: int, leaving: int, joining: int,
+                 note: Callable[[str], None]) -> None:
+        self.workers = workers
+        self.admin = admin
+        self.halfway = halfway
+        self.producers = producers
+        self.leaving = leaving
+        self.joining = joining
+        self.note = note  # prints above the progress display
+        self.state = "start"
+        self.slots: list[int] = []
+
+    def step(self) -> None:
+        """Advance as far as the situation allows, without blocking."""
+        workers = self.workers
+        if self.state == "start":
+            workers.spawn(self.joining)
+            self.state = "joining"
+        if self.state == "joining":
+            if self.halfway.n_waiting < self.producers:
+                return
+            status = self.admin.group_status(workers.queue, GROUP)
+            if status[0].members < len(workers.processes):
+                return
+            self.halfway.wait()  # releases the producers into the barrier's second round
+            self.slots = workers.owned(self.admin).get(self.leaving, [])
+            pending = sum(r["pending_events"] or 0
+                          for r in self.admin.partition_slot_status(workers.queue)
+                          if r["slot"] in self.slots)
+            self.note(f"halfway: worker {self.joining} has joined; SIGTERM to worker "
+                      f"{self.leaving}, which owns slots {','.join(map(str, self.slots))} "
+                      f"with {pending:,} events pending")
+            workers.terminate(self.leaving)
+            self.state = "leaving"
+        if self.state == "leaving":
+            process = workers.processes[self.leaving]
+            if process.exitcode is None:
+                return
+            workers.exit_codes[self.leaving] = process.exitcode
+            self.note(f"worker {self.leaving} exited {process.exitcode}")
+            self.state = "handing over"
+        if self.state == "handing over":
+            owned = workers.owned(self.admin)
+            if not set(self.slots) <= {s for slots in owned.values() for s in slots}:
+                return  # not every slot claimed yet
+            heirs = [f"w{n}" for n, slots in sorted(owned.items()) if set(slots) & set(self.slots)]
+            self.note(f"slots {','.join(map(str, self.slots))} now belong to {', '.join(heirs)}; "
+                      f"the producers go on" if self.slots else "the producers go on")
+            self.halfway.wait()
+            self.state = "done"

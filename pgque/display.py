@@ -1,0 +1,234 @@
+"""How the ``pgque`` command line shows things: JSON for scripts, rich tables and
+lines for people, and errors as one line.
+
+User data (queue and consumer names, event types, keys, payloads, reasons) is
+never read as rich markup and never reaches the terminal raw: control
+characters are written as escapes, so an event cannot drive the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import unicodedata
+from collections.abc import Iterable, Sequence
+from datetime import date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from pgque.types import Message
+
+__all__ = [
+    "PAYLOAD_SHOWN_CHARS",
+    "age",
+    "cell",
+    "console",
+    "describe_error",
+    "dumps",
+    "escape",
+    "event_json",
+    "event_line",
+    "one_line",
+    "payload",
+    "queues_table",
+    "status_view",
+    "table",
+]
+
+# How much of a payload too deeply nested to parse is shown (as a string).
+PAYLOAD_SHOWN_CHARS = 200
+
+
+def console() -> Console:
+    """A console for stdout; piped, it is wide, so tables are not squeezed."""
+    out = Console(highlight=False, soft_wrap=True)  # an event line stays one line
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out.width = 200  # piped: don't squeeze tables into 80 columns
+    return out
+
+
+# -- JSON --------------------------------------------------------------------------------------
+
+
+def _json_default(value: object) -> object:
+    """JSON for what the info views return: intervals as seconds, times as ISO 8601."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+def dumps(document: object, *, indent: int | None = 2) -> str:
+    """``document`` as JSON: indented, or compact on one line with ``indent=None``."""
+    separators = None if indent else (",", ":")
+    return json.dumps(document, default=_json_default, indent=indent, separators=separators)
+
+
+def payload(data: str | None) -> Any:
+    """A stored payload as a JSON value (the server only stores valid JSON).
+
+    JSON nested deeper than Python can parse (the server takes thousands of
+    levels) becomes a string: its start, cut, and a note saying why.
+    """
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+        json.dumps(value)  # what parses at the limit may not write back
+    except RecursionError:
+        cut = data[:PAYLOAD_SHOWN_CHARS] + ("..." if len(data) > PAYLOAD_SHOWN_CHARS else "")
+        return f"{cut} (payload nested too deeply to show)"
+    return value
+
+
+# -- text and tables ---------------------------------------------------------------------------
+
+
+def escape(text: str) -> str:
+    """Text with its control characters (Unicode category Cc: ESC, BEL, CR, newline...)
+    written as escapes (\\x1b), so user data cannot drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        if unicodedata.category(ch) == "Cc" else ch
+        for ch in text)
+
+
+def age(value: timedelta | None) -> str:
+    """A short human duration: 0.35s, 42.0s, 3m07s, 2h05m, 4d03h."""
+    if value is None:
+        return "-"
+    seconds = value.total_seconds()
+    if seconds < 60:
+        return f"{seconds:.2f}s" if seconds < 1 else f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def cell(value: object) -> Text:
+    """A table cell; Text, so user data is never read as rich markup."""
+    if value is None:
+        return Text("-", style="dim")
+    if isinstance(value, timedelta):
+        return Text(age(value))
+    if isinstance(value, datetime):
+        return Text(value.astimezone().isoformat(sep=" ", timespec="seconds"))
+    return Text(escape(str(value)))
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> Table:
+    """A table of ``rows``; a value that is already Text keeps its style."""
+    result = Table(title=title, title_justify="left", title_style="bold")
+    for column in columns:
+        result.add_column(column)
+    for row in rows:
+        result.add_row(*(v if isinstance(v, Text) else cell(v) for v in row))
+    return result
+
+
+def queues_table(queues: list[dict[str, Any]], title: str | None = None) -> Table:
+    """Rows of the queue_info view, as ``queue list`` and ``status`` show them."""
+    return table(
+        title,
+        ["queue", "consumers", "last tick", "tick age", "since tick", "tables", "rotation",
+         "max retries"],
+        ([q["queue_name"], q["consumers"], q["last_tick_id"], q["last_tick_age"],
+          q["events_since_last_tick"], f"{q['current_table']}/{q['event_tables']}",
+          q["rotation_period"], q["max_retries"]] for q in queues))
+
+
+def status_view(status: dict[str, list[dict[str, Any]]]) -> RenderableType:
+    """The tables of ``pgque status``: queues, plain consumers, consumer group slots."""
+    # Slot subscriptions (group#k/N) are shown per slot below, not as consumers.
+    plain = [c for c in status["consumers"] if "#" not in c["consumer_name"]]
+    consumers = table(
+        "consumers",
+        ["queue", "consumer", "lag", "ticks behind", "pending", "oldest unconsumed",
+         "open batch", "retries", "dead letters"],
+        ([c["queue_name"], c["consumer_name"], c["lag"], c["ticks_behind"],
+          c["pending_events"], c["oldest_unconsumed_age"], c["open_batch_id"],
+          c["retries_waiting"], c["dead_letters"]] for c in plain))
+    slots = table(
+        "consumer group slots",
+        ["queue", "group", "slot", "owner pid", "pending", "oldest unconsumed", "ticks behind",
+         "retries", "dead letters", ""],
+        ([s["queue_name"], s["consumer_name"], f"{s['slot']}/{s['slots']}",
+          s["owner_pid"] if s["owner_pid"] is not None else Text("unowned", style="dim"),
+          s["pending_events"], s["oldest_unconsumed_age"], s["ticks_behind"],
+          s["retries_waiting"], s["dead_letters"],
+          Text("STALLED", style="bold red") if s["stalled"] else Text("")]
+         for s in status["slots"]))
+    parts: list[RenderableType] = [queues_table(status["queues"], "queues")]
+    if plain:
+        parts.append(consumers)
+    if status["slots"]:
+        parts.append(slots)
+    return Group(*parts)
+
+
+# -- events (pgque tail) -----------------------------------------------------------------------
+
+
+def event_json(message: Message[Any]) -> str:
+    """An event as one line of JSON."""
+    return dumps({"id": message.id, "time": message.created_at, "type": message.type,
+                  "key": message.partition_key, "retry_count": message.retry_count,
+                  "payload": payload(message.data)}, indent=None)
+
+
+def event_line(message: Message[Any]) -> Text:
+    """An event as one line for people: id, time, type, key and the payload's JSON."""
+    compact = dumps(payload(message.data), indent=None)
+    return Text.assemble(
+        (str(message.id), "bold"), " ",
+        (message.created_at.astimezone().isoformat(sep=" ", timespec="milliseconds"), "dim"),
+        " ", ("-", "dim") if message.type is None else (escape(message.type), "cyan"), " ",
+        (f"key={escape(message.partition_key)}" if message.partition_key is not None
+         else "key=-", "yellow"),
+        " ", compact)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace, newlines included, made one space."""
+    return " ".join(text.split())
+
+
+def _not_installed(exc: psycopg.Error) -> bool:
+    """Whether an error says pgque's schema or one of its objects is missing."""
+    missing = (pg_errors.UndefinedFunction, pg_errors.UndefinedTable,
+               pg_errors.InvalidSchemaName)
+    text = exc.diag.message_primary or str(exc)
+    return isinstance(exc, missing) and ("pgque." in text or '"pgque"' in text)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line saying what went wrong, with the server's hint when it gave one."""
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    if isinstance(cause, psycopg.Error) and _not_installed(cause):
+        return ("pgque is not installed in this database, or is older than this client "
+                "(run 'pgque install')")
+    if isinstance(exc, psycopg.Error):
+        text = exc.diag.message_primary or str(exc) or type(exc).__name__
+    else:
+        text = str(exc) or type(exc).__name__
+    hint = cause.diag.message_hint if isinstance(cause, psycopg.Error) else None
+    return one_line(f"{text} (hint: {hint})" if hint else text)
