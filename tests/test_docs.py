@@ -368,6 +368,21 @@ def test_api_reference_is_complete(conn: psycopg.Connection[Any]) -> None:
     assert missing == [], "add these to docs/api.md"
 
 
+def test_testing_page_names_the_whole_of_pgque_testing() -> None:
+    """docs/testing.md names every public name of pgque.testing, its fixtures and
+    the methods of PgServer."""
+    import pgque.testing
+    from pgque.testing import _plugin
+
+    text = (ROOT / "docs" / "testing.md").read_text("utf-8")
+    names = [*pgque.testing.__all__, *_plugin.__all__]
+    missing = [name for name in names
+               if not name.startswith("pytest_") and f"`{name}" not in text]
+    missing += [f"PgServer.{name}" for name in dir(pgque.testing.PgServer)
+                if not name.startswith("_") and f"`{name}" not in text]
+    assert missing == [], "add these to docs/testing.md"
+
+
 def test_benchmark_figures_are_those_of_the_recorded_runs() -> None:
     """docs/benchmarks.md shows every suite in bench/results/, from the run recorded
     there: when the results are regenerated, the page must be updated with them."""
@@ -438,7 +453,7 @@ def test_the_examples_were_found() -> None:
     assert by_file.get("README.md", {}).get("python", 0) >= 2
     assert by_file.get("README.md", {}).get("sql", 0) >= 1
     for name in ("docs/concepts.md", "docs/guarantees.md", "docs/operations.md",
-                 "docs/api.md"):
+                 "docs/api.md", "docs/testing.md"):
         assert sum(by_file.get(name, {}).values()) >= 1, f"no runnable example in {name}"
     assert sum(1 for b in RUN_BLOCKS if b.language == "python") >= 12
     assert sum(1 for b in RUN_BLOCKS if b.language == "sql") >= 6

@@ -22,7 +22,7 @@ def test_each_test_gets_a_fresh_database_with_pgque(
     row = conn.execute("select count(*) from pg_namespace where nspname = 'pgque'").fetchone()
     assert row == (1,)
     row = conn.execute("select current_database()").fetchone()
-    assert row is not None and row[0].startswith("t_")
+    assert row is not None and row[0].startswith("pgque_test_")
 
 
 def test_empty_database_has_no_pgque(empty_dsn: str) -> None:
