@@ -35,6 +35,7 @@ from rich.live import Live
 import pgque
 from pgque import display
 from pgque.client import redact
+from pgque.errors import translated
 from pgque.tail import ConsumerLeftBehind, Tail, queue_row
 
 __all__ = ["cli", "main"]
@@ -163,8 +164,9 @@ def install(state: State, print_script: bool) -> None:
     # may not create, whose grants are skipped) only in notices: pass them on.
     client.conn.add_notice_handler(_echo_notice)
     try:
-        before = pgque.schema.installed_version(client.conn)
-        version = client.install()
+        with translated():
+            before = pgque.install(client.conn)
+        version = pgque.__version__
     finally:
         client.conn.remove_notice_handler(_echo_notice)
     if before is None:

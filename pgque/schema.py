@@ -36,8 +36,7 @@ if sys.version_info >= (3, 11):
 else:
     from importlib.abc import Traversable
 
-__all__ = ["Migration", "install", "install_script", "installed_version", "migrations",
-           "uninstall"]
+__all__ = ["Migration", "install", "install_script", "migrations", "uninstall"]
 
 # The first statement of the install transaction, also at the top of the script:
 # every name the install resolves comes from pg_catalog, never from a schema
@@ -115,11 +114,32 @@ $pgque_newer$;
 """
 
 
+# Run right after the first statement: SET LOCAL outside a transaction block
+# only warns, and the rest would then run statement by statement, neither
+# atomic, nor serialized, nor with search_path pinned. An error would not stop
+# a client that carries on after errors (psql without ON_ERROR_STOP), so the
+# session ends itself: nothing after this line runs.
+_ONE_TRANSACTION = """-- ===== refuse to run outside one transaction =====
+do $pgque_one_transaction$
+begin
+    if pg_catalog.current_setting('search_path') <> 'pg_catalog, pg_temp' then
+        raise warning using
+            message = 'the pgque install script must run in one transaction: '
+                      'this session ends here, and nothing was installed',
+            hint = 'Use psql --single-transaction (-1), or pgque install.';
+        perform pg_catalog.pg_terminate_backend(pg_catalog.pg_backend_pid());
+    end if;
+end
+$pgque_one_transaction$;
+"""
+
+
 def _wrapped(migration: Migration) -> str:
     """A migration as one step of the script: run and recorded unless recorded."""
     tag = f"$pgque_migration_{migration.number:04d}$"
-    if tag in migration.sql:
-        raise RuntimeError(f"migration {migration.number} contains {tag}")
+    for quote in (tag, "$pgque_migrate$"):
+        if quote in migration.sql:
+            raise RuntimeError(f"migration {migration.number} contains {quote}")
     return f"""-- ===== migration {migration.number:04d}_{migration.name} =====
 do $pgque_migrate$
 begin
@@ -143,21 +163,16 @@ def install_script() -> str:
     """
     steps = migrations()
     parts = [f"{PIN_SEARCH_PATH};\n",
+             _ONE_TRANSACTION,
              f"-- ===== guard.sql =====\n{_sql_dir().joinpath('guard.sql').read_text('utf-8')}",
              _newer_check(steps[-1].number),
              *(_wrapped(m) for m in steps),
              *(f"-- ===== code/{name} =====\n{text.replace('@PGQUE_VERSION@', __version__)}"
-               for name, text in _code_files())]
+               for name, text in _code_files()),
+             "-- ===== record the installed version =====\n"
+             f"insert into pgque.installed (in_version) values ('{__version__}')\n"
+             "on conflict (in_single) do update set in_version = excluded.in_version;\n"]
     return "\n".join(parts)
-
-
-def installed_version(conn: psycopg.Connection[Any]) -> str | None:
-    """The version of pgque installed in the connected database, or None."""
-    found = conn.execute("select pg_catalog.to_regprocedure('pgque.version()') is not null")
-    if found.fetchone() != (True,):
-        return None
-    row = conn.execute("select pgque.version()").fetchone()
-    return None if row is None else str(row[0])
 
 
 def install(conn: psycopg.Connection[Any]) -> str | None:
@@ -172,9 +187,11 @@ def install(conn: psycopg.Connection[Any]) -> str | None:
         try:
             with conn.transaction(), conn.cursor() as cur:
                 cur.execute(PIN_SEARCH_PATH)
-                before = installed_version(conn)
                 cur.execute(script)
-            return before
+                # Set by the guard, after it checked who owns schema pgque.
+                cur.execute("select pg_catalog.current_setting('pgque.installed_before')")
+                row = cur.fetchone()
+            return (row[0] if row else "") or None
         except _RETRIED:
             if attempt == _INSTALL_ATTEMPTS:
                 raise

@@ -151,3 +151,23 @@ begin
     end if;
 end
 $migrations$;
+
+-- The version of pgque installed before this run, for the installer to report
+-- (read from this table, never by calling into schema pgque). 0.1.0 had no
+-- such table: a pgque whose tables exist without it is 0.1.0. The end of the
+-- script records the new version.
+do $installed$
+begin
+    if pg_catalog.to_regclass('pgque.installed') is null then
+        create table pgque.installed (
+            in_single  boolean primary key default true check (in_single),
+            in_version text not null
+        );
+        if pg_catalog.to_regclass('pgque.queue') is not null then
+            insert into pgque.installed (in_version) values ('0.1.0');
+        end if;
+    end if;
+    perform pg_catalog.set_config(
+        'pgque.installed_before', coalesce((select in_version from pgque.installed), ''), true);
+end
+$installed$;

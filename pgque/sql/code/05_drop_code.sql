@@ -29,8 +29,14 @@ begin
             or (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
                 and d.refobjid in (select c.oid from pg_catalog.pg_class c
                                     where c.relnamespace = v_schema and c.relkind = 'v'))
+            -- The row types of views and composite types, and their array
+            -- types (a column of pgque.batch_event[] depends on the array).
             or (d.refclassid = 'pg_catalog.pg_type'::pg_catalog.regclass
-                and d.refobjid in (select c.reltype from pg_catalog.pg_class c
+                and d.refobjid in (select t.oid from pg_catalog.pg_type t
+                                     join pg_catalog.pg_class c
+                                       on t.oid in (c.reltype, (select a.typarray
+                                                                  from pg_catalog.pg_type a
+                                                                 where a.oid = c.reltype))
                                     where c.relnamespace = v_schema and c.relkind in ('v', 'c'))))
        -- The schema of the dependent object; a view's rule, a default, a
        -- trigger have none of their own: their table's.

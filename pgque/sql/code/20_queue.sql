@@ -155,6 +155,9 @@ declare
     v_seq text;
     n integer;
 begin
+    -- Not while an install replaces the code this runs on (and no install
+    -- while queues are made): installs take this row FOR UPDATE.
+    perform from pgque.install_lock for share;
     perform pgque._check_name('queue', p_queue);
     loop
         -- Looked up first, so that exist_ok on an existing queue writes nothing.
@@ -257,6 +260,7 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_parent text := pgque._event_table(v_queue.queue_id);
 begin
+    perform from pgque.install_lock for share;  -- see create_queue
     -- Locks in the order the ticker and maintenance take them (the queue's
     -- tick lock, then its maintenance lock, then the queue row, then
     -- tables), so a running ticker or maintenance never deadlocks with a

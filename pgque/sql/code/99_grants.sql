@@ -10,8 +10,28 @@
 -- may be restricted per role (see 15_access.sql).
 
 revoke all on all routines in schema pgque from public;
-revoke all on all tables in schema pgque from public;
-revoke all on all sequences in schema pgque from public;
+
+-- Tables, sequences and views: revoked only where the ACL is still the default
+-- (null) or names PUBLIC. Rewriting every table's catalog row on every run
+-- would race maintenance's TRUNCATE and drop_queue, which update the same
+-- rows ("tuple concurrently updated"); after its first install, a table is
+-- left alone.
+do $revoke$
+declare
+    v_relation text;
+begin
+    for v_relation in
+        select case c.relkind when 'S' then 'sequence ' else 'table ' end
+               || c.oid::pg_catalog.regclass::text
+          from pg_catalog.pg_class c
+         where c.relnamespace = 'pgque'::pg_catalog.regnamespace
+           and c.relkind in ('r', 'p', 'S', 'v')
+           and (c.relacl is null
+                or exists (select 1 from pg_catalog.aclexplode(c.relacl) a where a.grantee = 0)) loop
+        execute pg_catalog.format('revoke all on %s from public', v_relation);
+    end loop;
+end
+$revoke$;
 
 do $grants$
 declare
