@@ -256,3 +256,22 @@ def test_a_worker_of_another_team_stops_with_the_refusal(teams: dict[str, Team])
     with worker:
         wait_for(lambda: len(worker.owned_slots) == 2, what="both slots owned")
         assert worker.error is None
+
+
+def test_a_group_named_like_another_teams_consumer_shows_nothing_of_it(
+        teams: dict[str, Team]) -> None:
+    """A name without '#' is a plain consumer in consumer_info and dead letters: b's
+    group "x" opens neither the info nor the dead letters of a's plain consumer "x"."""
+    a, b, admin = teams["a"].client, teams["b"].client, teams["admin"].client
+    admin.create_queue("dq", max_retries=0)
+    a.subscribe("dq", "x")
+    b.subscribe_slots("dq", "x", slots=1)
+    a.send("dq", "e", 1)
+    admin.tick("dq")
+    batch = a.receive("dq", "x")
+    assert batch is not None
+    a.ack(batch, nack=batch.messages)
+    assert [d.consumer for d in a.dead_letters("dq")] == ["x"]
+    assert b.dead_letters("dq") == []
+    assert [c["consumer_name"] for c in b.consumer_info("dq")] == ["x#0/1"]
+    assert {c["consumer_name"] for c in a.consumer_info("dq")} == {"x"}

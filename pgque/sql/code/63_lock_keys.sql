@@ -74,3 +74,94 @@ returns oid
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$ select usesysid from pg_stat_activity where pid = pg_backend_pid() $$;
+
+-- pgque._current_key(kind, id): the current key of a slot ('slot', its sub_id),
+-- of a group's membership ('group', its cg_id) or of the ticker election
+-- ('ticker', id ignored).
+create or replace function pgque._current_key(p_kind text, p_id integer)
+returns bigint
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return case p_kind
+        when 'slot' then (select s.sub_lock_key from pgque.subscription s where s.sub_id = p_id)
+        when 'group' then (select g.cg_lock_key from pgque.consumer_group g where g.cg_id = p_id)
+        else (select e.te_key from pgque.ticker_election e)
+    end;
+end
+$$;
+
+-- pgque._counts_on_key(kind, role, queue, group): whether sessions of login
+-- role (an oid) count on such a key: for a slot or group, if the role may use
+-- the group; for the election, if it may tick.
+create or replace function pgque._counts_on_key(
+    p_kind text, p_role oid, p_queue pgque.queue, p_group pgque.consumer_group)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_kind = 'ticker' then
+        return pgque._may_tick(p_role);
+    end if;
+    return pgque._may_consume(p_role, p_queue, p_group.cg_owner, p_group.cg_grantees);
+end
+$$;
+
+-- pgque._take_key(kind, id, shared, queue, group): tries, without waiting, to
+-- take the session lock on the current key of a slot, a group's membership or
+-- the election (see _current_key), shared or exclusive; true when this
+-- session now holds it. When the key is held or awaited only by sessions that
+-- do not count (_counts_on_key), and by no counting session exclusively, it
+-- draws a new key and tries that: pg_locks shows keys to everyone, and
+-- advisory locks need no privilege. A lock taken on a key that a concurrent
+-- caller renewed meanwhile is let go: it owns nothing.
+create or replace function pgque._take_key(
+    p_kind text, p_id integer, p_shared boolean,
+    p_queue pgque.queue default null, p_group pgque.consumer_group default null)
+returns boolean
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key bigint := pgque._current_key(p_kind, p_id);
+    v_now bigint;
+    v_got boolean;
+begin
+    for attempt in 1 .. 3 loop
+        v_got := case when p_shared then pg_try_advisory_lock_shared(v_key)
+                      else pg_try_advisory_lock(v_key) end;
+        if v_got then
+            v_now := pgque._current_key(p_kind, p_id);
+            if v_now = v_key then
+                return true;
+            end if;
+            perform pgque._unlock_key(v_key, p_shared);
+            v_key := v_now;
+            continue;
+        end if;
+        exit when not exists (
+                     select 1 from pgque._key_sessions(v_key) k
+                      where not pgque._counts_on_key(p_kind, k.role, p_queue, p_group))
+               or exists (
+                     select 1 from pgque._key_sessions(v_key) k
+                      where k.granted and k.mode = 'ExclusiveLock'
+                        and pgque._counts_on_key(p_kind, k.role, p_queue, p_group));
+        -- Only where the key is still the one seen: one renewal per round.
+        case p_kind
+            when 'slot' then
+                update pgque.subscription set sub_lock_key = pgque._random_key()
+                 where sub_id = p_id and sub_lock_key = v_key;
+            when 'group' then
+                update pgque.consumer_group set cg_lock_key = pgque._random_key()
+                 where cg_id = p_id and cg_lock_key = v_key;
+            else
+                update pgque.ticker_election set te_key = pgque._random_key()
+                 where te_key = v_key;
+        end case;
+        v_key := pgque._current_key(p_kind, p_id);
+    end loop;
+    return false;
+end
+$$;

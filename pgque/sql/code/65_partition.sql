@@ -240,24 +240,6 @@ begin
 end
 $$;
 
--- pgque._key_taken_by_outsiders(key, queue, group): whether the group's key
--- (a slot's or its membership key) is held or awaited by a session whose
--- role may not use the group, while no session that may holds it
--- exclusively: the case where renewing the key is the only way on.
-create or replace function pgque._key_taken_by_outsiders(
-    p_key bigint, p_queue pgque.queue, p_group pgque.consumer_group)
-returns boolean
-language sql volatile
-set search_path = pg_catalog, pg_temp
-as $$
-    with s as materialized (
-        select k.mode, k.granted,
-               pgque._may_consume(k.role, p_queue, p_group.cg_owner, p_group.cg_grantees) as ok
-          from pgque._key_sessions(p_key) k)
-    select exists (select 1 from s where not s.ok)
-       and not exists (select 1 from s where s.ok and s.granted and s.mode = 'ExclusiveLock')
-$$;
-
 -- pgque._require_counting_session(queue, group): PQ014 unless the locks of
 -- this session will count for the group, i.e. unless its login role (not only
 -- the role it SETs) may use the group: otherwise it could hold a slot's lock
@@ -319,37 +301,11 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v record;
-    v_queue pgque.queue;
-    v_group pgque.consumer_group;
-    v_key bigint;
-    v_now bigint;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
-    v_queue := v.queue;
-    v_group := v.grp;
-    perform pgque._require_counting_session(v_queue, v_group);
-    v_key := (v.sub).sub_lock_key;
-    if pgque._holds_key(v_key, 'ExclusiveLock') then
-        return true;
-    end if;
-    for attempt in 1 .. 3 loop
-        if pg_try_advisory_lock(v_key) then
-            -- The key is current unless a concurrent claim renewed it since it
-            -- was read: a lock on an old key owns nothing.
-            select sub_lock_key into v_now from pgque.subscription where sub_id = (v.sub).sub_id;
-            if v_now = v_key then
-                return true;
-            end if;
-            perform pg_advisory_unlock(v_key);
-            v_key := v_now;
-            continue;
-        end if;
-        exit when not pgque._key_taken_by_outsiders(v_key, v_queue, v_group);
-        update pgque.subscription s set sub_lock_key = pgque._random_key()
-         where s.sub_id = (v.sub).sub_id and s.sub_lock_key = v_key;
-        select sub_lock_key into v_key from pgque.subscription where sub_id = (v.sub).sub_id;
-    end loop;
-    return false;
+    perform pgque._require_counting_session(v.queue, v.grp);
+    return pgque._holds_slot(v.sub)
+        or pgque._take_key('slot', (v.sub).sub_id, false, v.queue, v.grp);
 end
 $$;
 
@@ -480,29 +436,12 @@ as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
-    v_key bigint := v_group.cg_lock_key;
-    v_now bigint;
 begin
     perform pgque._require_counting_session(v_queue, v_group);
-    if pgque._holds_key(v_key, 'ShareLock') then
+    if pgque._holds_key(v_group.cg_lock_key, 'ShareLock') then
         return false;
     end if;
-    for attempt in 1 .. 3 loop
-        if pg_try_advisory_lock_shared(v_key) then
-            select cg_lock_key into v_now from pgque.consumer_group where cg_id = v_group.cg_id;
-            if v_now = v_key then
-                return true;
-            end if;
-            perform pg_advisory_unlock_shared(v_key);
-            v_key := v_now;
-            continue;
-        end if;
-        exit when not pgque._key_taken_by_outsiders(v_key, v_queue, v_group);
-        update pgque.consumer_group g set cg_lock_key = pgque._random_key()
-         where g.cg_id = v_group.cg_id and g.cg_lock_key = v_key;
-        select cg_lock_key into v_key from pgque.consumer_group where cg_id = v_group.cg_id;
-    end loop;
-    return false;
+    return pgque._take_key('group', v_group.cg_id, true, v_queue, v_group);
 end
 $$;
 

@@ -37,9 +37,6 @@ language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-declare
-    v_key bigint := pgque._ticker_key();
-    v_now bigint;
 begin
     if not pgque._may_tick(pgque._session_role()) then
         raise exception using errcode = '42501',
@@ -48,28 +45,8 @@ begin
             hint = 'The election judges sessions by their login role: grant the login role '
                    '(or a role it is a member of) pgque_admin.';
     end if;
-    if pgque._holds_key(v_key, 'ExclusiveLock') then
-        return true;
-    end if;
-    for attempt in 1 .. 3 loop
-        if pg_try_advisory_lock(v_key) then
-            v_now := pgque._ticker_key();
-            if v_now = v_key then
-                return true;
-            end if;
-            perform pg_advisory_unlock(v_key);  -- renewed meanwhile: worthless
-            v_key := v_now;
-            continue;
-        end if;
-        exit when not (exists (select 1 from pgque._key_sessions(v_key) k
-                                where not pgque._may_tick(k.role))
-                       and not exists (select 1 from pgque._key_sessions(v_key) k
-                                        where pgque._may_tick(k.role) and k.granted
-                                          and k.mode = 'ExclusiveLock'));
-        update pgque.ticker_election set te_key = pgque._random_key() where te_key = v_key;
-        v_key := pgque._ticker_key();
-    end loop;
-    return false;
+    return pgque._holds_key(pgque._ticker_key(), 'ExclusiveLock')
+        or pgque._take_key('ticker', null, false);
 end
 $$;
 

@@ -41,33 +41,10 @@ begin
 end
 $$;
 
--- pgque._may_read_dead_letters(queue, sub_id, role): whether role (an oid)
--- may read the dead letters that subscription sub_id made: it must still
--- exist (a plain consumer, or a slot subscription judged by its group) and
--- role must be allowed to use it. Dead letters of a consumer that is gone
--- belong to the admins only, even once another consumer takes its name.
-create or replace function pgque._may_read_dead_letters(
-    p_queue pgque.queue, p_sub_id integer, p_role oid)
-returns boolean
-language sql stable
-set search_path = pg_catalog, pg_temp
-as $$
-    select exists (select 1 from pgque.subscription s
-                    where s.sub_id = p_sub_id and s.sub_queue = p_queue.queue_id
-                      and position('#' in s.sub_consumer) = 0
-                      and pgque._may_consume(p_role, p_queue, s.sub_owner, s.sub_grantees))
-        or exists (select 1 from pgque.subscription s
-                     join pgque.consumer_group g
-                       on g.cg_queue = s.sub_queue
-                      and g.cg_consumer = split_part(s.sub_consumer, '#', 1)
-                    where s.sub_id = p_sub_id and s.sub_queue = p_queue.queue_id
-                      and position('#' in s.sub_consumer) > 0
-                      and pgque._may_consume(p_role, p_queue, g.cg_owner, g.cg_grantees))
-$$;
-
--- pgque._may_use_consumer_name(queue, consumer, role): whether role (an oid)
--- may use the plain consumer or consumer group of that name on queue (a slot
--- subscription's name "group#k/n" stands for its group).
+-- pgque._may_use_consumer_name(queue, name, role): whether role (an oid) may
+-- use the subscription of that name on queue: a name without '#' is a plain
+-- consumer, one with '#' ("group#k/n", or just "group#") stands for its group.
+-- A group named like a plain consumer opens nothing of it.
 create or replace function pgque._may_use_consumer_name(
     p_queue pgque.queue, p_consumer text, p_role oid)
 returns boolean
@@ -81,7 +58,25 @@ as $$
         or exists (select 1 from pgque.consumer_group g
                     where g.cg_queue = p_queue.queue_id
                       and g.cg_consumer = split_part(p_consumer, '#', 1)
+                      and position('#' in p_consumer) > 0
                       and pgque._may_consume(p_role, p_queue, g.cg_owner, g.cg_grantees))
+$$;
+
+-- pgque._may_read_dead_letters(queue, sub_id, role): whether role (an oid)
+-- may read the dead letters that subscription sub_id made: it must still
+-- exist and role may use it (its group, for a slot). Dead letters of a
+-- consumer that is gone belong to the admins only, even once another consumer
+-- takes its name: that one is another subscription (and a group subscribed
+-- again has new slot subscriptions).
+create or replace function pgque._may_read_dead_letters(
+    p_queue pgque.queue, p_sub_id integer, p_role oid)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select 1 from pgque.subscription s
+                    where s.sub_id = p_sub_id and s.sub_queue = p_queue.queue_id
+                      and pgque._may_use_consumer_name(p_queue, s.sub_consumer, p_role))
 $$;
 
 -- pgque.dead_letters(queue, consumer, limit, after_id): dead letters of a
@@ -107,8 +102,10 @@ declare
 begin
     if not v_admin then
         perform pgque._require_queue(v_queue, 'consume');
+        -- The name given may be a plain consumer's or a group's.
         if p_consumer is not null
-           and not pgque._may_use_consumer_name(v_queue, p_consumer, v_role) then
+           and not pgque._may_use_consumer_name(v_queue, p_consumer, v_role)
+           and not pgque._may_use_consumer_name(v_queue, p_consumer || '#', v_role) then
             raise exception using errcode = 'PQ014',
                 message = format('role %s may not read the dead letters of consumer %L of queue %L',
                                  v_caller, pgque._name_for_message(p_consumer), v_queue.queue_name),
