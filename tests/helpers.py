@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import psycopg
+
 import pgque
 
 T = TypeVar("T")
@@ -73,3 +75,18 @@ def scalar(conn: Any, sql: str, params: tuple[Any, ...] = ()) -> Any:
     row = conn.execute(sql, params).fetchone()
     assert row is not None
     return row[0]
+
+
+def refused(call: Callable[[], Any],
+            error: type[Exception] = psycopg.errors.InsufficientPrivilege) -> bool:
+    """Whether call raises error, or, for a raw psycopg call, the server error with
+    error's SQLSTATE (pgque's classes carry theirs)."""
+    try:
+        call()
+    except error:
+        return True
+    except psycopg.Error as exc:
+        if exc.sqlstate is not None and exc.sqlstate == getattr(error, "sqlstate", None):
+            return True
+        raise
+    return False

@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import wait_for
+from helpers import refused, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -49,18 +49,6 @@ def teams(dsn: str) -> Iterator[dict[str, Team]]:
                 su.execute(f"drop role if exists {role}")
 
 
-def refused(call: Callable[[], Any], error: type[Exception]) -> bool:
-    """Whether call raises error (or, for a raw psycopg call, the server error of
-    error's SQLSTATE)."""
-    try:
-        call()
-    except error:
-        return True
-    except psycopg.Error as exc:
-        if exc.sqlstate is not None and exc.sqlstate == getattr(error, "sqlstate", None):
-            return True
-        raise
-    return False
 
 
 def batch_of(client: pgque.Client, consumer: str) -> pgque.Batch[Any]:

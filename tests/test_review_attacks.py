@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar
+from helpers import refused, scalar
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -91,17 +91,6 @@ def world(dsn: str) -> Iterator[World]:
                     su.execute(f"drop role if exists {ident}")
 
 
-def refused(call: Callable[[], Any], error: type[Exception]) -> bool:
-    """Whether call raises error (or a psycopg error with error's SQLSTATE)."""
-    try:
-        call()
-    except error:
-        return True
-    except psycopg.Error as exc:
-        if exc.sqlstate is not None and exc.sqlstate == getattr(error, "sqlstate", None):
-            return True
-        raise
-    return False
 
 
 def sqlstate_of(call: Callable[[], Any]) -> str | None:

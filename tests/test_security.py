@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import wait_for
+from helpers import refused, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -40,12 +40,6 @@ def users(dsn: str) -> Iterator[dict[str, pgque.Client]]:
                 su.execute(f"drop role if exists {name}")
 
 
-def refused(call: Any) -> bool:
-    try:
-        call()
-    except psycopg.errors.InsufficientPrivilege:
-        return True
-    return False
 
 
 def test_writer_sends_only(users: dict[str, pgque.Client]) -> None:

@@ -206,58 +206,22 @@ begin
 end
 $$;
 
--- pgque.grant_queue(queue, role, privilege): restricts privilege ('send' or
--- 'consume') on the queue to the roles granted it, adding role; true when
--- role was not granted it yet. Admins only. Raises PQ001 (unknown queue),
--- PQ016 (unknown role or privilege).
-create or replace function pgque.grant_queue(p_queue text, p_role text, p_privilege text)
+-- pgque._change_queue_grant(queue, role, privilege, add): adds role to (or
+-- removes it from) the roles granted privilege ('send' or 'consume') on the
+-- queue; returns whether that changed anything. An empty list becomes null:
+-- no restriction. The queue row is locked first, so concurrent changes queue
+-- up. PQ001 (unknown queue), PQ016 (unknown role or privilege; on revoke, a
+-- dropped role may be named by the oid queue_grants shows).
+create or replace function pgque._change_queue_grant(
+    p_queue text, p_role text, p_privilege text, p_add boolean)
 returns boolean
 language plpgsql
-security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue;
-    v_role oid := pgque._grant_role(p_role);
-    v_roles oid[];
-begin
-    if p_privilege is null or p_privilege not in ('send', 'consume') then
-        raise exception using errcode = 'PQ016',
-            message = format('privilege must be ''send'' or ''consume'', not %L',
-                             pgque._name_for_message(p_privilege));
-    end if;
-    select * into v_queue from pgque.queue where queue_id = (pgque._queue_row(p_queue)).queue_id
-       for no key update;
-    v_roles := case p_privilege when 'send' then v_queue.queue_senders
-                                else v_queue.queue_consumers end;
-    if v_role = any(coalesce(v_roles, '{}')) then
-        return false;
-    end if;
-    if p_privilege = 'send' then
-        update pgque.queue set queue_senders = coalesce(queue_senders, '{}') || v_role
-         where queue_id = v_queue.queue_id;
-    else
-        update pgque.queue set queue_consumers = coalesce(queue_consumers, '{}') || v_role
-         where queue_id = v_queue.queue_id;
-    end if;
-    return true;
-end
-$$;
-
--- pgque.revoke_queue(queue, role, privilege): takes privilege on the queue
--- back from role; true when role had it. When the last grant of a kind goes,
--- the queue is open again to every role of that kind (pgque_writer for
--- 'send', pgque_reader for 'consume'). Admins only.
-create or replace function pgque.revoke_queue(p_queue text, p_role text, p_privilege text)
-returns boolean
-language plpgsql
-security definer
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_queue pgque.queue;
-    v_role oid;
     v_before oid[];
+    v_role oid;
     v_after oid[];
 begin
     if p_privilege is null or p_privilege not in ('send', 'consume') then
@@ -269,11 +233,12 @@ begin
        for no key update;
     v_before := case p_privilege when 'send' then v_queue.queue_senders
                                  else v_queue.queue_consumers end;
-    v_role := pgque._grant_role(p_role, v_before);
-    if not v_role = any(coalesce(v_before, '{}')) then
-        return false;
+    v_role := pgque._grant_role(p_role, case when not p_add then v_before end);
+    if (v_role = any(coalesce(v_before, '{}'))) = p_add then
+        return false;  -- granted already, or not granted at all
     end if;
-    v_after := nullif(array_remove(v_before, v_role), '{}');
+    v_after := case when p_add then coalesce(v_before, '{}') || v_role
+                    else nullif(array_remove(v_before, v_role), '{}') end;
     if p_privilege = 'send' then
         update pgque.queue set queue_senders = v_after where queue_id = v_queue.queue_id;
     else
@@ -282,6 +247,28 @@ begin
     return true;
 end
 $$;
+
+-- pgque.grant_queue(queue, role, privilege): restricts privilege ('send' or
+-- 'consume') on the queue to the roles granted it, adding role; true when
+-- role was not granted it yet. Admins only. Raises PQ001 (unknown queue),
+-- PQ016 (unknown role or privilege).
+create or replace function pgque.grant_queue(p_queue text, p_role text, p_privilege text)
+returns boolean
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgque._change_queue_grant(p_queue, p_role, p_privilege, true) $$;
+
+-- pgque.revoke_queue(queue, role, privilege): takes privilege on the queue
+-- back from role; true when role had it. When the last grant of a kind goes,
+-- the queue is open again to every role of that kind (pgque_writer for
+-- 'send', pgque_reader for 'consume'). Admins only.
+create or replace function pgque.revoke_queue(p_queue text, p_role text, p_privilege text)
+returns boolean
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$ select pgque._change_queue_grant(p_queue, p_role, p_privilege, false) $$;
 
 -- pgque.queue_grants(queue): the roles granted each privilege on the queue,
 -- one row per (privilege, role); none when the queue is unrestricted.

@@ -153,6 +153,13 @@ select q.queue_name,
 -- which show a caller that is not an admin only what it may use: the queues
 -- it may send to or consume from, the consumers it may use (see 15_access.sql).
 
+-- pgque._caller_access(): the caller's role (its oid) and whether it is an
+-- admin, worked out once per call, not once per row.
+create or replace function pgque._caller_access(out role oid, out admin boolean)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$ select pgque._role_id(c), pgque._is_admin(c) from pgque._caller() c $$;
+
 -- pgque._may_see_queue(queue, role): whether a caller acting as role (an oid)
 -- may see the queue: its grants of some kind let the role in.
 create or replace function pgque._may_see_queue(p_queue pgque.queue, p_role oid)
@@ -174,8 +181,8 @@ set search_path = pg_catalog, pg_temp
 as $$
     select i.* from pgque._queue_info i
       join pgque.queue q on q.queue_id = i.queue_id
-     where pgque._is_admin(pgque._caller())
-        or pgque._may_see_queue(q, pgque._role_id(pgque._caller()))
+     cross join pgque._caller_access() me
+     where me.admin or pgque._may_see_queue(q, me.role)
 $$;
 
 -- pgque.get_consumer_info(): the rows of pgque.consumer_info.
@@ -187,8 +194,8 @@ set search_path = pg_catalog, pg_temp
 as $$
     select i.* from pgque._consumer_info i
       join pgque.queue q on q.queue_name = i.queue_name
-     where pgque._is_admin(pgque._caller())
-        or pgque._may_use_consumer_name(q, i.consumer_name, pgque._role_id(pgque._caller()))
+     cross join pgque._caller_access() me
+     where me.admin or pgque._may_use_consumer_name(q, i.consumer_name, me.role)
 $$;
 
 -- pgque.queue_info / pgque.consumer_info: what operators query.
@@ -204,8 +211,8 @@ set search_path = pg_catalog, pg_temp
 as $$
     select i.* from pgque._partition_slot_status i
       join pgque.queue q on q.queue_name = i.queue_name
-     where pgque._is_admin(pgque._caller())
-        or pgque._may_use_consumer_name(q, i.consumer_name, pgque._role_id(pgque._caller()))
+     cross join pgque._caller_access() me
+     where me.admin or pgque._may_use_consumer_name(q, i.consumer_name, me.role)
 $$;
 
 create or replace view pgque.partition_slot_status as
