@@ -41,10 +41,7 @@ create table {table} (
     ev_retry  integer not null default 0,
     ev_type   text,
     ev_data   text,
-    ev_extra1 text,
-    ev_extra2 text,
-    ev_extra3 text,
-    ev_extra4 text
+    ev_extra1 text
 );
 create index {table}_txid_idx on {table} (ev_txid)
 """

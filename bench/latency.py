@@ -102,9 +102,8 @@ class _Producer:
 
 
 def _last_tick(client: pgque.Client, queue: str) -> int:
-    for info in client.queue_info():
-        if info["queue_name"] == queue:
-            return int(info["last_tick_id"] or 0)
+    for info in client.queue_info(queue):
+        return info.last_tick_id or 0
     raise BenchError(f"no queue {queue}")
 
 
@@ -114,8 +113,8 @@ def _wait_caught_up(client: pgque.Client, queue: str, worker: WorkerProcess) -> 
     start = time.monotonic()
     while True:
         slots = client.partition_slot_status(queue)
-        if slots and all(s["pending_events"] == 0 and s["open_batch_id"] is None
-                         and s["ticks_behind"] == 0 for s in slots):
+        if slots and all(s.pending_events == 0 and s.open_batch_id is None
+                         and s.ticks_behind == 0 for s in slots):
             return time.monotonic() - start
         if time.monotonic() - start > CATCH_UP_TIMEOUT:
             raise BenchError(f"{queue}: the worker did not catch up within "

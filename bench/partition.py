@@ -110,9 +110,9 @@ class _Queues:
         return ids, first_tick_time, last_tick
 
     def _tick_time(self, queue: str, tick_id: int) -> datetime:
-        for info in self.client.queue_info():
-            if info["queue_name"] == queue and info["last_tick_id"] == tick_id:
-                return info["last_tick_time"]  # type: ignore[no-any-return]
+        for info in self.client.queue_info(queue):
+            if info.last_tick_id == tick_id and info.last_tick_time is not None:
+                return info.last_tick_time
         raise BenchError(f"tick {tick_id} of {queue} is not the queue's newest")
 
 
@@ -166,10 +166,10 @@ class _WorkerDrain:
         deadline = time.monotonic() + DRAIN_TIMEOUT
         while True:
             slots = [r for r in client.consumer_info(queue)
-                     if r["consumer_name"].startswith(f"{CONSUMER}#")]
-            if len(slots) == SLOTS and all(r["last_tick_id"] == last_tick
-                                           and r["open_batch_id"] is None for r in slots):
-                return max(r["last_active"] for r in slots)  # type: ignore[no-any-return]
+                     if r.consumer_name.startswith(f"{CONSUMER}#")]
+            if len(slots) == SLOTS and all(r.last_tick_id == last_tick
+                                           and r.open_batch_id is None for r in slots):
+                return max(r.last_active for r in slots if r.last_active is not None)
             if time.monotonic() > deadline:
                 raise BenchError(f"{queue}: not drained within {DRAIN_TIMEOUT:.0f} s: {slots}")
             for proc in procs:

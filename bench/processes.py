@@ -121,9 +121,9 @@ def wait_for_group(client: pgque.Client, queue: str, consumer: str,
         for worker in workers:
             worker.check_alive()
         status = client.group_status(queue, consumer)
-        owners = [s.owner_pid for s in status]
+        owners = [s.owner_pid for s in status.slots]
         counts = {pid: owners.count(pid) for pid in set(owners)}
-        if (status and status[0].members == len(workers) and None not in counts
+        if (status.members == len(workers) and None not in counts
                 and len(counts) == len(workers)
                 and max(counts.values()) - min(counts.values()) <= 1):
             return

@@ -38,9 +38,10 @@ from pgque.errors import (
     SlotNotOwned,
     SlotSubscriptionError,
 )
+from pgque.info import ConsumerInfo, GroupStatus, QueueInfo, SlotOwner, SlotStatus
 from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
-from pgque.types import Batch, DeadLetter, Event, Message, SlotOwner
+from pgque.types import Batch, DeadLetter, Event, Message
 from pgque.worker import Worker
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "Client",
     "ConnectError",
     "ConsumerAccessDenied",
+    "ConsumerInfo",
     "ConsumerNotFound",
     "CronUnavailable",
     "DeadLetter",
@@ -57,6 +59,7 @@ __all__ = [
     "DependentObjects",
     "Event",
     "EventNotInBatch",
+    "GroupStatus",
     "InvalidArgument",
     "InvalidConfig",
     "InvalidGrant",
@@ -72,12 +75,14 @@ __all__ = [
     "QueueAccessDenied",
     "QueueExists",
     "QueueInUse",
+    "QueueInfo",
     "QueueNotFound",
     "SchemaNotOwned",
     "SessionUnstable",
     "SlotCountMismatch",
     "SlotNotOwned",
     "SlotOwner",
+    "SlotStatus",
     "SlotSubscriptionError",
     "Ticker",
     "Worker",

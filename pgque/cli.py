@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import click
 import msgspec
@@ -36,7 +36,7 @@ import pgque
 from pgque import display
 from pgque.client import redact
 from pgque.errors import translated
-from pgque.tail import ConsumerLeftBehind, Tail, queue_row
+from pgque.tail import ConsumerLeftBehind, Tail
 
 __all__ = ["cli", "main"]
 
@@ -534,17 +534,20 @@ def ticker(state: State, min_interval: float, idle_interval: float,
 # -- status -------------------------------------------------------------------------------
 
 
-def _status(client: pgque.Client, queue_name: str | None) -> dict[str, list[dict[str, Any]]]:
-    queues = client.queue_info() if queue_name is None else [queue_row(client, queue_name)]
-    consumers = client.consumer_info(queue_name)
-    slots = client.partition_slot_status(queue_name)
-    # A slot's retries and dead letters are those of its slot subscription,
-    # which consumer_info lists as <group>#<slot>/<slots>.
-    letters = {(c["queue_name"], c["consumer_name"]): c["dead_letters"] for c in consumers}
-    for s in slots:
-        name = f"{s['consumer_name']}#{s['slot']}/{s['slots']}"
-        s.setdefault("dead_letters", letters.get((s["queue_name"], name), 0))
-    return {"queues": queues, "consumers": consumers, "slots": slots}
+class _Status(NamedTuple):
+    """What ``pgque status`` shows."""
+
+    queues: list[pgque.QueueInfo]
+    consumers: list[pgque.ConsumerInfo]
+    slots: list[pgque.SlotStatus]
+
+
+def _status(client: pgque.Client, queue_name: str | None) -> _Status:
+    queues = client.queue_info(queue_name)
+    if queue_name is not None and not queues:
+        raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
+    return _Status(queues, client.consumer_info(queue_name),
+                   client.partition_slot_status(queue_name))
 
 
 @cli.command()
@@ -562,20 +565,20 @@ def status(state: State, queue_name: str | None, as_json: bool, watch: float | N
     client = state.client()
     if watch is None:
         if as_json:
-            click.echo(display.dumps(_status(client, queue_name)))
+            click.echo(display.dumps(_status(client, queue_name)._asdict()))
         else:
-            display.console().print(display.status_view(_status(client, queue_name)))
+            display.console().print(display.status_view(*_status(client, queue_name)))
         return
     try:
         if as_json:
             while True:
-                click.echo(display.dumps(_status(client, queue_name), indent=None))
+                click.echo(display.dumps(_status(client, queue_name)._asdict(), indent=None))
                 time.sleep(watch)
-        with Live(display.status_view(_status(client, queue_name)), console=display.console(),
+        with Live(display.status_view(*_status(client, queue_name)), console=display.console(),
                   auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(display.status_view(_status(client, queue_name)), refresh=True)
+                live.update(display.status_view(*_status(client, queue_name)), refresh=True)
     except KeyboardInterrupt:  # the way to leave --watch
         return
 

@@ -23,17 +23,19 @@ from typing import Any, TypeVar, overload
 
 import msgspec
 import psycopg
-from psycopg.rows import namedtuple_row, tuple_row
+from psycopg.rows import dict_row, namedtuple_row, tuple_row
 from psycopg_pool import ConnectionPool
 
 from pgque import schema
 from pgque.codec import encode_payload
 from pgque.errors import ConnectError, SessionUnstable, translated
-from pgque.types import Batch, DeadLetter, Event, Message, SlotOwner
+from pgque.info import ConsumerInfo, GroupStatus, QueueInfo, SlotOwner, SlotStatus, from_row
+from pgque.types import Batch, DeadLetter, Event, Message
 
 __all__ = ["Client", "connect"]
 
 T = TypeVar("T")
+R = TypeVar("R", bound=msgspec.Struct)
 EventLike = Event | tuple[str, Any] | tuple[str, Any, "str | None"]
 Conn = psycopg.Connection[Any]
 
@@ -553,12 +555,16 @@ class Client:
         check, params = self._checked(queue)
         return bool(self._value(f"select pgque.join_group({check}, %s)", (*params, consumer)))
 
-    def group_status(self, queue: str, consumer: str) -> list[SlotOwner]:
-        """Who owns each slot of the group now, and how many members are alive."""
+    def group_status(self, queue: str, consumer: str) -> GroupStatus:
+        """The group now: its live members, this session's rank among them and
+        who owns each slot (see GroupStatus.fair_share)."""
         check, params = self._checked(queue)
-        return [SlotOwner(slot=r[0], owner_pid=r[1], mine=r[2], members=r[3], my_rank=r[4])
-                for r in self._rows(f"select * from pgque.group_status({check}, %s)",
-                                    (*params, consumer))]
+        (row,) = self._rows(f"select * from pgque.group_status({check}, %s)",
+                            (*params, consumer), by_name=True)
+        return GroupStatus(
+            members=row.members, my_rank=row.my_rank,
+            slots=tuple(SlotOwner(slot=n, owner_pid=pid, mine=pid == row.my_pid)
+                        for n, pid in enumerate(row.owner_pids)))
 
     @overload
     def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
@@ -580,12 +586,13 @@ class Client:
                           (*params, consumer, slot, slots, max_events), by_name=True)
         return _batch(queue, consumer, rows, payload_type, slot, slots)
 
-    def partition_slot_status(self, queue: str | None = None) -> list[dict[str, Any]]:
-        """One dict per slot of every consumer group: owner pid, pending events,
-        oldest unconsumed age, stalled flag."""
-        return self._dicts("select * from pgque.partition_slot_status where %s::text is null "
-                           "or queue_name = %s order by queue_name, consumer_name, slot",
-                           (queue, queue))
+    def partition_slot_status(self, queue: str | None = None) -> list[SlotStatus]:
+        """Every slot of every consumer group (of one queue): owner pid, pending
+        events, oldest unconsumed age, stalled flag."""
+        return self._records(SlotStatus,
+                             "select * from pgque.partition_slot_status where %s::text is null "
+                             "or queue_name = %s order by queue_name, consumer_name, slot",
+                             (queue, queue))
 
     # -- dead letters ----------------------------------------------------
 
@@ -611,21 +618,24 @@ class Client:
 
     # -- information -----------------------------------------------------
 
-    def queue_info(self) -> list[dict[str, Any]]:
-        """One dict per queue: settings, newest tick, events since that tick."""
-        return self._dicts("select * from pgque.queue_info order by queue_name")
+    def queue_info(self, queue: str | None = None) -> list[QueueInfo]:
+        """Every queue (or the one named): settings, newest tick, events since that tick."""
+        return self._records(QueueInfo,
+                             "select * from pgque.queue_info where %s::text is null "
+                             "or queue_name = %s order by queue_name", (queue, queue))
 
-    def consumer_info(self, queue: str | None = None) -> list[dict[str, Any]]:
-        """One dict per subscription: cursor, lag, open batch, oldest unconsumed age."""
-        return self._dicts("select * from pgque.consumer_info where %s::text is null "
-                           "or queue_name = %s order by queue_name, consumer_name",
-                           (queue, queue))
+    def consumer_info(self, queue: str | None = None) -> list[ConsumerInfo]:
+        """Every subscription (of one queue): cursor, lag, open batch, oldest
+        unconsumed age. A group's slots are listed as ``group#slot/slots``."""
+        return self._records(ConsumerInfo,
+                             "select * from pgque.consumer_info where %s::text is null "
+                             "or queue_name = %s order by queue_name, consumer_name",
+                             (queue, queue))
 
-    def _dicts(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        with translated(), self.conn.cursor() as cur:
+    def _records(self, record: type[R], sql: str, params: Sequence[Any] = ()) -> list[R]:
+        with translated(), self.conn.cursor(row_factory=dict_row) as cur:
             cur.execute(sql.encode(), params)
-            names = [d.name for d in cur.description or ()]
-            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+            return [from_row(record, row) for row in cur.fetchall()]
 
 
 def _config_json(config: dict[str, float | timedelta | str]) -> str:
@@ -648,8 +658,7 @@ def _batch(queue: str, consumer: str, rows: list[Any], payload_type: type[T] | N
         return None
     messages = [
         Message(id=r.ev_id, type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1,
-                retry_count=r.ev_retry, created_at=r.ev_time,
-                extra=(r.ev_extra2, r.ev_extra3, r.ev_extra4), payload_type=payload_type)
+                retry_count=r.ev_retry, created_at=r.ev_time, payload_type=payload_type)
         for r in rows if r.ev_id is not None
     ]
     return Batch(queue=queue, consumer=consumer, batch_id=rows[0].batch_id, messages=messages,

@@ -16,12 +16,14 @@ from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+import msgspec
 import psycopg
 from psycopg import errors as pg_errors
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from pgque.info import ConsumerInfo, QueueInfo, SlotStatus
 from pgque.types import Message
 
 __all__ = [
@@ -57,7 +59,10 @@ def console() -> Console:
 
 
 def _json_default(value: object) -> object:
-    """JSON for what the info views return: intervals as seconds, times as ISO 8601."""
+    """JSON for what the info calls return: records as objects, intervals as
+    seconds, times as ISO 8601."""
+    if isinstance(value, msgspec.Struct):
+        return msgspec.structs.asdict(value)
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, (datetime, date)):
@@ -142,43 +147,43 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
     return result
 
 
-def queues_table(queues: list[dict[str, Any]], title: str | None = None) -> Table:
-    """Rows of the queue_info view, as ``queue list`` and ``status`` show them."""
+def queues_table(queues: Sequence[QueueInfo], title: str | None = None) -> Table:
+    """Queues, as ``queue list`` and ``status`` show them."""
     return table(
         title,
         ["queue", "consumers", "last tick", "tick age", "since tick", "tables", "rotation",
          "max retries"],
-        ([q["queue_name"], q["consumers"], q["last_tick_id"], q["last_tick_age"],
-          q["events_since_last_tick"], f"{q['current_table']}/{q['event_tables']}",
-          q["rotation_period"], q["max_retries"]] for q in queues))
+        ([q.queue_name, q.consumers, q.last_tick_id, q.last_tick_age,
+          q.events_since_last_tick, f"{q.current_table}/{q.event_tables}",
+          q.rotation_period, q.max_retries] for q in queues))
 
 
-def status_view(status: dict[str, list[dict[str, Any]]]) -> RenderableType:
+def status_view(queues: Sequence[QueueInfo], consumers: Sequence[ConsumerInfo],
+                slots: Sequence[SlotStatus]) -> RenderableType:
     """The tables of ``pgque status``: queues, plain consumers, consumer group slots."""
     # Slot subscriptions (group#k/N) are shown per slot below, not as consumers.
-    plain = [c for c in status["consumers"] if "#" not in c["consumer_name"]]
-    consumers = table(
+    plain = [c for c in consumers if "#" not in c.consumer_name]
+    consumer_table = table(
         "consumers",
         ["queue", "consumer", "lag", "ticks behind", "pending", "oldest unconsumed",
          "open batch", "retries", "dead letters"],
-        ([c["queue_name"], c["consumer_name"], c["lag"], c["ticks_behind"],
-          c["pending_events"], c["oldest_unconsumed_age"], c["open_batch_id"],
-          c["retries_waiting"], c["dead_letters"]] for c in plain))
-    slots = table(
+        ([c.queue_name, c.consumer_name, c.lag, c.ticks_behind, c.pending_events,
+          c.oldest_unconsumed_age, c.open_batch_id, c.retries_waiting, c.dead_letters]
+         for c in plain))
+    slot_table = table(
         "consumer group slots",
         ["queue", "group", "slot", "owner pid", "pending", "oldest unconsumed", "ticks behind",
          "retries", "dead letters", ""],
-        ([s["queue_name"], s["consumer_name"], f"{s['slot']}/{s['slots']}",
-          s["owner_pid"] if s["owner_pid"] is not None else Text("unowned", style="dim"),
-          s["pending_events"], s["oldest_unconsumed_age"], s["ticks_behind"],
-          s["retries_waiting"], s["dead_letters"],
-          Text("STALLED", style="bold red") if s["stalled"] else Text("")]
-         for s in status["slots"]))
-    parts: list[RenderableType] = [queues_table(status["queues"], "queues")]
+        ([s.queue_name, s.consumer_name, f"{s.slot}/{s.slots}",
+          s.owner_pid if s.owner_pid is not None else Text("unowned", style="dim"),
+          s.pending_events, s.oldest_unconsumed_age, s.ticks_behind, s.retries_waiting,
+          s.dead_letters, Text("STALLED", style="bold red") if s.stalled else Text("")]
+         for s in slots))
+    parts: list[RenderableType] = [queues_table(queues, "queues")]
     if plain:
-        parts.append(consumers)
-    if status["slots"]:
-        parts.append(slots)
+        parts.append(consumer_table)
+    if slots:
+        parts.append(slot_table)
     return Group(*parts)
 
 

@@ -37,10 +37,11 @@ import psycopg
 from pgque.client import Client, Conn, open_connection
 from pgque.display import describe_error, one_line
 from pgque.errors import ConnectError, QueueNotFound
+from pgque.info import QueueInfo
 from pgque.lifecycle import STOP_LATENCY, CallWatch, Service, client_keepalives
 from pgque.types import Message
 
-__all__ = ["NO_TICKS_NOTE", "TAIL_MAX_EVENTS", "ConsumerLeftBehind", "Tail", "queue_row"]
+__all__ = ["NO_TICKS_NOTE", "TAIL_MAX_EVENTS", "ConsumerLeftBehind", "Tail", "queue_info"]
 
 TAIL_MAX_EVENTS = 500  # events per receive
 
@@ -64,11 +65,10 @@ class _ConnectionLost(Exception):
     """The tail's session is gone, or the server is out of reach: reconnect."""
 
 
-def queue_row(client: Client, queue: str) -> dict[str, Any]:
-    """The queue_info row of one queue; QueueNotFound when there is none."""
-    for row in client.queue_info():
-        if row["queue_name"] == queue:
-            return row
+def queue_info(client: Client, queue: str) -> QueueInfo:
+    """The info of one queue; QueueNotFound when there is none."""
+    for info in client.queue_info(queue):
+        return info
     raise QueueNotFound(f"queue {queue!r} does not exist")
 
 
@@ -215,14 +215,14 @@ class Tail(Service):
         has cut what was sent so far (at once when nothing was sent since the last
         tick). False when a stop came first."""
         with watch.call():
-            first = queue_row(client, self.queue)
-        if not first["events_since_last_tick"]:
+            first = queue_info(client, self.queue)
+        if not first.events_since_last_tick:
             return True
         self._say(f"waiting for the next tick of {self.queue} (this role may not tick; "
                   "a ticker or a worker must run)")
         while True:
             with watch.call():
-                if queue_row(client, self.queue)["last_tick_id"] != first["last_tick_id"]:
+                if queue_info(client, self.queue).last_tick_id != first.last_tick_id:
                     return True
             if self.sleep(self.poll_interval):
                 return False

@@ -11,7 +11,7 @@ import msgspec
 
 from pgque.codec import decode_payload
 
-__all__ = ["Batch", "DeadLetter", "Event", "Message", "SlotOwner"]
+__all__ = ["Batch", "DeadLetter", "Event", "Message"]
 
 T = TypeVar("T")
 
@@ -33,8 +33,8 @@ class Message(Generic[T]):
     can nack, instead of failing the whole batch. ``data`` is the raw JSON.
     """
 
-    __slots__ = ("_decoded", "_payload_type", "created_at", "data", "extra", "id",
-                 "partition_key", "retry_count", "type")
+    __slots__ = ("_decoded", "_payload_type", "created_at", "data", "id", "partition_key",
+                 "retry_count", "type")
 
     def __init__(
         self,
@@ -44,7 +44,6 @@ class Message(Generic[T]):
         partition_key: str | None,
         retry_count: int,
         created_at: datetime,
-        extra: tuple[str | None, str | None, str | None] = (None, None, None),
         payload_type: type[T] | None = None,
     ) -> None:
         self.id = id
@@ -53,7 +52,6 @@ class Message(Generic[T]):
         self.partition_key = partition_key
         self.retry_count = retry_count
         self.created_at = created_at
-        self.extra = extra
         self._payload_type = payload_type
         self._decoded: tuple[T] | None = None
 
@@ -113,21 +111,3 @@ class DeadLetter(msgspec.Struct, frozen=True):
     def payload(self) -> Any:
         """The payload decoded from JSON."""
         return decode_payload(self.data, None)
-
-
-class SlotOwner(msgspec.Struct, frozen=True):
-    """One slot of a consumer group as group_status sees it, with the group's live
-    member count and this session's rank among them (None if not a member)."""
-
-    slot: int
-    owner_pid: int | None
-    mine: bool
-    members: int
-    my_rank: int | None = None
-
-    def fair_share(self, slots: int) -> int:
-        """How many slots this session should own: the members' integer share, plus
-        one for the first ``slots % members`` ranks (so the shares add up to slots)."""
-        if self.my_rank is None or self.members == 0:
-            return 0
-        return slots // self.members + (1 if self.my_rank < slots % self.members else 0)

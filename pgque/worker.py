@@ -284,12 +284,12 @@ class Worker(Service, Generic[T]):
             # session of a role outside the group sat on it), so join again. The
             # server refuses (ConsumerAccessDenied, which stops the worker) when
             # this session's role may no longer use the group.
-            if status[0].my_rank is None and client.join_group(self.queue, self.consumer):
+            if status.my_rank is None and client.join_group(self.queue, self.consumer):
                 status = client.group_status(self.queue, self.consumer)
-        members = status[0].members
-        share = status[0].fair_share(self.slots)
+        members = status.members
+        share = status.fair_share()
         with self._lock:
-            self._owned = {s.slot for s in status if s.mine}
+            self._owned = set(status.owned)
             owned = set(self._owned)
             # Only a step still running pins its slot: one that just finished is
             # at a batch boundary, so under a backlog surplus slots still move.
@@ -302,7 +302,7 @@ class Worker(Service, Generic[T]):
                 self.log.info("%s: released slot %s (share %s of %s workers)", self.name,
                               slot, share, members)
         elif len(owned) < share:
-            free = [s.slot for s in status if s.owner_pid is None]
+            free = [s.slot for s in status.slots if s.owner_pid is None]
             random.shuffle(free)
             for slot in free:
                 if len(owned) >= share:

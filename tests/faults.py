@@ -1183,7 +1183,7 @@ class FaultRun:
             return False
         with pgque.connect(self.dsn) as client:
             status = client.partition_slot_status(self.queue)
-        if any(s.get("retries_waiting") or s.get("pending_events") for s in status):
+        if any(s.retries_waiting or s.pending_events for s in status):
             return False
         live = [w.pid for w in self.live_workers()]
         return not self.db.value("select exists (select 1 from fault_handled where "

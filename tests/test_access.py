@@ -100,7 +100,7 @@ def test_a_consumer_group_belongs_to_the_role_that_made_it(teams: dict[str, Team
     assert b.partition_slot_status("q") == [] and b.consumer_info("q") == []
     assert len(admin.partition_slot_status("q")) == 2
     assert a.claim_slot("q", "ga", 0) and a.join_group("q", "ga")
-    assert admin.group_status("q", "ga")[0].owner_pid == a.pinned_pid
+    assert admin.group_status("q", "ga").slots[0].owner_pid == a.pinned_pid
     assert a.unsubscribe_slots("q", "ga") == 2
 
 
@@ -261,5 +261,5 @@ def test_a_group_named_like_another_teams_consumer_shows_nothing_of_it(
     a.ack(batch, nack=batch.messages)
     assert [d.consumer for d in a.dead_letters("dq")] == ["x"]
     assert b.dead_letters("dq") == []
-    assert [c["consumer_name"] for c in b.consumer_info("dq")] == ["x#0/1"]
-    assert {c["consumer_name"] for c in a.consumer_info("dq")} == {"x"}
+    assert [c.consumer_name for c in b.consumer_info("dq")] == ["x#0/1"]
+    assert {c.consumer_name for c in a.consumer_info("dq")} == {"x"}

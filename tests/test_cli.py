@@ -71,8 +71,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int) -
 
 
 def tail_consumers(client: pgque.Client) -> list[str]:
-    return [c["consumer_name"] for c in client.consumer_info()
-            if c["consumer_name"].startswith("tail-")]
+    return [c.consumer_name for c in client.consumer_info()
+            if c.consumer_name.startswith("tail-")]
 
 
 class Output:
@@ -348,7 +348,7 @@ def test_send_stdin_with_malformed_line_sends_nothing(client: pgque.Client, dsn:
     line = assert_one_line_error(result, 1)
     assert "line 3" in line
     assert drain(client, "q", "check") == []
-    assert client.queue_info()[0]["event_seq"] == 0  # not even sent and rolled back
+    assert client.queue_info()[0].event_seq == 0  # not even sent and rolled back
 
 
 # -- tail ------------------------------------------------------------------------------------
@@ -532,7 +532,7 @@ def test_worker_runs_handler_from_module_path(client: pgque.Client, dsn: str,
     client.create_queue("q")
 
     def owners() -> list[int | None]:
-        return [s["owner_pid"] for s in client.partition_slot_status("q")]
+        return [s.owner_pid for s in client.partition_slot_status("q")]
 
     with cli_process("worker", "cli_handlers:record", "--queue", "q", "--consumer", "g",
                      "--slots", "4", "--concurrency", "2", "--log-level", "warning",
@@ -561,7 +561,7 @@ def test_worker_exits_with_the_error_when_its_queue_goes_away(client: pgque.Clie
     with cli_process("worker", "cli_handlers:record", "--queue", "q", "--consumer", "g",
                      "--slots", "2", "--log-level", "warning", "--no-ticker",
                      PGQUE_DSN=dsn, PYTHONPATH=TESTS_DIR) as proc:
-        wait_for(lambda: all(s["owner_pid"] for s in client.partition_slot_status("q")),
+        wait_for(lambda: all(s.owner_pid for s in client.partition_slot_status("q")),
                  timeout=30, what="the worker to own its slots")
         client.drop_queue("q", force=True)
         _, err = proc.communicate(timeout=30)
@@ -714,7 +714,7 @@ def test_errors_are_one_line_without_traceback(client: pgque.Client, dsn: str, a
                      PYTHONPATH=TESTS_DIR)
     assert says in assert_one_line_error(result, code)
     assert time.monotonic() - started < 20  # a bad DSN fails fast, not after a long wait
-    assert client.queue_info()[0]["event_seq"] == 0  # nothing was sent
+    assert client.queue_info()[0].event_seq == 0  # nothing was sent
 
 
 def test_not_installed_is_one_line(empty_dsn: str) -> None:

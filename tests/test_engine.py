@@ -39,7 +39,7 @@ def test_send_receive_ack_roundtrip(client: pgque.Client) -> None:
     assert client.receive("orders", "billing") is None
     last = client.tick("orders")
     assert client.receive("orders", "billing") is None
-    assert client.consumer_info("orders")[0]["last_tick_id"] == last
+    assert client.consumer_info("orders")[0].last_tick_id == last
     # A Batch is truthy even when it holds no messages (a piece may be empty):
     # `while batch := client.receive(...)` must never skip acking one.
     assert pgque.Batch("orders", "billing", 1)

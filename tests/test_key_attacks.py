@@ -101,7 +101,7 @@ def test_the_old_fixed_keys_stall_nothing(roles: dict[str, str]) -> None:
             assert team.join_group("q", "g") is True
             assert all(team.claim_slot("q", "g", k) for k in range(4))
             status = team.group_status("q", "g")
-            assert status[0].members == 1 and all(s.mine for s in status)
+            assert status.members == 1 and all(s.mine for s in status.slots)
             with pgque.connect(roles["admin"]) as admin:
                 assert admin.claim_ticker() is True
 
@@ -124,7 +124,7 @@ def test_an_outsider_waiting_on_a_seen_slot_key_cannot_keep_the_slot(
         wait_for(lambda: not thread.is_alive(), what="the outsider to get the old key")
         with pgque.connect(roles["team"]) as second, pgque.connect(roles["admin"]) as admin:
             status = second.group_status("q", "g")
-            assert status[0].owner_pid is None  # the outsider does not count as owner
+            assert status.slots[0].owner_pid is None  # the outsider does not count as owner
             assert second.claim_slot("q", "g", 0) is True
             assert second.slot_lock_key("q", "g", 0) != key
             admin.conn.execute("select pgque.send('q', 'e', '1', 'k')")
@@ -132,7 +132,7 @@ def test_an_outsider_waiting_on_a_seen_slot_key_cannot_keep_the_slot(
             batch = second.receive_partitioned("q", "g", slot=0, slots=1)
             assert batch is not None and len(batch) == 1
             assert second.ack(batch)
-            assert second.group_status("q", "g")[0].owner_pid == second.pinned_pid
+            assert second.group_status("q", "g").slots[0].owner_pid == second.pinned_pid
     finally:
         evil.close()
         evil_probe.close()
@@ -146,9 +146,9 @@ def test_a_reader_of_another_team_is_an_outsider_to_the_group(roles: dict[str, s
         (key,) = held_keys(stranger, team.conn.info.backend_pid, "ExclusiveLock")
         team.release_slot("q", "g", 0)
         assert scalar(stranger, "select pg_try_advisory_lock(%s)", (key,))
-        assert team.group_status("q", "g")[0].owner_pid is None
+        assert team.group_status("q", "g").slots[0].owner_pid is None
         assert team.claim_slot("q", "g", 0) is True
-        assert team.group_status("q", "g")[0].mine
+        assert team.group_status("q", "g").slots[0].mine
 
 
 def test_shared_holders_of_the_group_key_are_not_members(roles: dict[str, str]) -> None:
@@ -164,8 +164,8 @@ def test_shared_holders_of_the_group_key_are_not_members(roles: dict[str, str]) 
             for conn in evil:
                 assert scalar(conn, "select pg_try_advisory_lock_shared(%s)", (key,))
             status = team.group_status("q", "g")
-            assert status[0].members == 1 and status[0].my_rank == 0
-            assert status[0].fair_share(8) == 8
+            assert status.members == 1 and status.my_rank == 0
+            assert status.fair_share() == 8
         finally:
             for conn in evil:
                 conn.close()
@@ -187,9 +187,9 @@ def test_an_outsider_queued_on_the_group_key_cannot_keep_workers_out(
                          what="the outsider to queue")
                 assert second.join_group("q", "g") is True
                 status = second.group_status("q", "g")
-                assert status[0].members == 1 and status[0].my_rank == 0
+                assert status.members == 1 and status.my_rank == 0
                 assert first.join_group("q", "g") is True  # on the new key
-                assert second.group_status("q", "g")[0].members == 2
+                assert second.group_status("q", "g").members == 2
             finally:
                 evil.close()
         thread.join(5)

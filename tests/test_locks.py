@@ -157,7 +157,7 @@ def test_ticker_and_maintenance_pass_over_a_queue_being_dropped(
         client.send("kept", "e", 2)
         assert other.ticker() == 1
         other.maintenance()
-    assert [q["queue_name"] for q in client.queue_info()] == ["kept"]
+    assert [q.queue_name for q in client.queue_info()] == ["kept"]
 
 
 # -- maintenance -------------------------------------------------------------------------

@@ -49,7 +49,7 @@ class WorkerPool:
 
     def wait_members(self) -> None:
         """Wait until every live process has joined the group."""
-        wait_for(lambda: self.monitor.group_status(self.queue, "g")[0].members == len(self.procs),
+        wait_for(lambda: self.monitor.group_status(self.queue, "g").members == len(self.procs),
                  timeout=30, what="workers to join")
 
     def kill_and_replace(self, index: int) -> None:
@@ -59,7 +59,7 @@ class WorkerPool:
         # The dead worker's session (and its group membership) ends a moment
         # after the process: wait for that, or wait_members would count it in
         # place of its replacement.
-        wait_for(lambda: self.monitor.group_status(self.queue, "g")[0].members
+        wait_for(lambda: self.monitor.group_status(self.queue, "g").members
                  == len(self.procs) - 1, timeout=30, what="the killed worker's session to end")
         self.procs[index % len(self.procs)] = self._spawn()
 

@@ -140,36 +140,36 @@ def test_partition_slot_status_shows_owner_and_lag(group: pgque.Client, dsn: str
     group.send("q", "e", 0)  # NULL key: slot 0
     group.tick("q")
     assert group.claim_slot("q", "g", 0)
-    rows = {r["slot"]: r for r in group.partition_slot_status("q")}
-    assert rows[0]["owner_pid"] == group.conn.info.backend_pid
-    assert rows[1]["owner_pid"] is None
-    assert (rows[0]["pending_events"], rows[1]["pending_events"]) == (4, 5)
-    assert rows[0]["slots"] == rows[1]["slots"] == 2
-    assert rows[0]["ticks_behind"] == 1
-    assert rows[0]["oldest_unconsumed_age"] is not None
-    assert not rows[0]["stalled"] and not rows[1]["stalled"]
+    rows = {r.slot: r for r in group.partition_slot_status("q")}
+    assert rows[0].owner_pid == group.conn.info.backend_pid
+    assert rows[1].owner_pid is None
+    assert (rows[0].pending_events, rows[1].pending_events) == (4, 5)
+    assert rows[0].slots == rows[1].slots == 2
+    assert rows[0].ticks_behind == 1
+    assert rows[0].oldest_unconsumed_age is not None
+    assert not rows[0].stalled and not rows[1].stalled
 
     batch = group.receive_partitioned("q", "g", slot=0, slots=2)
     assert batch is not None and len(batch) == 4
     assert group.ack(batch)
-    rows = {r["slot"]: r for r in group.partition_slot_status("q")}
-    assert (rows[0]["pending_events"], rows[1]["pending_events"]) == (0, 5)
-    assert rows[0]["oldest_unconsumed_age"] is None
-    assert rows[0]["ticks_behind"] == 0
+    rows = {r.slot: r for r in group.partition_slot_status("q")}
+    assert (rows[0].pending_events, rows[1].pending_events) == (0, 5)
+    assert rows[0].oldest_unconsumed_age is None
+    assert rows[0].ticks_behind == 0
     # Traffic of slot 1 only: slot 0 falls a tick behind but has nothing of its
     # own waiting, so it shows no age and is never flagged as stalled.
     group.send("q", "e", 1, partition_key=key_for_slot(conn, 1, 2))
     group.tick("q")
-    rows = {r["slot"]: r for r in group.partition_slot_status("q")}
-    assert rows[0]["ticks_behind"] == 1 and rows[0]["pending_events"] == 0
-    assert rows[0]["oldest_unconsumed_age"] is None
-    assert rows[1]["pending_events"] == 6 and rows[1]["oldest_unconsumed_age"] is not None
+    rows = {r.slot: r for r in group.partition_slot_status("q")}
+    assert rows[0].ticks_behind == 1 and rows[0].pending_events == 0
+    assert rows[0].oldest_unconsumed_age is None
+    assert rows[1].pending_events == 6 and rows[1].oldest_unconsumed_age is not None
     # Status seen from another session agrees on the owner.
     with psycopg.connect(dsn, autocommit=True) as observer:
         owner = scalar(observer, "select owner_pid from pgque.partition_slot_status where slot = 0")
     assert owner == group.conn.info.backend_pid
     group.release_slot("q", "g", 0)
-    assert {r["slot"]: r["owner_pid"] for r in group.partition_slot_status("q")} == {0: None,
+    assert {r.slot: r.owner_pid for r in group.partition_slot_status("q")} == {0: None,
                                                                                      1: None}
 
 
@@ -180,10 +180,11 @@ def test_group_status_counts_members(group: pgque.Client, dsn: str) -> None:
         other.join_group("q", "g")
         other.claim_slot("q", "g", 1)
         status = group.group_status("q", "g")
-        assert [s.members for s in status] == [2, 2]
-        assert status[1].owner_pid == other.conn.info.backend_pid
-        assert not status[1].mine
-    wait_for(lambda: group.group_status("q", "g")[0].members == 1, what="member to leave")
+        assert status.members == 2 and len(status.slots) == 2
+        assert status.my_rank in (0, 1) and status.fair_share() == 1
+        assert status.slots[1].owner_pid == other.conn.info.backend_pid
+        assert not status.slots[1].mine
+    wait_for(lambda: group.group_status("q", "g").members == 1, what="member to leave")
 
 
 def test_other_databases_slots_are_not_ours(group: pgque.Client, dsn: str, pg_server: Any,
@@ -208,9 +209,9 @@ def test_other_databases_slots_are_not_ours(group: pgque.Client, dsn: str, pg_se
             assert other.claim_slot("q", "g", 0)
             assert other.slot_lock_key("q", "g", 0) == group.slot_lock_key("q", "g", 0)
             status = group.group_status("q", "g")
-            assert [s.owner_pid for s in status] == [None, None]
-            assert status[0].members == 0
-            assert [r["owner_pid"] for r in group.partition_slot_status("q")] == [None, None]
+            assert [s.owner_pid for s in status.slots] == [None, None]
+            assert status.members == 0
+            assert [r.owner_pid for r in group.partition_slot_status("q")] == [None, None]
             assert group.claim_slot("q", "g", 0) is True
     finally:
         pgtest.drop_database(pg_server, other_db)
@@ -225,7 +226,7 @@ def test_a_shared_hold_of_the_slot_key_is_not_ownership(group: pgque.Client, dsn
         for intruder in (first, second):
             with pytest.raises(pgque.SlotNotOwned):
                 intruder.receive_partitioned("q", "g", slot=0, slots=2)
-        status = {s.slot: s.owner_pid for s in group.group_status("q", "g")}
+        status = {s.slot: s.owner_pid for s in group.group_status("q", "g").slots}
         assert status[0] is None  # shown as free, not as owned by a share holder
         # An exclusive claim cannot be had while they share it, and releasing
         # does not touch a share hold.
@@ -243,5 +244,5 @@ def test_release_slot_never_makes_the_server_warn(group: pgque.Client) -> None:
     key = group.slot_lock_key("q", "g", 1)
     group.conn.execute("select pg_advisory_lock(%s), pg_advisory_lock(%s)", (key, key))
     assert group.release_slot("q", "g", 1) is True
-    assert all(s.owner_pid is None for s in group.group_status("q", "g"))
+    assert all(s.owner_pid is None for s in group.group_status("q", "g").slots)
     assert notices == []

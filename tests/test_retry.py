@@ -56,7 +56,7 @@ def test_retry_not_due_stays_out(client: pgque.Client) -> None:
     assert all(step != "retry" for _, step, _ in client.maintenance("q"))
     assert drain(client, "q", "c") == []
     info = client.consumer_info("q")[0]
-    assert info["retries_waiting"] == 1
+    assert info.retries_waiting == 1
 
 
 def test_dead_letter_after_max_retries_then_replay(client: pgque.Client) -> None:
@@ -117,9 +117,9 @@ def test_nack_of_event_not_handed_out_is_refused(client: pgque.Client) -> None:
     assert batch is not None
     with pytest.raises(pgque.EventNotInBatch):
         client.nack(batch, [ids[0], ids[3]])  # ids[3] is not handed out yet
-    assert client.consumer_info("q")[0]["retries_waiting"] == 0
+    assert client.consumer_info("q")[0].retries_waiting == 0
     assert client.nack(batch, [ids[0], ids[1]]) == 0
-    assert client.consumer_info("q")[0]["retries_waiting"] == 2
+    assert client.consumer_info("q")[0].retries_waiting == 2
 
 
 def test_many_due_retries_come_back_in_one_pass(client: pgque.Client) -> None:

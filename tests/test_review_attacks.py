@@ -256,8 +256,8 @@ def test_a_noinherit_login_acting_as_its_team_counts_as_owner_and_member(
         w1.subscribe_slots("q", "g", slots=2)
         assert w1.claim_slot("q", "g", 0) and w1.join_group("q", "g")
         status = w1.group_status("q", "g")
-        assert status[0].owner_pid == w1.pinned_pid and status[0].mine
-        assert status[0].members == 1 and status[0].my_rank == 0
+        assert status.slots[0].owner_pid == w1.pinned_pid and status.slots[0].mine
+        assert status.members == 1 and status.my_rank == 0
 
 
 def test_a_noinherit_teammate_cannot_take_a_slot_another_one_owns(world: World) -> None:
@@ -330,7 +330,7 @@ def test_a_claim_in_a_long_transaction_does_not_displace_a_newer_owner(world: Wo
             stolen = scalar(mate, "select pgque.claim_slot('q', 'g', 1)")
             mate.commit()
             assert stolen is False
-            assert worker.group_status("q", "g")[1].mine
+            assert worker.group_status("q", "g").slots[1].mine
 
 
 # ---------------------------------------------------------------------------
@@ -351,9 +351,9 @@ def test_a_reader_of_another_team_does_not_read_its_cursors_in_the_info_views(
         admin.grant_queue("private", world.roles["a"], "consume")
         a.subscribe("private", "ca")
         a.subscribe_slots("q", "ga", slots=2)
-        seen = {(r["queue_name"], r["consumer_name"]) for r in b.consumer_info()}
+        seen = {(r.queue_name, r.consumer_name) for r in b.consumer_info()}
         assert ("private", "ca") not in seen
-        assert not any(r["consumer_name"] == "ga" for r in b.partition_slot_status())
+        assert not any(r.consumer_name == "ga" for r in b.partition_slot_status())
 
 
 # ---------------------------------------------------------------------------
@@ -499,12 +499,12 @@ def test_a_prepared_transaction_on_a_seen_key_stalls_nothing(prepared_ok: None,
         assert scalar(world.su, "select count(*) from pg_locks where locktype = 'advisory' "
                                 "and pid is null and granted") == 2
         with world.client("a") as second:
-            assert second.group_status("q", "g")[0].owner_pid is None
+            assert second.group_status("q", "g").slots[0].owner_pid is None
             assert second.join_group("q", "g") is True
             assert second.claim_slot("q", "g", 0) is True
             assert second.slot_lock_key("q", "g", 0) != slot_key
             status = second.group_status("q", "g")
-            assert status[0].mine and status[0].members == 1
+            assert status.slots[0].mine and status.members == 1
     finally:
         world.su.execute(f"rollback prepared '{gid}'")
 

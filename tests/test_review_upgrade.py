@@ -20,7 +20,7 @@ from test_cli import run_cli
 from test_install import PLANTS, _drop_role, catalog, install_0_1
 
 import pgque
-from pgque.schema import Migration, _wrapped
+from pgque.schema import Migration, _wrapped, migrations
 
 
 def _role_dsn(dsn: str, role: str) -> str:
@@ -389,7 +389,7 @@ def test_upgrade_of_many_odd_queues(empty_dsn: str) -> None:
         held = [m.id for m in batch]
         pgque.install(client.conn)
         assert client.queue_config("wide")["event_tables"] == 5
-        assert sorted(r["queue_name"] for r in client.queue_info()) == sorted(
+        assert sorted(r.queue_name for r in client.queue_info()) == sorted(
             ["wide", *(f"q{n}" for n in range(30) if n % 3)])
         client.ack(batch)
         got = [m.id for m in drain(client, "wide", "c")]
@@ -478,7 +478,7 @@ def test_a_migration_holding_the_outer_dollar_tag_is_refused(empty_dsn: str) -> 
     the DO block early and the assembled script breaks (or runs half of it outside
     the `if not exists` guard). Fix: check both tags (or pick a tag absent from the
     text)."""
-    bad = Migration(3, "tagged", "do $pgque_migrate$ begin null; end $pgque_migrate$;")
+    bad = Migration(99, "tagged", "do $pgque_migrate$ begin null; end $pgque_migrate$;")
     try:
         step = _wrapped(bad)
     except RuntimeError:
@@ -488,12 +488,12 @@ def test_a_migration_holding_the_outer_dollar_tag_is_refused(empty_dsn: str) -> 
         with conn.transaction(force_rollback=True):
             conn.execute(step.encode())
             assert scalar(conn, "select count(*) from pgque.migration "
-                                "where mig_number = 3") == 1
+                                "where mig_number = 99") == 1
 
 
 def test_a_lost_migration_table_is_rebuilt(empty_dsn: str) -> None:
     """Held (tampering): with pgque.migration dropped (a partial restore), the guard
-    records migration 1 for the existing tables and 0002 runs again harmlessly.
+    records migration 1 for the existing tables and the later ones run again harmlessly.
     (Deleting the row of migration 1 instead makes the install fail with
     DuplicateTable, rolled back: 0001 is not idempotent; acceptable.)"""
     with pgque.connect(empty_dsn) as client:
@@ -504,7 +504,8 @@ def test_a_lost_migration_table_is_rebuilt(empty_dsn: str) -> None:
         client.conn.execute("drop table pgque.migration")
         client.install()
         assert [r[0] for r in client.conn.execute(
-            "select mig_number from pgque.migration order by 1")] == [1, 2]
+            "select mig_number from pgque.migration order by 1")] == [
+                m.number for m in migrations()]
         assert [m.id for m in drain(client, "q", "c")] == [sent]
 
 

@@ -274,7 +274,7 @@ def test_run_worker_until_so_many_events(client: pgque.Client, dsn: str, queue: 
     assert run.failed == []
     assert not run.worker.alive and run.worker.owned_slots == frozenset()
     # Everything handled was acked: nothing waits for the group any more.
-    assert [r["pending_events"] for r in client.partition_slot_status(queue)] == [0, 0, 0]
+    assert [r.pending_events for r in client.partition_slot_status(queue)] == [0, 0, 0]
 
 
 def test_run_worker_drains_and_counts_failures(client: pgque.Client, dsn: str,
@@ -292,7 +292,7 @@ def test_run_worker_drains_and_counts_failures(client: pgque.Client, dsn: str,
     assert (message.payload, message.retry_count, str(error)) == (3, 0, "first try of 3")
     assert [m.retry_count for m in run.handled if m.payload == 3] == [1]
     rows = client.partition_slot_status(queue)
-    assert [(r["pending_events"], r["retries_waiting"], r["open_batch_id"]) for r in rows] \
+    assert [(r.pending_events, r.retries_waiting, r.open_batch_id) for r in rows] \
         == [(0, 0, None)] * 3
 
 

@@ -113,7 +113,7 @@ def test_sigterm_stops_a_worker_process_cleanly(client: pgque.Client, dsn: str,
                  "ended timestamptz)")
     proc = subprocess.Popen([sys.executable, WORKER_SCRIPT, dsn, "q", "g", "4", "5", "1"])
     try:
-        wait_for(lambda: client.group_status("q", "g")[0].members == 1,
+        wait_for(lambda: client.group_status("q", "g").members == 1,
                  what="worker to join", dsn=dsn)
         ids = client.send_batch("q", [("e", {"p": 0, "s": i}, f"k{i % 9}") for i in range(200)])
         wait_for(lambda: scalar(conn, "select count(distinct ev_id) from handled") == 200,

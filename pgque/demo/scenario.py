@@ -192,8 +192,8 @@ class Demo:
         with self.console.status(f"waiting for {members} workers to join and share the slots"):
             while True:
                 status = admin.group_status(self.queue, GROUP)
-                owners = Counter(s.owner_pid for s in status)
-                if (status[0].members == members and None not in owners
+                owners = Counter(s.owner_pid for s in status.slots)
+                if (status.members == members and None not in owners
                         and max(owners.values()) <= share):
                     break
                 if time.monotonic() > deadline:

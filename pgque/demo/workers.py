@@ -239,9 +239,9 @@ class Workers:
     def owned(self, admin: pgque.Client) -> dict[int, list[int]]:
         """The slots each worker owns now."""
         rows = admin.conn.execute(
-            "select a.application_name, array_agg(s.slot order by s.slot) "
-            "from pgque.group_status(%s, %s) s join pg_stat_activity a on a.pid = s.owner_pid "
-            "group by 1", (self.queue, GROUP)).fetchall()
+            "select a.application_name, array_agg(o.slot - 1 order by o.slot) "
+            "from pgque.group_status(%s, %s) s, unnest(s.owner_pids) with ordinality o(pid, slot) "
+            "join pg_stat_activity a on a.pid = o.pid group by 1", (self.queue, GROUP)).fetchall()
         # Worker sessions are named demo-worker-<number> (see _worker_main).
         return {int(name.rsplit("-", 1)[-1]): slots for name, slots in rows}
 
@@ -284,13 +284,12 @@ class RollingRestart:
             if self.halfway.n_waiting < self.producers:
                 return
             status = self.admin.group_status(workers.queue, GROUP)
-            if status[0].members < len(workers.processes):
+            if status.members < len(workers.processes):
                 return
             self.halfway.wait()  # releases the producers into the barrier's second round
             self.slots = workers.owned(self.admin).get(self.leaving, [])
-            pending = sum(r["pending_events"] or 0
-                          for r in self.admin.partition_slot_status(workers.queue)
-                          if r["slot"] in self.slots)
+            pending = sum(s.pending_events for s in self.admin.partition_slot_status(workers.queue)
+                          if s.slot in self.slots)
             self.note(f"halfway: worker {self.joining} has joined; SIGTERM to worker "
                       f"{self.leaving}, which owns slots {','.join(map(str, self.slots))} "
                       f"with {pending:,} events pending")

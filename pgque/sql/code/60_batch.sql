@@ -8,8 +8,7 @@
 
 -- pgque.batch_event: one event of a batch as receive and receive_partitioned
 -- return it: the batch it belongs to, then the event. ev_extra1 is its
--- partition key; ev_extra2..4 are carried from PgQ's event shape and no pgque
--- function sets them.
+-- partition key (the name is PgQ's).
 create type pgque.batch_event as (
     batch_id  bigint,
     ev_id     bigint,
@@ -17,10 +16,7 @@ create type pgque.batch_event as (
     ev_retry  integer,
     ev_type   text,
     ev_data   text,
-    ev_extra1 text,
-    ev_extra2 text,
-    ev_extra3 text,
-    ev_extra4 text
+    ev_extra1 text
 );
 
 -- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
@@ -193,10 +189,10 @@ begin
 
     if v_count = 0 then
         return query select p_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
-                            null::text, null::text, null::text, null::text, null::text, null::text;
+                            null::text, null::text, null::text;
     else
         return query select p_cur.cur_batch, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-                            e.ev_extra1, e.ev_extra2, e.ev_extra3, e.ev_extra4
+                            e.ev_extra1
                        from unnest(v_events) e;
     end if;
 end
@@ -318,22 +314,17 @@ begin
          order by e.ev_id, e.ev_retry desc),
     dead as (
         insert into pgque.dead_letter (dl_queue, dl_consumer, dl_sub, dl_reason, ev_id, ev_time,
-                                       ev_txid, ev_retry, ev_type, ev_data, ev_extra1,
-                                       ev_extra2, ev_extra3, ev_extra4)
+                                       ev_txid, ev_retry, ev_type, ev_data, ev_extra1)
         select p_queue.queue_id, p_sub.sub_consumer, p_sub.sub_id, e.reason, e.ev_id, e.ev_time,
-               e.ev_txid,
-               e.ev_retry, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3,
-               e.ev_extra4
+               e.ev_txid, e.ev_retry, e.ev_type, e.ev_data, e.ev_extra1
           from nacked e
          where e.ev_retry >= p_queue.queue_max_retries
         returning 1),
     retried as (
         insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
-                                       ev_retry, ev_type, ev_data, ev_extra1, ev_extra2,
-                                       ev_extra3, ev_extra4)
+                                       ev_retry, ev_type, ev_data, ev_extra1)
         select now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
-               e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, e.ev_extra2, e.ev_extra3,
-               e.ev_extra4
+               e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1
           from nacked e
          where e.ev_retry < p_queue.queue_max_retries
         returning 1)

@@ -445,18 +445,18 @@ begin
 end
 $$;
 
--- pgque.group_status(queue, consumer): one row per slot of the group: slot,
--- owner backend pid (null when unowned), whether this session is the owner,
--- the number of live members (sessions that joined the group), and this
--- session's rank among them by backend pid (0-based; null if not a member).
--- A member's fair share is members' integer share of the slots, plus one for
--- the first (slots % members) ranks, so the shares always add up to slots.
--- Only sessions whose roles may use the group count, as owners or members:
--- a slot whose key another role sits on shows as unowned, so a worker
--- claims it (and claim_slot renews the key).
-create or replace function pgque.group_status(p_queue text, p_consumer text)
-returns table (slot integer, owner_pid integer, mine boolean, members integer,
-               my_rank integer)
+-- pgque.group_status(queue, consumer): the group now, in one row: the number
+-- of live members (sessions that joined the group), this session's rank among
+-- them by backend pid (0-based; null if not a member), this session's pid,
+-- and the owner of each slot (owner_pids[k + 1] is slot k's owner backend pid,
+-- null when unowned). A member's fair share is members' integer share of the
+-- slots, plus one for the first (slots % members) ranks, so the shares always
+-- add up to slots. Only sessions whose roles may use the group count, as
+-- owners or members: a slot whose key another role sits on shows as unowned,
+-- so a worker claims it (and claim_slot renews the key).
+create or replace function pgque.group_status(
+    p_queue text, p_consumer text,
+    out members integer, out my_rank integer, out my_pid integer, out owner_pids integer[])
 language plpgsql volatile
 security definer
 set search_path = pg_catalog, pg_temp
@@ -467,7 +467,6 @@ declare
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
 begin
     perform pg_stat_clear_snapshot();  -- see _key_sessions
-    return query
     with keys as materialized (
         -- The group's keys: its membership key, then one per slot.
         select null::integer as key_slot, v_group.cg_lock_key as key
@@ -490,17 +489,16 @@ begin
                     and locks.objid = (keys.key & 4294967295)::oid
           join pg_stat_activity a on a.pid = locks.pid
          where pgque._may_consume(a.usesysid, v_queue, v_group.cg_owner, v_group.cg_grantees)),
-    members as (
+    member_pids as (
         select array_agg(distinct h.pid order by h.pid) as pids from holders h
          where h.key_slot is null and h.mode = 'ShareLock')
-    select n::integer,
-           o.pid,
-           coalesce(o.pid = pg_backend_pid(), false),
-           coalesce(cardinality(members.pids), 0),
-           array_position(members.pids, pg_backend_pid()) - 1
-      from generate_series(0, v_group.cg_slots - 1) n
-      cross join members
-      left join holders o on o.key_slot = n and o.mode = 'ExclusiveLock'
-     order by n;
+    select coalesce(cardinality(m.pids), 0),
+           array_position(m.pids, pg_backend_pid()) - 1,
+           pg_backend_pid(),
+           (select array_agg(o.pid order by n)
+              from generate_series(0, v_group.cg_slots - 1) n
+              left join holders o on o.key_slot = n and o.mode = 'ExclusiveLock')
+      into members, my_rank, my_pid, owner_pids
+      from member_pids m;
 end
 $$;

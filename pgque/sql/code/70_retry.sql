@@ -2,7 +2,7 @@
 
 -- pgque._insert_events_sql(queue): the statement that moves rows of a CTE
 -- named "src" into the queue's current event table, keeping ev_id, ev_time,
--- ev_retry, ev_type, ev_data and the extras, with a new ev_txid (the moving
+-- ev_retry, ev_type, ev_data and ev_extra1 (the partition key), with a new ev_txid (the moving
 -- transaction's) and src.ev_owner as the only subscription that sees them.
 create or replace function pgque._insert_events_sql(p_queue pgque.queue)
 returns text
@@ -10,10 +10,9 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format(
-        'insert into pgque.%I (ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data,'
-        '                      ev_extra1, ev_extra2, ev_extra3, ev_extra4)'
-        ' select ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data,'
-        '        ev_extra1, ev_extra2, ev_extra3, ev_extra4 from src order by ev_id',
+        'insert into pgque.%I (ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data, ev_extra1)'
+        ' select ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data, ev_extra1'
+        '   from src order by ev_id',
         pgque._event_table(p_queue.queue_id, p_queue.queue_cur_table))
 $$;
 
@@ -89,7 +88,7 @@ create or replace function pgque.dead_letters(
     p_after_id bigint default 0)
 returns table (dl_id bigint, consumer text, dl_time timestamptz, reason text, ev_id bigint,
                ev_time timestamptz, ev_retry integer, ev_type text, ev_data text,
-               ev_extra1 text, ev_extra2 text, ev_extra3 text, ev_extra4 text)
+               ev_extra1 text)
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
@@ -115,7 +114,7 @@ begin
     end if;
     return query
         select d.dl_id, d.dl_consumer, d.dl_time, d.dl_reason, d.ev_id, d.ev_time, d.ev_retry,
-               d.ev_type, d.ev_data, d.ev_extra1, d.ev_extra2, d.ev_extra3, d.ev_extra4
+               d.ev_type, d.ev_data, d.ev_extra1
           from pgque.dead_letter d
          where d.dl_queue = v_queue.queue_id
            and (p_consumer is null or d.dl_consumer = p_consumer
@@ -129,7 +128,7 @@ $$;
 
 -- pgque.replay_dead_letter(queue, dl_id): puts a dead letter back into the
 -- log for the consumer that dead-lettered it (same ev_id, type, payload and
--- extras; retry count back to 0) and removes it from dead letters. Returns
+-- partition key; retry count back to 0) and removes it from dead letters. Returns
 -- the ev_id. Raises PQ009 if there is no such dead letter, PQ002 if its
 -- consumer is no longer subscribed.
 create or replace function pgque.replay_dead_letter(p_queue text, p_dl_id bigint)
@@ -158,11 +157,10 @@ begin
     end if;
     execute 'with src as (select $1::bigint as ev_id, $2::timestamptz as ev_time,'
             '                    $3::integer as ev_owner, 0 as ev_retry, $4::text as ev_type,'
-            '                    $5::text as ev_data, $6::text as ev_extra1, $7::text as ev_extra2,'
-            '                    $8::text as ev_extra3, $9::text as ev_extra4) '
+            '                    $5::text as ev_data, $6::text as ev_extra1) '
             || pgque._insert_events_sql(v_queue)
       using v_dead.ev_id, v_dead.ev_time, v_owner, v_dead.ev_type, v_dead.ev_data,
-            v_dead.ev_extra1, v_dead.ev_extra2, v_dead.ev_extra3, v_dead.ev_extra4;
+            v_dead.ev_extra1;
     perform nextval(v_queue.queue_event_seq);
     return v_dead.ev_id;
 end

@@ -111,8 +111,9 @@ $$;
 
 -- pgque._partition_slot_status: one row per slot of every consumer group:
 -- its owner (the backend holding the slot's advisory lock), how much it has
--- not consumed, and whether it looks stalled (events waiting for over a
--- minute while nobody owns it or it has not moved for a minute).
+-- not consumed, its retries and dead letters, and whether it looks stalled
+-- (events waiting for over a minute while nobody owns it or it has not moved
+-- for a minute).
 create or replace view pgque._partition_slot_status as
 select q.queue_name,
        g.cg_consumer as consumer_name,
@@ -128,6 +129,8 @@ select q.queue_name,
        c.cur_batch as open_batch_id,
        c.cur_time as last_active,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
+       (select count(*) from pgque.dead_letter d
+         where d.dl_queue = q.queue_id and d.dl_consumer = s.sub_consumer) as dead_letters,
        coalesce(o.age > interval '1 minute'
                 and (l.pid is null or now() - c.cur_time > interval '1 minute'),
                 false) as stalled

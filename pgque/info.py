@@ -1,0 +1,115 @@
+"""What operators look at: the records of the info calls and of group_status.
+
+Each record is one row of a view or function in ``pgque/sql/code/90_info.sql``
+and ``65_partition.sql``; its fields are the columns, by name. They are frozen
+msgspec structs: typed, cheap, and encodable as JSON with
+``msgspec.json.encode`` (intervals as ISO 8601 durations) or
+``msgspec.structs.asdict``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import msgspec
+
+__all__ = ["ConsumerInfo", "GroupStatus", "QueueInfo", "SlotOwner", "SlotStatus", "from_row"]
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+
+def from_row(record: type[R], row: dict[str, Any]) -> R:
+    """The record made from a row's columns. Columns the record does not know are
+    left out, so a client keeps working while a newer schema adds columns."""
+    return msgspec.convert(row, record)
+
+
+class QueueInfo(msgspec.Struct, frozen=True):
+    """A queue: its settings, its newest tick and how much was sent since."""
+
+    queue_name: str
+    queue_id: int
+    event_tables: int
+    current_table: int
+    rotation_period: timedelta
+    last_rotation: datetime
+    ticker_max_count: int
+    ticker_max_lag: timedelta
+    ticker_idle_period: timedelta
+    max_retries: int
+    last_tick_id: int | None
+    last_tick_time: datetime | None
+    last_tick_age: timedelta | None
+    event_seq: int
+    events_since_last_tick: int
+    consumers: int
+
+
+class ConsumerInfo(msgspec.Struct, frozen=True):
+    """A subscription (a plain consumer, or one slot of a group, named
+    ``group#slot/slots``): its cursor, its lag and what waits for it."""
+
+    queue_name: str
+    consumer_name: str
+    sub_id: int
+    last_tick_id: int | None
+    last_tick_time: datetime | None
+    lag: timedelta | None
+    ticks_behind: int
+    pending_events: int
+    open_batch_id: int | None
+    last_active: datetime | None
+    oldest_unconsumed_age: timedelta | None
+    retries_waiting: int
+    dead_letters: int
+
+
+class SlotStatus(msgspec.Struct, frozen=True):
+    """One slot of a consumer group: its owner, its backlog, and whether it looks
+    stalled (events waiting over a minute while nobody owns or moves it)."""
+
+    queue_name: str
+    consumer_name: str
+    slot: int
+    slots: int
+    owner_pid: int | None
+    pending_events: int
+    ticks_behind: int
+    oldest_unconsumed_age: timedelta | None
+    lag: timedelta | None
+    open_batch_id: int | None
+    last_active: datetime | None
+    retries_waiting: int
+    dead_letters: int
+    stalled: bool
+
+
+class SlotOwner(msgspec.Struct, frozen=True):
+    """One slot of a consumer group as group_status sees it."""
+
+    slot: int
+    owner_pid: int | None
+    mine: bool
+
+
+class GroupStatus(msgspec.Struct, frozen=True):
+    """A consumer group now: its live members, this session's rank among them
+    (by backend pid, 0-based; None when not a member) and each slot's owner."""
+
+    members: int
+    my_rank: int | None
+    slots: tuple[SlotOwner, ...]
+
+    @property
+    def owned(self) -> list[int]:
+        """The slots this session owns."""
+        return [s.slot for s in self.slots if s.mine]
+
+    def fair_share(self) -> int:
+        """How many slots this session should own: the members' integer share, plus
+        one for the first ``len(slots) % members`` ranks (the shares add up)."""
+        if self.my_rank is None or self.members == 0:
+            return 0
+        count = len(self.slots)
+        return count // self.members + (1 if self.my_rank < count % self.members else 0)
