@@ -37,11 +37,12 @@ from pgque.errors import (
     SlotCountMismatch,
     SlotNotOwned,
     SlotSubscriptionError,
+    StaleEpoch,
 )
 from pgque.info import ConsumerInfo, GroupStatus, QueueInfo, SlotOwner, SlotStatus
 from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
-from pgque.types import Batch, DeadLetter, Event, Message
+from pgque.types import Batch, DeadLetter, Event, Fence, Message
 from pgque.worker import Worker
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "DependentObjects",
     "Event",
     "EventNotInBatch",
+    "Fence",
     "GroupStatus",
     "InvalidArgument",
     "InvalidConfig",
@@ -84,6 +86,7 @@ __all__ = [
     "SlotOwner",
     "SlotStatus",
     "SlotSubscriptionError",
+    "StaleEpoch",
     "Ticker",
     "Worker",
     "__version__",

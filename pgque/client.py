@@ -30,7 +30,7 @@ from pgque import schema
 from pgque.codec import encode_payload
 from pgque.errors import ConnectError, SessionUnstable, translated
 from pgque.info import ConsumerInfo, GroupStatus, QueueInfo, SlotOwner, SlotStatus, from_row
-from pgque.types import Batch, DeadLetter, Event, Message
+from pgque.types import Batch, DeadLetter, Event, Fence, Message
 
 __all__ = ["Client", "connect"]
 
@@ -550,6 +550,19 @@ class Client:
         return bool(self._value(f"select pgque.release_slot({check}, %s, %s)",
                                 (*params, consumer, slot)))
 
+    def check_fence(self, fence: Fence) -> None:
+        """Raise StaleEpoch unless ``fence.epoch`` is still the slot's epoch and the
+        session that received under it still owns the slot.
+
+        Call it on the connection, and inside the transaction, that writes a
+        handler's effects (``Client(conn).check_fence(message.fence)``): the
+        epoch then holds until that transaction ends, and a new owner's first
+        receive waits for it, so no effect checked under an old epoch commits
+        after the slot moved.
+        """
+        self._rows("select pgque.check_fence(%s, %s, %s, %s)",
+                   (fence.queue, fence.consumer, fence.slot, fence.epoch))
+
     def join_group(self, queue: str, consumer: str) -> bool:
         """Register this session as a live member of the group (see group_status)."""
         check, params = self._checked(queue)
@@ -656,10 +669,14 @@ def _batch(queue: str, consumer: str, rows: list[Any], payload_type: type[T] | N
     are no rows."""
     if not rows:
         return None
+    # Only a slot's batch has an epoch; a schema older than 0.2 has none.
+    epoch = getattr(rows[0], "epoch", None)
+    fence = None if slot is None or epoch is None else Fence(queue, consumer, slot, epoch)
     messages = [
         Message(id=r.ev_id, type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1,
-                retry_count=r.ev_retry, created_at=r.ev_time, payload_type=payload_type)
+                retry_count=r.ev_retry, created_at=r.ev_time, payload_type=payload_type,
+                fence=fence)
         for r in rows if r.ev_id is not None
     ]
     return Batch(queue=queue, consumer=consumer, batch_id=rows[0].batch_id, messages=messages,
-                 slot=slot, slots=slots)
+                 slot=slot, slots=slots, fence=fence)

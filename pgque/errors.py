@@ -43,6 +43,7 @@ __all__ = [
     "SlotCountMismatch",
     "SlotNotOwned",
     "SlotSubscriptionError",
+    "StaleEpoch",
 ]
 
 
@@ -239,6 +240,18 @@ class SessionUnstable(PgqueError):
     sqlstate = "PQ025"
 
 
+class StaleEpoch(PgqueError):
+    """A fencing check failed: the epoch is no longer the slot's (PQ026).
+
+    Raised by :meth:`~pgque.Client.check_fence` when the slot passed to another
+    owner, was released, or its owner's session ended since the batch was
+    received. The transaction that checked must not commit its effects; it is
+    in error, so it rolls back.
+    """
+
+    sqlstate = "PQ026"
+
+
 class CronUnavailable(PgqueError):
     """pg_cron is not installed in this database (PQ030)."""
 
@@ -259,7 +272,7 @@ _BY_SQLSTATE: dict[str, type[PgqueError]] = {
         QueueInUse, PartitionKeyTooLong, SchemaNotOwned, DependentObjects, NewerSchema,
         ConsumerAccessDenied,
         QueueAccessDenied, InvalidGrant, SlotSubscriptionError, SlotCountMismatch,
-        InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, CronUnavailable,
+        InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, StaleEpoch, CronUnavailable,
         InvalidArgument,
     )
     if cls.sqlstate is not None

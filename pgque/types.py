@@ -11,7 +11,7 @@ import msgspec
 
 from pgque.codec import decode_payload
 
-__all__ = ["Batch", "DeadLetter", "Event", "Message"]
+__all__ = ["Batch", "DeadLetter", "Event", "Fence", "Message"]
 
 T = TypeVar("T")
 
@@ -24,6 +24,20 @@ class Event(msgspec.Struct, frozen=True):
     partition_key: str | None = None
 
 
+class Fence(msgspec.Struct, frozen=True):
+    """The fencing token of a slot's batch: the slot and the epoch its owner
+    received it under. ``Client.check_fence(fence)``, in the transaction that
+    writes a handler's effects, raises :class:`~pgque.StaleEpoch` once the
+    slot has passed to another owner. Epochs only grow, so ``epoch`` also
+    serves as a token for systems outside PostgreSQL (reject a write whose
+    epoch is lower than the highest one seen for the slot)."""
+
+    queue: str
+    consumer: str
+    slot: int
+    epoch: int
+
+
 class Message(Generic[T]):
     """One event as a consumer receives it.
 
@@ -31,10 +45,11 @@ class Message(Generic[T]):
     when the receive call gave one), so an event whose payload does not fit
     the type reaches the handler as a :class:`~pgque.PayloadError` that it
     can nack, instead of failing the whole batch. ``data`` is the raw JSON.
+    ``fence`` is the batch's :class:`Fence` for a slot's event, else None.
     """
 
-    __slots__ = ("_decoded", "_payload_type", "created_at", "data", "id", "partition_key",
-                 "retry_count", "type")
+    __slots__ = ("_decoded", "_payload_type", "created_at", "data", "fence", "id",
+                 "partition_key", "retry_count", "type")
 
     def __init__(
         self,
@@ -45,6 +60,7 @@ class Message(Generic[T]):
         retry_count: int,
         created_at: datetime,
         payload_type: type[T] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.id = id
         self.type = type
@@ -53,6 +69,7 @@ class Message(Generic[T]):
         self.retry_count = retry_count
         self.created_at = created_at
         self._payload_type = payload_type
+        self.fence = fence
         self._decoded: tuple[T] | None = None
 
     @property
@@ -71,7 +88,8 @@ class Message(Generic[T]):
 class Batch(Generic[T]):
     """A piece of a consumer's open batch: the messages to handle, then ack.
 
-    ``slot`` and ``slots`` are set for batches of a partitioned consumer.
+    ``slot``, ``slots`` and ``fence`` are set for batches of a partitioned
+    consumer.
     """
 
     queue: str
@@ -80,6 +98,7 @@ class Batch(Generic[T]):
     messages: list[Message[T]] = field(default_factory=list)
     slot: int | None = None
     slots: int | None = None
+    fence: Fence | None = None
 
     def __len__(self) -> int:
         return len(self.messages)

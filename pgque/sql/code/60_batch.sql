@@ -8,7 +8,8 @@
 
 -- pgque.batch_event: one event of a batch as receive and receive_partitioned
 -- return it: the batch it belongs to, then the event. ev_extra1 is its
--- partition key (the name is PgQ's).
+-- partition key (the name is PgQ's). epoch is the slot owner's fencing epoch
+-- for a slot's batch (see 66_fence.sql), null for a plain consumer's.
 create type pgque.batch_event as (
     batch_id  bigint,
     ev_id     bigint,
@@ -16,7 +17,8 @@ create type pgque.batch_event as (
     ev_retry  integer,
     ev_type   text,
     ev_data   text,
-    ev_extra1 text
+    ev_extra1 text,
+    epoch     bigint
 );
 
 -- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
@@ -189,10 +191,10 @@ begin
 
     if v_count = 0 then
         return query select p_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
-                            null::text, null::text, null::text;
+                            null::text, null::text, null::text, null::bigint;
     else
         return query select p_cur.cur_batch, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-                            e.ev_extra1
+                            e.ev_extra1, null::bigint
                        from unnest(v_events) e;
     end if;
 end

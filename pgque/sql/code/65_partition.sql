@@ -20,7 +20,7 @@
 -- that finds a slot's key held or awaited only by sessions that do not count
 -- renews the key (a new random value) and takes the new one.
 --
--- Errors (see pgque/errors.py): PQ020 to PQ024.
+-- Errors (see pgque/errors.py): PQ020 to PQ024; PQ026 in 66_fence.sql.
 
 -- pgque.max_slots(): the largest slot count a group may have.
 create or replace function pgque.max_slots()
@@ -310,7 +310,8 @@ end
 $$;
 
 -- pgque.release_slot(queue, consumer, slot): releases the slot's lock if
--- this session holds it; true when it did.
+-- this session holds it, ending its epoch first (see 66_fence.sql); true when
+-- it did.
 create or replace function pgque.release_slot(p_queue text, p_consumer text, p_slot integer)
 returns boolean
 language plpgsql
@@ -321,6 +322,9 @@ declare
     v record;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
+    if pgque._holds_slot(v.sub) then
+        perform pgque._end_epoch(v.sub);
+    end if;
     return pgque._unlock_key((v.sub).sub_lock_key, false);
 end
 $$;
@@ -328,7 +332,8 @@ $$;
 -- pgque.receive_partitioned(queue, consumer, slot, slots, max_events): like
 -- receive(), for slot slot of slots of a consumer group: opens the slot's
 -- batch under the receive lock and returns only the events whose key routes
--- to the slot. Refuses (PQ024) unless this session owns the slot.
+-- to the slot, with the owner's epoch (see 66_fence.sql). Refuses (PQ024)
+-- unless this session owns the slot.
 create or replace function pgque.receive_partitioned(
     p_queue text, p_consumer text, p_slot integer, p_slots integer,
     p_max_events integer default null)
@@ -339,6 +344,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v record;
+    v_epoch bigint;
 begin
     -- Check ownership before taking the row lock, so a non-owner never waits,
     -- and whether there is anything to receive, so an idle poll writes nothing.
@@ -348,11 +354,14 @@ begin
     if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
         return;  -- idle: no lock taken, nothing written
     end if;
+    -- Before the receive lock: a new epoch may wait for fenced transactions.
+    v_epoch := pgque._slot_epoch(v.sub);
     select v.queue, v.grp, f.sub, f.cur into v
       from pgque._find_subscription(v.queue, (v.sub).sub_consumer, true) f;
     perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
-    return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
-                                              p_slots);
+    return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
+                        r.ev_extra1, v_epoch
+                   from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot, p_slots) r;
 end
 $$;
 

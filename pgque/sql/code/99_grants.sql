@@ -56,7 +56,7 @@ declare
         'join_group(text,text)', 'group_status(text,text)', 'slot_of(text,integer)',
         'max_slots()', 'tick_channel(text)',
         'grant_consumer(text,text,text)', 'revoke_consumer(text,text,text)',
-        'queue_grants(text)'];
+        'queue_grants(text)', 'check_fence(text,text,integer,bigint)'];
     v_fn text;
 begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then
