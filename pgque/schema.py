@@ -93,11 +93,15 @@ def _code_files() -> list[tuple[str, str]]:
 
 
 def _newer_check(latest: int) -> str:
-    return f"""-- ===== refuse a database migrated by a newer pgque =====
+    # Versions compare as their leading major.minor.patch numbers; a version
+    # that does not start so (a hand-made one) compares as 0.0.0.
+    return f"""-- ===== refuse a database migrated or installed by a newer pgque =====
 do $pgque_newer$
 declare
     v_mine integer;
     v_by text;
+    v_installed text := pg_catalog.current_setting('pgque.installed_before');
+    v_numbers constant text := '^([0-9]+)[.]([0-9]+)[.]([0-9]+)';
 begin
     select m.mig_number, m.mig_package into v_mine, v_by
       from pgque.migration m order by m.mig_number desc limit 1;
@@ -107,6 +111,15 @@ begin
             message = pg_catalog.format(
                 'this database has pgque migration %s (from pgque %s); pgque {__version__} '
                 'knows migrations up to {latest} only', v_mine, v_by),
+            hint = 'Install with the newer pgque (or later); never downgrade.';
+    end if;
+    if coalesce(pg_catalog.regexp_match(v_installed, v_numbers)::integer[], '{{0,0,0}}')
+       > coalesce(pg_catalog.regexp_match('{__version__}', v_numbers)::integer[], '{{0,0,0}}') then
+        raise exception using
+            errcode = 'PQ018',
+            message = pg_catalog.format(
+                'this database has pgque %s installed, newer than pgque {__version__}',
+                v_installed),
             hint = 'Install with the newer pgque (or later); never downgrade.';
     end if;
 end

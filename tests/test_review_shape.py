@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -395,10 +396,25 @@ def test_documented_sql_argument_names_work_in_named_notation(client: pgque.Clie
     reason text default null)`), but the functions name them p_queue, p_exist_ok,
     p_after_id, ...: a SQL user who skips a default by name, e.g.
     `pgque.create_queue('q', exist_ok => true)`, gets "function does not exist".
-    Expected: the documented names work (or the docs give the real ones)."""
+    Expected: the documented names work (or the docs give the real ones).
+    Fixed in the docs: they say the names carry a p_ prefix in named notation, and
+    every documented argument name, so prefixed, is the function's."""
     conn = client.conn
-    assert scalar(conn, "select pgque.create_queue('q', exist_ok => true)") > 0
-    assert scalar(conn, "select count(*) from pgque.dead_letters('q', after_id => 0)") == 0
+    api = (ROOT / "docs" / "api.md").read_text("utf-8")
+    assert "p_exist_ok => true" in api
+    assert scalar(conn, "select pgque.create_queue('q', p_exist_ok => true)") > 0
+    assert scalar(conn, "select count(*) from pgque.dead_letters('q', p_after_id => 0)") == 0
+    sql = api[api.index("## SQL"):]
+    checked = 0
+    for name, args in re.findall(r"^\| `(\w+)\(([^)]*)\)", sql, re.M):
+        documented = {f"p_{a.split()[0]}" for a in args.split(",")
+                      if a.strip() and not a.strip().startswith("out ")}
+        real = {n for (names,) in conn.execute(
+                    "select proargnames from pg_proc where pronamespace = 'pgque'::regnamespace "
+                    "and proname = %s", (name,)) for n in (names or [])}
+        assert documented <= real, (name, documented - real)
+        checked += 1
+    assert checked > 40
 
 
 def test_readme_does_not_deny_the_upgrade_path() -> None:

@@ -19,9 +19,10 @@ begin
     exception when others then
         v_result := null;
     end;
-    if v_result is null or v_result < interval '0' then
+    -- isfinite: PostgreSQL 17 has infinite intervals; a setting must be finite.
+    if v_result is null or v_result < interval '0' or not isfinite(v_result) then
         raise exception using errcode = 'PQ007',
-            message = format('%s must be a non-negative interval (seconds or an interval literal), not %s',
+            message = format('%s must be a finite non-negative interval (seconds or an interval literal), not %s',
                              pgque._name_for_message(p_key), pgque._name_for_message(p_value::text));
     end if;
     return v_result;

@@ -73,8 +73,7 @@ select q.queue_name,
        now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
            as oldest_unconsumed_age,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
-       (select count(*) from pgque.dead_letter d
-         where d.dl_queue = q.queue_id and d.dl_consumer = s.sub_consumer) as dead_letters
+       (select count(*) from pgque.dead_letter d where d.dl_sub = s.sub_id) as dead_letters
   from pgque.subscription s
   join pgque.queue q on q.queue_id = s.sub_queue
   cross join lateral pgque._current_cursor(s.sub_id) c
@@ -129,8 +128,7 @@ select q.queue_name,
        c.cur_batch as open_batch_id,
        c.cur_time as last_active,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
-       (select count(*) from pgque.dead_letter d
-         where d.dl_queue = q.queue_id and d.dl_consumer = s.sub_consumer) as dead_letters,
+       (select count(*) from pgque.dead_letter d where d.dl_sub = s.sub_id) as dead_letters,
        coalesce(o.age > interval '1 minute'
                 and (l.pid is null or now() - c.cur_time > interval '1 minute'),
                 false) as stalled
@@ -215,7 +213,8 @@ as $$
     select i.* from pgque._partition_slot_status i
       join pgque.queue q on q.queue_name = i.queue_name
      cross join pgque._caller_access() me
-     where me.admin or pgque._may_use_consumer_name(q, i.consumer_name, me.role)
+     -- consumer_name is the group's: '#' makes _may_use_consumer_name judge the group.
+     where me.admin or pgque._may_use_consumer_name(q, i.consumer_name || '#', me.role)
 $$;
 
 create or replace view pgque.partition_slot_status as
