@@ -1,15 +1,29 @@
 """The partitioned consumer: a Worker owns some slots of a consumer group and
 handles their events, one event at a time per slot, slots in parallel.
 
+Sessions
+--------
+A Worker talks to the database over a *control* session and up to
+``concurrency`` *lane* sessions. The control session joins the group (so
+workers can count each other), listens for tick notifications and decides
+which slots this worker should own. Each lane is one session and the one
+thread that uses it: it claims the slots the control hands it, and for each of
+them receives, runs the handler and acks, on that session. A slot's lock, its
+receive, its handler's transaction (see *transactional*) and its ack are
+therefore all on one session, and slots on different lanes never wait for
+each other. Lanes are opened as slots are claimed, up to ``concurrency``;
+beyond that, a lane takes turns between its slots. A worker uses at most
+``concurrency + 1`` connections, plus one for its Ticker if it runs one.
+
 How slots are shared
 --------------------
-There is no leader and no assignor. Each worker joins the group (a shared
-advisory lock, so workers can count each other) and claims free slots with a
-non-blocking ``pg_try_advisory_lock`` until it owns its fair share:
-``N // M`` for M live workers, plus one for the first ``N % M`` of them by
-backend pid, so the shares always add up to N. A worker that owns more than its share releases
-the surplus at a batch boundary, and newcomers pick those slots up. A worker
-that dies loses its session and with it its locks: its slots are free at once.
+There is no leader and no assignor. Each worker claims free slots with a
+non-blocking ``pg_try_advisory_lock`` until it owns its fair share: ``N // M``
+for M live workers, plus one for the first ``N % M`` of them by the control
+session's backend pid, so the shares always add up to N. A worker that owns
+more than its share releases the surplus at a batch boundary, and newcomers
+pick those slots up. A lane that dies loses its session and with it its locks:
+its slots are free at once.
 
 Why this is safe
 ----------------
@@ -17,31 +31,37 @@ Correctness does not rest on this module. The server refuses receive, ack and
 nack of a slot from a session that does not hold the slot's lock, and the
 receive lock hands a second receiver the same open batch, never another. So
 the worst a bug here can do is spread slots badly or stall; it cannot let two
-workers hold the same slot or ack a batch somebody else owns.
+workers hold the same slot or ack a batch somebody else owns. A slot is never
+claimed again while a lane that lost it still runs its handler, so one worker
+never runs two handlers of one slot at once.
 
 Failures
 --------
 A handler that raises has its event nacked (the *skip* policy): the event goes
 to the slot's retry queue, the rest of the batch proceeds, and the nacks and
 the ack of the batch commit in one transaction. Delivery is at least once;
-handlers must be idempotent. When the connection goes away every slot is lost
-with it: in-flight batches are dropped unacked (they will be delivered again),
-the worker reconnects with backoff, rejoins and claims again. A batch stops at
-the next event as soon as its session is seen gone (a check of the idle
-socket between events, no round trip), so after a takeover at most the event
-already in flight overlaps the new owner. Errors that retrying cannot heal (a
-wrong slot count, an unknown queue, a pooler swapping the session) stop the
-worker: ``run()`` raises them and :attr:`Worker.error` keeps them.
+handlers must be idempotent, unless they are *transactional*: then the
+handler gets the lane's connection, inside a transaction that also acks the
+batch, so the handler's writes and the ack commit together or not at all
+(each event in a savepoint: a failed event's writes roll back and it is
+nacked in the same transaction). A lane that lost its session can never
+commit: the transaction went with it. When a lane's session goes away its
+slots are lost with it; in-flight batches are dropped unacked (they will be
+delivered again) and the control claims the slots again, on other lanes. A
+batch stops at the next event as soon as its session is seen gone (a check of
+the idle socket between events, no round trip). Errors that retrying cannot
+heal (a wrong slot count, an unknown queue, a pooler swapping the session)
+stop the worker: ``run()`` raises them and :attr:`Worker.error` keeps them.
 
 Network
 -------
 ``network_timeout`` (30 s) bounds how long a worker whose network went silent
 (no FIN: a partition, a dead host) keeps its slots: the server ends its
-session within that time (TCP keepalives and ``tcp_user_timeout`` set on the
+sessions within that time (TCP keepalives and ``tcp_user_timeout`` set on each
 session), and the client side gives up at about half of it, so the cut-off
 worker stops handling before its slots can move. A worker frozen with its
-network fine (SIGSTOP, a debugger) is bounded the same way: its session falls
-silent, and ``idle_session_timeout`` ends it.
+network fine (SIGSTOP, a debugger) is bounded the same way: its sessions fall
+silent, and ``idle_session_timeout`` ends them.
 """
 
 from __future__ import annotations
@@ -51,20 +71,21 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Generic, TypeVar
 
 import psycopg
 from psycopg import sql
 
-from pgque.client import Client, open_connection
+from pgque.client import Client, Conn
 from pgque.errors import SessionUnstable, SlotNotOwned
 from pgque.lifecycle import (
     STOP_LATENCY,
     CallWatch,
     Service,
+    Stopped,
     client_keepalives,
     is_fatal,
     server_timeouts,
@@ -75,33 +96,36 @@ from pgque.types import Batch, Message
 __all__ = ["Worker"]
 
 T = TypeVar("T")
+#: A handler: called with each message.
 Handler = Callable[[Message[T]], object]
+#: A transactional handler: called with each message and the lane's connection,
+#: inside the transaction that acks the batch.
+TransactionalHandler = Callable[[Message[T], Conn], object]
 
 
 class _ConnectionLost(Exception):
-    """The worker's session ended; every slot it owned is gone with it."""
+    """A session of the worker ended; the slots it owned are gone with it."""
 
 
 class _Session:
-    """One connected session of the worker: the client over it, and the watch on
-    its calls (see CallWatch). Slot steps hold on to the session they started
-    on, so a step of an old session never acks on a new one."""
+    """One connected session: the client over it, the watch on its calls (see
+    CallWatch) and when it was last used."""
 
     def __init__(self, client: Client, watch: CallWatch) -> None:
         self.client = client
         self.watch = watch
-
-    @property
-    def lost(self) -> bool:
-        return self.watch.lost
+        self.last_used = time.monotonic()
 
     @contextlib.contextmanager
     def call(self) -> Iterator[Client]:
         """A call on the session: timed by the watchdog, refused once it is lost."""
         if self.watch.lost:
             raise _ConnectionLost("session gone")
-        with self.watch.call():
-            yield self.client
+        try:
+            with self.watch.call():
+                yield self.client
+        finally:
+            self.last_used = time.monotonic()
 
     def gone(self) -> bool:
         return self.watch.gone()
@@ -112,10 +136,15 @@ class Worker(Service, Generic[T]):
 
     ``handler`` is called with each :class:`~pgque.Message`; the events of one
     slot are handled strictly one after another, and up to ``concurrency``
-    slots at the same time. By default the worker also runs a
-    :class:`~pgque.Ticker` (pass ``ticker=False`` when something else ticks, or
-    a configured Ticker) and listens for tick notifications (``listen``), with
-    ``poll_interval`` as the fallback when a notification is lost.
+    slots at the same time, each on a session of its own (see the module
+    docstring). With ``transactional=True`` the handler is called as
+    ``handler(message, conn)``, inside the transaction on ``conn`` that also
+    acks the batch: its writes on ``conn`` commit with the ack, exactly once.
+
+    By default the worker also runs a :class:`~pgque.Ticker` (pass
+    ``ticker=False`` when something else ticks, or a configured Ticker) and
+    listens for tick notifications (``listen``), with ``poll_interval`` as the
+    fallback when a notification is lost.
 
     ``run()`` blocks until :meth:`stop` (or SIGTERM / SIGINT when run in the
     main thread) and raises the error that stopped the worker, if any;
@@ -132,7 +161,8 @@ class Worker(Service, Generic[T]):
         queue: str,
         consumer: str,
         slots: int,
-        handler: Handler[T],
+        handler: Handler[T] | TransactionalHandler[T],
+        transactional: bool = False,
         concurrency: int | None = None,
         payload_type: type[T] | None = None,
         max_events: int = 100,
@@ -147,6 +177,8 @@ class Worker(Service, Generic[T]):
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
         if network_timeout < 2:
             raise ValueError("network_timeout must be at least 2 seconds")
         if max_events < 1:
@@ -161,6 +193,7 @@ class Worker(Service, Generic[T]):
         self.consumer = consumer
         self.slots = slots
         self.handler = handler
+        self.transactional = transactional
         self.concurrency = concurrency or slots
         self.payload_type = payload_type
         self.max_events = max_events
@@ -169,14 +202,6 @@ class Worker(Service, Generic[T]):
         self.rebalance_interval = rebalance_interval
         self.listen = listen
         self.network_timeout = network_timeout
-
-        self._wake = threading.Event()  # a slot step finished, a tick was announced, or stop
-        # Tick notifications heard so far (only the listener thread counts). A
-        # slot step that comes back empty goes idle only if no tick was heard
-        # while it ran: otherwise the tick it missed would wait a whole poll.
-        self._ticks_heard = 0
-        self._ticks_acted_on = 0
-        self._heard_at_start: dict[int, int] = {}
         self.ticker: Ticker | None
         if isinstance(ticker, Ticker):
             self.ticker = ticker
@@ -184,13 +209,12 @@ class Worker(Service, Generic[T]):
             self.ticker = Ticker(dsn, name=f"{self.name}-ticker",
                                  connect_timeout=connect_timeout,
                                  network_timeout=network_timeout) if ticker else None
-        self._executor: ThreadPoolExecutor | None = None
-        self._session: _Session | None = None
-        self._owned: set[int] = set()
-        self._busy: dict[int, Future[bool]] = {}
-        self._idle_until: dict[int, float] = {}
-        self._last_started: dict[int, float] = {}  # round robin when slots outnumber threads
-        self._lock = threading.Lock()
+
+        self._lock = threading.Lock()  # lanes, their slots and requests, the counters
+        self._lanes: list[_Lane[T]] = []
+        self._lane_numbers = 0
+        self._fatal: BaseException | None = None  # a lane's error that retrying cannot heal
+        self._wake = threading.Event()  # a lane ended or failed, or stop
         self.handled = 0  # events whose handler returned
         self.failed = 0  # events whose handler raised (nacked)
 
@@ -200,85 +224,105 @@ class Worker(Service, Generic[T]):
     def owned_slots(self) -> frozenset[int]:
         """The slots this worker owns right now."""
         with self._lock:
-            return frozenset(self._owned)
+            return frozenset(slot for lane in self._lanes for slot in lane.slots)
+
+    @property
+    def sessions(self) -> int:
+        """How many lane sessions the worker has open now (its control session and
+        its Ticker's not counted)."""
+        with self._lock:
+            return sum(1 for lane in self._lanes if lane.pid is not None and lane.alive)
 
     def request_stop(self) -> None:
         """Ask the worker to finish its current batches, release its slots and exit."""
         super().request_stop()
         self._wake.set()
+        with self._lock:
+            for lane in self._lanes:
+                lane.wake()
 
     # -- the service -----------------------------------------------------------
 
     def setup(self) -> None:
-        self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix=self.name)
         if self.ticker is not None and not self.ticker.alive:
             self.ticker.start()
-        if self.listen:
-            threading.Thread(target=self._listen, name=f"{self.name}-listener",
-                             daemon=True).start()
 
     def serve(self) -> None:
         conn = self.connect(self.dsn, **client_keepalives(self.network_timeout))
-        # A call unanswered for half the network timeout means a network that
-        # no TCP timeout sees (a stalled middlebox or pooler): give up on the
-        # session before the server ends it and the slots move.
-        session = _Session(Client(conn), self.watch(conn, self.network_timeout / 2))
+        control = _Session(Client(conn), self.watch(conn, self.network_timeout / 2))
         try:
-            client = session.client
-            # The session is never idle for long (it rebalances every
+            # The control session is never idle for long (it rebalances every
             # rebalance_interval), so a long silence means a frozen or lost
-            # client: the server ends the session and the slots move.
+            # client: the server ends the session, and the worker stops counting.
             settings = server_timeouts(self.network_timeout,
                                        idle_timeout=max(self.network_timeout * 5 / 6,
                                                         3 * self.rebalance_interval))
-            # This session only moves cursors (handlers use their own connections):
-            # a cursor move lost in a server crash means events delivered again,
-            # which at-least-once allows, so its commits need not wait for a WAL
-            # flush. Several times cheaper per batch on a durable server.
-            settings["synchronous_commit"] = "off"
-            with session.call():
+            with control.call() as client:
                 client.pin_session(settings)
                 client.subscribe_slots(self.queue, self.consumer, slots=self.slots)
                 client.join_group(self.queue, self.consumer)
-            with self._lock:
-                self._session = session
-                self._owned = set()
-            self.log.info("%s: connected (backend pid %s)", self.name, client.pinned_pid)
-            self._consume(session)
-            self._finish(session)
+                if self.listen:
+                    row = conn.execute("select pgque.tick_channel(%s)", (self.queue,)).fetchone()
+                    assert row is not None
+                    conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))
+            self.log.info("%s: connected (control backend pid %s)", self.name, client.pinned_pid)
+            self._control_loop(control)
+            self._finish(control)
         finally:
-            self._forget(session)
-            self.unwatch(session.watch)
+            self.unwatch(control.watch)
+            with contextlib.suppress(Exception):  # closing a dead connection may fail
+                conn.close()
 
     def cleanup(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        # Also after an error that stopped the worker: the lanes finish and leave.
+        self._stop.set()
+        with self._lock:
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.wake()
+        for lane in lanes:
+            lane.join()
         if self.ticker is not None:
             self.ticker.stop(timeout=5.0)
         self.log.info("%s: stopped (handled %s events, %s failed)", self.name, self.handled,
                       self.failed)
 
-    # -- the loop ------------------------------------------------------------
+    # -- the control loop --------------------------------------------------------
 
-    def _consume(self, session: _Session) -> None:
+    def _control_loop(self, control: _Session) -> None:
         next_rebalance = 0.0
         while not self.stopping:
+            if self._fatal is not None:
+                raise self._fatal
             now = time.monotonic()
             if now >= next_rebalance:
-                self._rebalance(session)
-                next_rebalance = now + self.rebalance_interval
-            if self._ticks_heard != self._ticks_acted_on:
-                self._ticks_acted_on = self._ticks_heard
-                with self._lock:
-                    self._idle_until.clear()  # a new tick: every slot may have a batch
-            self._dispatch(session)
-            self._wait_for_work()
+                self._rebalance(control)
+                next_rebalance = time.monotonic() + self.rebalance_interval
+            self._wait(control, max(0.0, min(next_rebalance - time.monotonic(), STOP_LATENCY)))
 
-    # -- slots -----------------------------------------------------------------
+    def _wait(self, control: _Session, timeout: float) -> None:
+        """Wait up to ``timeout`` for a tick notification (passed on to the lanes),
+        a lane's end, or a stop. A notification carries no information and may be
+        lost (NOTIFY is at most once): the lanes' polls stay."""
+        if not self.listen:
+            self._wake.wait(timeout)
+            self._wake.clear()
+            return
+        try:
+            with control.watch.call() as conn:
+                heard = sum(1 for _ in conn.notifies(timeout=timeout, stop_after=1))
+        except psycopg.OperationalError as exc:
+            raise _ConnectionLost(str(exc)) from exc
+        if heard:
+            with self._lock:
+                for lane in self._lanes:
+                    lane.tick()
 
-    def _rebalance(self, session: _Session) -> None:
-        """Claim free slots up to the fair share; release the surplus that is idle."""
-        with session.call() as client:
+    def _rebalance(self, control: _Session) -> None:
+        """Claim free slots up to the fair share; release the surplus. Claims and
+        releases are handed to the lanes, which make them on their sessions at
+        their next batch boundary."""
+        with control.call() as client:
             status = client.group_status(self.queue, self.consumer)
             # Not counted as a member: the group's membership key was renewed (a
             # session of a role outside the group sat on it), so join again. The
@@ -286,208 +330,371 @@ class Worker(Service, Generic[T]):
             # this session's role may no longer use the group.
             if status.my_rank is None and client.join_group(self.queue, self.consumer):
                 status = client.group_status(self.queue, self.consumer)
-        members = status.members
         share = status.fair_share()
         with self._lock:
-            self._owned = set(status.owned)
-            owned = set(self._owned)
-            # Only a step still running pins its slot: one that just finished is
-            # at a batch boundary, so under a backlog surplus slots still move.
-            running = {slot for slot, future in self._busy.items() if not future.done()}
-        if len(owned) > share:
-            for slot in sorted(owned - running, reverse=True)[: len(owned) - share]:
-                with session.call() as client:
-                    client.release_slot(self.queue, self.consumer, slot)
-                owned.discard(slot)
-                self.log.info("%s: released slot %s (share %s of %s workers)", self.name,
-                              slot, share, members)
-        elif len(owned) < share:
-            free = [s.slot for s in status.slots if s.owner_pid is None]
-            random.shuffle(free)
-            for slot in free:
-                if len(owned) >= share:
+            self._lanes = [lane for lane in self._lanes if lane.alive]
+            by_pid = {lane.pid: lane for lane in self._lanes if lane.pid is not None}
+            owned = {s.slot: by_pid[s.owner_pid] for s in status.slots
+                     if s.owner_pid in by_pid}
+            claiming = {slot for lane in self._lanes for slot in lane.claims}
+            # A lane that lost its session may still run a handler of its slot:
+            # that slot is not claimed again until the handler has returned.
+            in_hand = {lane.current for lane in self._lanes if lane.current is not None}
+            mine = len(owned) + len(claiming - owned.keys())
+            if mine > share:
+                releasing = {slot for lane in self._lanes for slot in lane.releases}
+                surplus = sorted(set(owned) - releasing, reverse=True)
+                for slot in surplus[: mine - share - len(releasing)]:
+                    owned[slot].request_release(slot)
+                    self.log.info("%s: releasing slot %s (share %s of %s workers)", self.name,
+                                  slot, share, status.members)
+            elif mine < share:
+                free = [s.slot for s in status.slots if s.owner_pid is None
+                        and s.slot not in claiming and s.slot not in in_hand]
+                random.shuffle(free)
+                for slot in free[: share - mine]:
+                    self._lane_for_claim().request_claim(slot)
+
+    def _lane_for_claim(self) -> _Lane[T]:
+        """The lane a new slot goes to: a new one while there are fewer than
+        ``concurrency``, else the one with the fewest slots. Holds self._lock."""
+        live = [lane for lane in self._lanes if lane.alive and not lane.lost]
+        idle = [lane for lane in live if not lane.load]
+        if idle:
+            return idle[0]
+        if len(live) < self.concurrency:
+            self._lane_numbers += 1
+            lane = _Lane(self, self._lane_numbers)
+            self._lanes.append(lane)
+            lane.start()
+            return lane
+        return min(live, key=lambda lane: lane.load)
+
+    def _finish(self, control: _Session) -> None:
+        """On stop: the lanes finish their batches (they ack) and release their
+        slots. Handlers may take a while: keep the control session talking
+        meanwhile, or its idle_session_timeout would end it."""
+        with self._lock:
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.wake()
+        for lane in lanes:
+            while lane.join(self.rebalance_interval):
+                try:
+                    with control.call() as client:
+                        client.conn.execute("select 1")
+                except Exception as exc:
+                    self.log.warning("%s: control session lost while finishing: %s", self.name,
+                                     exc)
+                    lane.join()
                     break
-                with session.call() as client:
-                    claimed = client.claim_slot(self.queue, self.consumer, slot)
-                if claimed:
-                    owned.add(slot)
-                    self._idle_until.pop(slot, None)
-                    self.log.info("%s: claimed slot %s", self.name, slot)
+
+    # -- called by the lanes ------------------------------------------------------
+
+    def _lane_ended(self, lane: _Lane[T], exc: BaseException | None) -> None:
+        if exc is not None and (isinstance(exc, SessionUnstable) or is_fatal(exc)):
+            self._fatal = exc
+        self._wake.set()
+
+    def _count(self, handled: int, failed: int) -> None:
         with self._lock:
-            self._owned = owned
+            self.handled += handled
+            self.failed += failed
 
-    def _dispatch(self, session: _Session) -> None:
-        assert self._executor is not None
-        now = time.monotonic()
-        with self._lock:
-            for slot, future in list(self._busy.items()):
-                if future.done():
-                    del self._busy[slot]
-                    self._settle(slot, future)
-            ready = sorted((s for s in self._owned
-                            if s not in self._busy and self._idle_until.get(s, 0.0) <= now),
-                           key=lambda s: self._last_started.get(s, 0.0))
-            for slot in ready:
-                if len(self._busy) >= self.concurrency:
-                    break
-                self._last_started[slot] = now
-                self._heard_at_start[slot] = self._ticks_heard
-                future = self._executor.submit(self._work_slot, slot, session)
-                future.add_done_callback(lambda _: self._wake.set())
-                self._busy[slot] = future
 
-    def _settle(self, slot: int, future: Future[bool]) -> None:
-        """Record a finished slot step; re-raise a lost or unusable session. Holds
-        self._lock."""
-        exc = future.exception()
-        if exc is None:
-            if not future.result() and self._heard_at_start.get(slot) == self._ticks_heard:
-                self._idle_until[slot] = time.monotonic() + self.poll_interval
-            return
-        if isinstance(exc, SlotNotOwned):
-            self.log.warning("%s: slot %s is no longer ours", self.name, slot)
-            self._owned.discard(slot)
-            return
-        if isinstance(exc, SessionUnstable) or is_fatal(exc):
-            raise exc
-        if isinstance(exc, (psycopg.OperationalError, _ConnectionLost)):
-            raise _ConnectionLost(str(exc))
-        self.log.error("%s: slot %s step failed: %r", self.name, slot, exc)
-        self._idle_until[slot] = time.monotonic() + self.poll_interval
+class _Lane(Generic[T]):
+    """One session of a Worker and the one thread that uses it.
 
-    def _wait_for_work(self) -> None:
-        """Sleep until a slot step finishes, a tick is announced, an idle slot's
-        poll is due, it is time to rebalance, or a stop is requested."""
-        with self._lock:
-            idle = [t for s, t in self._idle_until.items()
-                    if s in self._owned and s not in self._busy]
-            if any(f.done() for f in self._busy.values()):
-                return
-        now = time.monotonic()
-        # Bounded, so a signal (which only sets a flag) is noticed promptly.
-        timeout = min([self.rebalance_interval, STOP_LATENCY,
-                       *(max(0.0, t - now) for t in idle)])
-        self._wake.wait(timeout)
-        self._wake.clear()
+    The lane claims and releases the slots the control asks it to (between two
+    batches, on its own session) and works its slots in turns: receive a batch
+    piece, run the handler on each event, nack the failures and ack. It ends
+    when its session is lost (its slots went with it) or when the worker
+    stops (after releasing its slots).
+    """
 
-    def _listen(self) -> None:
-        """Turn the queue's tick notifications into wakeups. A notification
-        carries no information and may be lost (NOTIFY is at most once, and a
-        reconnecting listener misses what was sent meanwhile): the poll stays."""
-        backoff = 0.1
-        while not self.stopping:
-            try:
-                with open_connection(self.dsn, timeout=self.connect_timeout, stop=self._stop,
-                                     application_name=f"{self.name}-listener"[:63],
-                                     **client_keepalives(self.network_timeout)) as conn:
-                    # No idle timeout: a listener is idle by design. The rest
-                    # ends it on the server when its network goes silent.
-                    settings = server_timeouts(self.network_timeout)
-                    conn.execute("select " + ", ".join(
-                        "set_config(%s, %s, false)" for _ in settings),
-                        [v for pair in settings.items() for v in pair])
-                    row = conn.execute("select pgque.tick_channel(%s)", (self.queue,)).fetchone()
-                    assert row is not None
-                    conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))
-                    backoff = 0.1
-                    while not self.stopping:
-                        for _ in conn.notifies(timeout=STOP_LATENCY, stop_after=1):
-                            self._ticks_heard += 1
-                            self._wake.set()
-            except Exception as exc:  # the poll covers for us meanwhile
-                self.log.debug("%s: listener: %s", self.name, exc)
-                self.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+    def __init__(self, worker: Worker[T], number: int) -> None:
+        self.worker = worker
+        self.name = f"{worker.name}-lane{number}"
+        self.pid: int | None = None
+        self.lost = False
+        # Guarded by worker._lock: read by the control thread.
+        self.slots: set[int] = set()
+        self.claims: set[int] = set()
+        self.releases: set[int] = set()
+        self.current: int | None = None  # the slot whose step runs now
+        self._requests: deque[tuple[str, int]] = deque()
+        self._wake = threading.Event()
+        self._ticks = 0  # tick notifications heard (set by the control thread)
+        self._idle_until: dict[int, float] = {}
+        self._turns: deque[int] = deque()  # slots in round-robin order
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
-    def _work_slot(self, slot: int, session: _Session) -> bool:
-        """One step of a slot: receive a batch piece, handle its events in order,
-        then nack the failures and ack in one transaction. Returns whether a
-        batch was there."""
-        with session.call() as client:
-            batch = client.receive_partitioned(
-                self.queue, self.consumer, slot=slot, slots=self.slots,
-                max_events=self.max_events, payload_type=self.payload_type)
-        if batch is None:
-            return False
-        failures = self._handle(batch, session)
-        if failures is None:
-            # The session that received this batch is gone; whoever owns the
-            # slot now gets the batch again. Never ack it from here.
-            raise _ConnectionLost("session gone during a batch")
-        with session.call() as client:
-            client.ack(batch, nack=failures, retry_after=self.retry_after)
-        return True
+    # -- from the control thread (under worker._lock) --------------------------
 
-    def _handle(self, batch: Batch[T], session: _Session) -> dict[int, str] | None:
-        """Run the handler on each event of the batch; returns the failed events'
-        reasons by id, or None when the session was seen gone between events."""
-        failures: dict[int, str] = {}
-        for index, message in enumerate(batch.messages):
-            if index and session.gone():
-                self.log.warning("%s: session gone; slot %s stops before event %s", self.name,
-                                 batch.slot, message.id)
-                return None
-            try:
-                self.handler(message)
-            except BaseException as exc:  # also CancelledError & co: the event failed
-                # Expected under the skip policy, hence a warning; the traceback
-                # is what a developer needs to fix the handler.
-                self.log.warning("%s: handler failed for event %s (key %r, slot %s, retry %s): "
-                                 "%r", self.name, message.id, message.partition_key, batch.slot,
-                                 message.retry_count, exc, exc_info=True)
-                failures[message.id] = failure_reason(exc)
-                with self._lock:
-                    self.failed += 1
+    @property
+    def load(self) -> int:
+        return len(self.slots | self.claims)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() or not self._thread.ident
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the lane to end; True while it still runs after ``timeout``."""
+        if self._thread.ident:
+            self._thread.join(timeout)
+        return self._thread.is_alive()
+
+    def request_claim(self, slot: int) -> None:
+        self.claims.add(slot)
+        self._requests.append(("claim", slot))
+        self._wake.set()
+
+    def request_release(self, slot: int) -> None:
+        self.releases.add(slot)
+        self._requests.append(("release", slot))
+        self._wake.set()
+
+    def tick(self) -> None:
+        self._ticks += 1
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- the lane's thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        worker = self.worker
+        error: BaseException | None = None
+        session: _Session | None = None
+        try:
+            conn = worker.connect(worker.dsn, application_name=self.name[:63],
+                                  **client_keepalives(worker.network_timeout))
+            session = _Session(Client(conn), worker.watch(conn, worker.network_timeout / 2))
+            settings = server_timeouts(worker.network_timeout,
+                                       idle_timeout=max(worker.network_timeout * 5 / 6,
+                                                        3 * worker.rebalance_interval))
+            if not worker.transactional:
+                # This session only moves cursors (the handlers use their own
+                # connections): a cursor move lost in a server crash means events
+                # delivered again, which at-least-once allows, so its commits need
+                # not wait for a WAL flush. Transactional handlers' writes do.
+                settings["synchronous_commit"] = "off"
+            with session.call() as client:
+                self.pid = client.pin_session(settings)
+            worker.log.info("%s: connected (backend pid %s)", self.name, self.pid)
+            threading.Thread(target=self._heartbeat, args=(session,), name=f"{self.name}-beat",
+                             daemon=True).start()
+            self._work(session)
+            self._release_all(session)
+        except Stopped:
+            pass
+        except Exception as exc:
+            error = exc
+            if isinstance(exc, (psycopg.OperationalError, _ConnectionLost)):
+                worker.log.warning("%s: session lost: %s", self.name, exc)
             else:
-                with self._lock:
-                    self.handled += 1
-        return failures
+                worker.log.error("%s: %r", self.name, exc)
+        finally:
+            self.lost = True
+            self._ended.set()
+            with worker._lock:
+                self.slots.clear()
+                self.claims.clear()
+                self.releases.clear()
+                self.current = None
+            if session is not None:
+                worker.unwatch(session.watch)
+                with contextlib.suppress(Exception):
+                    session.client.conn.close()
+            worker._lane_ended(self, error)
 
-    # -- endings ----------------------------------------------------------------
-
-    def _finish(self, session: _Session) -> None:
-        """On stop: let the batches in flight finish (they ack), then release every slot."""
-        with self._lock:
-            busy = list(self._busy.values())
-        # Handlers may take a while: keep the session talking meanwhile, or its
-        # idle_session_timeout would end it and the acks would be lost.
-        while wait(busy, timeout=self.rebalance_interval).not_done:
+    def _heartbeat(self, session: _Session) -> None:
+        """While a step runs (handlers may take long), keep the session talking:
+        a cheap query whenever it was quiet for a rebalance interval. It keeps
+        idle_session_timeout from ending a session whose handlers are slow, and
+        it is how a network that went silent shows between two events: the
+        query gets no answer, the watchdog gives the session up (within half of
+        network_timeout), and the step stops before its next event. A frozen
+        process freezes this thread too, so its sessions still go silent."""
+        interval = self.worker.rebalance_interval
+        while not self._ended.wait(min(interval / 2, STOP_LATENCY)):
+            if self.current is None or time.monotonic() - session.last_used < interval:
+                continue
             try:
                 with session.call() as client:
                     client.conn.execute("select 1")
-            except Exception as exc:
-                self.log.warning("%s: session lost while finishing: %s", self.name, exc)
-                break
-        wait(busy)
-        with self._lock:
-            for slot, future in list(self._busy.items()):
-                del self._busy[slot]
-                try:
-                    self._settle(slot, future)
-                except Exception as exc:  # stopping anyway: say what went wrong
-                    self.log.warning("%s: slot %s: %s", self.name, slot, exc)
-        try:
-            for slot in sorted(self.owned_slots):
-                with session.call() as client:
-                    client.release_slot(self.queue, self.consumer, slot)
-        except (psycopg.Error, _ConnectionLost) as exc:
-            self.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
+            except (psycopg.OperationalError, _ConnectionLost):
+                return  # the lane sees it at its next event
+            except psycopg.Error:
+                pass  # say, inside a failed transaction of a handler: the lane's to sort out
 
-    def _forget(self, session: _Session) -> None:
-        """Forget a session: its locks, and with them the slots, are gone (or were
-        released). Waits for in-flight handlers first, so this worker never runs
-        two handlers of one slot at once."""
-        session.watch.lost = True
-        with self._lock:
-            if self._session is session:
-                self._session = None
-            self._owned = set()
-            busy = list(self._busy.values())
-            self._busy.clear()
-            self._idle_until.clear()
-        wait(busy)
-        with contextlib.suppress(Exception):  # closing a dead connection may fail
-            session.client.conn.close()
+    def _work(self, session: _Session) -> None:
+        worker = self.worker
+        keepalive = worker.network_timeout / 3
+        last_call = time.monotonic()
+        ticks_seen = self._ticks
+        while not worker.stopping and worker._fatal is None:
+            if self._serve_requests(session):
+                last_call = time.monotonic()
+            if self._ticks != ticks_seen:
+                ticks_seen = self._ticks
+                self._idle_until.clear()  # a new tick: every slot may have a batch
+            slot = self._next_slot()
+            if slot is None:
+                now = time.monotonic()
+                if now - last_call > keepalive:  # an idle lane keeps its session
+                    with session.call() as client:
+                        client.conn.execute("select 1")
+                    last_call = now
+                due = min(self._idle_until.values(), default=now + keepalive)
+                self._wake.wait(max(0.0, min(due - now, STOP_LATENCY, keepalive)))
+                self._wake.clear()
+                continue
+            started_ticks = self._ticks
+            with worker._lock:
+                self.current = slot
+            try:
+                found = self._step(slot, session)
+            except SlotNotOwned:
+                worker.log.warning("%s: slot %s is no longer ours", self.name, slot)
+                self._drop(slot)
+                found = True
+            finally:
+                with worker._lock:
+                    self.current = None
+            last_call = time.monotonic()
+            if not found and self._ticks == started_ticks:
+                self._idle_until[slot] = time.monotonic() + worker.poll_interval
+
+    def _serve_requests(self, session: _Session) -> bool:
+        """Make the claims and releases the control asked for; True if any."""
+        worker = self.worker
+        served = False
+        while True:
+            with worker._lock:
+                if not self._requests:
+                    return served
+                op, slot = self._requests.popleft()
+            served = True
+            with session.call() as client:
+                if op == "claim":
+                    claimed = client.claim_slot(worker.queue, worker.consumer, slot)
+                else:
+                    client.release_slot(worker.queue, worker.consumer, slot)
+            with worker._lock:
+                if op == "claim":
+                    self.claims.discard(slot)
+                    if claimed:
+                        self.slots.add(slot)
+                        self._turns.append(slot)
+                        self._idle_until.pop(slot, None)
+                elif slot in self.slots:
+                    self.releases.discard(slot)
+                    self._drop_locked(slot)
+            if op == "claim" and claimed:
+                worker.log.info("%s: claimed slot %s", self.name, slot)
+            elif op == "release":
+                worker.log.info("%s: released slot %s", self.name, slot)
+
+    def _next_slot(self) -> int | None:
+        """The next slot in turn that is not waiting out its poll interval."""
+        now = time.monotonic()
+        for _ in range(len(self._turns)):
+            slot = self._turns[0]
+            self._turns.rotate(-1)
+            if self._idle_until.get(slot, 0.0) <= now:
+                return slot
+        return None
+
+    def _drop(self, slot: int) -> None:
+        with self.worker._lock:
+            self._drop_locked(slot)
+
+    def _drop_locked(self, slot: int) -> None:
+        self.slots.discard(slot)
+        self._idle_until.pop(slot, None)
+        with contextlib.suppress(ValueError):
+            self._turns.remove(slot)
+
+    def _step(self, slot: int, session: _Session) -> bool:
+        """One step of a slot: receive a batch piece, handle its events in order,
+        then nack the failures and ack in one transaction (which, for a
+        transactional handler, also holds the handler's writes). Returns whether
+        a batch was there."""
+        worker = self.worker
+        with session.call() as client:
+            batch = client.receive_partitioned(
+                worker.queue, worker.consumer, slot=slot, slots=worker.slots,
+                max_events=worker.max_events, payload_type=worker.payload_type)
+        if batch is None:
+            return False
+        if worker.transactional:
+            conn = session.client.conn
+            with conn.transaction():
+                failures = self._handle(batch, session, conn)
+                with session.call() as client:
+                    client.ack(batch, nack=failures, retry_after=worker.retry_after)
+        else:
+            failures = self._handle(batch, session, None)
+            with session.call() as client:
+                client.ack(batch, nack=failures, retry_after=worker.retry_after)
+        return True
+
+    def _handle(self, batch: Batch[T], session: _Session,
+                conn: Conn | None) -> dict[int, str]:
+        """Run the handler on each event of the batch (for a transactional handler,
+        each in a savepoint of ``conn``'s transaction); returns the failed events'
+        reasons by id. Raises _ConnectionLost when the session was seen gone
+        between events: whoever owns the slot next gets the batch again."""
+        worker = self.worker
+        failures: dict[int, str] = {}
+        handled = 0
+        try:
+            for index, message in enumerate(batch.messages):
+                if index and session.gone():
+                    worker.log.warning("%s: session gone; slot %s stops before event %s",
+                                       self.name, batch.slot, message.id)
+                    raise _ConnectionLost("session gone during a batch")
+                try:
+                    if conn is None:
+                        worker.handler(message)  # type: ignore[call-arg]
+                    else:
+                        with conn.transaction():
+                            worker.handler(message, conn)  # type: ignore[call-arg]
+                except BaseException as exc:  # also CancelledError & co: the event failed
+                    if conn is not None and conn.broken:
+                        raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
+                    # Expected under the skip policy, hence a warning; the traceback
+                    # is what a developer needs to fix the handler.
+                    worker.log.warning(
+                        "%s: handler failed for event %s (key %r, slot %s, retry %s): %r",
+                        self.name, message.id, message.partition_key, batch.slot,
+                        message.retry_count, exc, exc_info=True)
+                    failures[message.id] = failure_reason(exc)
+                else:
+                    handled += 1
+        finally:
+            worker._count(handled, len(failures))
+        return failures
+
+    def _release_all(self, session: _Session) -> None:
+        """On stop: release every slot of the lane, so others may take them at once."""
+        worker = self.worker
+        with worker._lock:
+            slots = sorted(self.slots)
+        try:
+            for slot in slots:
+                with session.call() as client:
+                    client.release_slot(worker.queue, worker.consumer, slot)
+                self._drop(slot)
+        except (psycopg.Error, _ConnectionLost) as exc:
+            worker.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
 
 
 def failure_reason(exc: BaseException) -> str:

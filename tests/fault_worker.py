@@ -29,7 +29,12 @@ Config keys: dsn (the worker's, maybe through a proxy or with options),
 record_dsn, queue, consumer, slots, name, max_events, poll_interval,
 rebalance_interval, retry_after, delay_ms ([low, high] handler sleep), seed,
 network_timeout (passed only when set and when this Worker accepts it),
-ticker_dsn (when set: the worker's Ticker connects there instead of to dsn).
+ticker_dsn (when set: the worker's Ticker connects there instead of to dsn),
+transactional (a transactional handler: it also writes the event's effect,
+a row of ``fault_effects`` and its amount added to the key's row of
+``fault_balance``, on the worker's connection, before it sleeps and maybe
+fails; so a failed call's effect rolls back with its savepoint, and a call
+whose batch was not acked leaves none).
 """
 
 from __future__ import annotations
@@ -137,8 +142,16 @@ def main() -> int:
     recorder = Recorder(config["record_dsn"], name)
     calls = itertools.count()
 
-    def handler(message: pgque.Message[Any]) -> None:
+    def handler(message: pgque.Message[Any], conn: psycopg.Connection[Any] | None = None) -> None:
         payload = message.payload
+        if conn is not None:
+            amount = (payload["p"] * 7 + payload["s"]) % 13 + 1  # faults.effect_amount
+            conn.execute("insert into fault_effects (ev_id, key, amount, worker) "
+                         "values (%s, %s, %s, %s)", (message.id, message.partition_key, amount,
+                                                     name))
+            conn.execute("insert into fault_balance as b (key, total) values (%s, %s) "
+                         "on conflict (key) do update set total = b.total + excluded.total",
+                         (message.partition_key, amount))
         token = f"{pid}:{next(calls)}"
         recorder.execute(
             "insert into fault_handled (token, ev_id, key, producer, seq, retry, pid, worker, "
@@ -162,6 +175,8 @@ def main() -> int:
         "rebalance_interval": config["rebalance_interval"],
         "retry_after": config["retry_after"], "name": name,
     }
+    if config.get("transactional"):
+        kwargs["transactional"] = True
     accepted = inspect.signature(pgque.Worker).parameters
     if config.get("network_timeout") is not None and "network_timeout" in accepted:
         kwargs["network_timeout"] = config["network_timeout"]

@@ -123,6 +123,19 @@ create table fault_handled (
     ended   timestamptz,
     outcome text
 );
+-- What transactional handlers change, in the transaction that acks (see
+-- fault_worker.py): one row per applied event, and a running total per key.
+create table fault_effects (
+    id     bigserial primary key,
+    ev_id  bigint not null,
+    key    text,
+    amount int not null,
+    worker text
+);
+create table fault_balance (
+    key   text primary key,
+    total bigint not null
+);
 create table fault_log (
     id      bigserial primary key,
     worker  text not null,
@@ -166,6 +179,14 @@ class Workload:
     drain_timeout: float = 90.0
     latency_bound: float = 5.0
     seed: int = 1
+    # Transactional handlers (Worker(transactional=True)): each call also writes
+    # its effect (fault_effects, fault_balance) in the transaction that acks.
+    transactional: bool = False
+
+
+def effect_amount(producer: int, seq: int) -> int:
+    """The amount an event adds to its key's balance; fault_worker.py uses the same."""
+    return (producer * 7 + seq) % 13 + 1
 
 
 # -- database access ------------------------------------------------------------
@@ -722,7 +743,7 @@ class FaultRun:
             "retry_after": w.retry_after,
             "delay_ms": list(w.victim_delay_ms if victim else w.delay_ms),
             "seed": w.seed * 100 + index, "network_timeout": network_timeout,
-            "ticker_dsn": ticker_dsn,
+            "ticker_dsn": ticker_dsn, "transactional": w.transactional,
         }
         log = self.workdir / f"{name}.log"
         argv = [sys.executable, WORKER_SCRIPT, json.dumps(config)]
@@ -1332,6 +1353,35 @@ class FaultRun:
             failures.append(f"{len(undeserved)} events dead-lettered that should have "
                             f"succeeded: {undeserved[:10]}")
 
+        # Transactional handlers: every effect applied exactly once.
+        effects_duplicated = effects_lost = 0
+        if w.transactional:
+            applied = Counter(ev for (ev,) in self.db.rows("select ev_id from fault_effects"))
+            expected = {ev for ev, r in sent.items() if r[4] <= w.max_retries}
+            duplicated = sorted(ev for ev, n in applied.items() if n > 1)
+            missing = sorted(expected - set(applied))
+            stray = sorted(set(applied) - expected)
+            effects_duplicated, effects_lost = len(duplicated), len(missing)
+            if duplicated:
+                failures.append(f"{len(duplicated)} effects applied more than once: "
+                                f"{duplicated[:10]}")
+            if missing:
+                failures.append(f"{len(missing)} effects lost: {missing[:10]}")
+            if stray:
+                failures.append(f"{len(stray)} effects of events that always fail (or were "
+                                f"never sent): {stray[:10]}")
+            # The balances, against what the sent events add up to.
+            want: Counter[str] = Counter()
+            for ev in expected:
+                r = sent[ev]
+                want[r[2]] += effect_amount(r[1], r[3])
+            have = dict(self.db.rows("select key, total from fault_balance"))
+            wrong = {k: (have.get(k, 0), want[k]) for k in set(want) | set(have)
+                     if have.get(k, 0) != want[k]}
+            if wrong:
+                failures.append(f"{len(wrong)} balances differ (have, want): "
+                                f"{dict(list(wrong.items())[:5])}")
+
         # Duplicates and overlaps (reported).
         per_call = Counter((c[1], c[5]) for c in calls)
         duplicates = sum(n - 1 for n in per_call.values())
@@ -1376,6 +1426,9 @@ class FaultRun:
             "doomed": len(doomed),
             "order_breaks": len(order_breaks),
             "lost": len(lost),
+            "transactional": w.transactional,
+            "effects_duplicated": effects_duplicated,
+            "effects_lost": effects_lost,
             "faults": fault_reports,
             "timings": self.timings,
             "notes": self.notes,
@@ -1480,7 +1533,9 @@ def summary_line(report: dict[str, Any]) -> str:
             f"calls={report['calls']} dup={report['duplicates']} "
             f"overlaps={report['overlapped_calls']}({report['overlaps']} pairs) "
             f"dl={report['dead_letters']}/{report['doomed']} "
-            f"| {faults}")
+            + (f"effects dup={report['effects_duplicated']} lost={report['effects_lost']} "
+               if report.get("transactional") else "")
+            + f"| {faults}")
 
 
 def append_report(path: Path, report: dict[str, Any]) -> None:

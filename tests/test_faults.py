@@ -306,6 +306,32 @@ def test_server_restart(scenario: Scenario, conclude: Callable[[FaultRun], None]
     conclude(run)
 
 
+# -- 5b. transactional handlers ----------------------------------------------------------
+
+
+def test_transactional_effects_exactly_once(scenario: Scenario,
+                                            conclude: Callable[[FaultRun], None],
+                                            restartable_server: pgtest.PgServer) -> None:
+    """Transactional handlers write each event's effect (a row, and its amount
+    added to the key's balance) in the transaction that acks the batch, and
+    some fail once or twice (their effect rolls back with their savepoint).
+    A worker is SIGKILLed mid-handler, another has every session terminated,
+    then the server crashes (immediate stop) and starts again. Checked beyond
+    the usual: every effect applied exactly once, none of an always-failing
+    event, and every key's balance equal to what its sent events add up to."""
+    run = scenario(Workload(transactional=True, fail_once=0.1, fail_twice=0.05))
+    run.start(each=lambda i: {"victim": True})
+    run.sigkill(run.live_workers()[0])
+    run.spawn(victim=True)
+    run.wait_spread()
+    run.terminate(run.live_workers()[0])
+    run.wait_spread()
+    run.restart(restartable_server, "immediate")
+    run.wait_spread()
+    cool_down(run)
+    conclude(run)
+
+
 # -- 6. long producer transactions -------------------------------------------------------
 
 

@@ -238,12 +238,14 @@ class Workers:
 
     def owned(self, admin: pgque.Client) -> dict[int, list[int]]:
         """The slots each worker owns now."""
+        # A worker's lane sessions are named demo-worker-<number>-lane<k> (see
+        # _worker_main): the number is the one after "demo-worker-".
         rows = admin.conn.execute(
-            "select a.application_name, array_agg(o.slot - 1 order by o.slot) "
+            "select split_part(a.application_name, '-', 3)::integer, "
+            "       array_agg(o.slot - 1 order by o.slot) "
             "from pgque.group_status(%s, %s) s, unnest(s.owner_pids) with ordinality o(pid, slot) "
             "join pg_stat_activity a on a.pid = o.pid group by 1", (self.queue, GROUP)).fetchall()
-        # Worker sessions are named demo-worker-<number> (see _worker_main).
-        return {int(name.rsplit("-", 1)[-1]): slots for name, slots in rows}
+        return dict(rows)
 
     def owners(self, admin: pgque.Client) -> str:
         """Which worker owns which slots, e.g. ``w1: 0,5  w2: 1,3``."""
