@@ -344,7 +344,7 @@ class Worker(Service, Generic[T]):
             if mine > share:
                 releasing = {slot for lane in self._lanes for slot in lane.releases}
                 surplus = sorted(set(owned) - releasing, reverse=True)
-                for slot in surplus[: mine - share - len(releasing)]:
+                for slot in surplus[: max(0, mine - share - len(releasing))]:
                     owned[slot].request_release(slot)
                     self.log.info("%s: releasing slot %s (share %s of %s workers)", self.name,
                                   slot, share, status.members)
@@ -523,9 +523,16 @@ class _Lane(Generic[T]):
         network_timeout), and the step stops before its next event. A frozen
         process freezes this thread too, so its sessions still go silent."""
         interval = self.worker.rebalance_interval
+        conn = session.client.conn
         while not self._ended.wait(min(interval / 2, STOP_LATENCY)):
             if self.current is None or time.monotonic() - session.last_used < interval:
                 continue
+            # A transactional handler's query in flight (say, waiting for a row
+            # lock) keeps the session busy already: never queue behind it, or
+            # the watchdog would take the wait for a dead network.
+            if not conn.lock.acquire(blocking=False):
+                continue
+            conn.lock.release()
             try:
                 with session.call() as client:
                     client.conn.execute("select 1")

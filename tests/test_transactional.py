@@ -6,6 +6,7 @@ crash: tests/test_faults.py::test_transactional_effects_exactly_once.)"""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -115,3 +116,35 @@ def test_a_worker_opens_one_session_per_lane(client: pgque.Client, dsn: str,
             "'lanes%%'")}
         assert len(owners) == 3
         assert names == {"lanes", "lanes-lane1", "lanes-lane2", "lanes-lane3"}
+
+
+def test_a_handler_waiting_on_a_lock_keeps_its_session(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A transactional handler's query may wait (a row lock) for longer than half of
+    network_timeout: that is a busy session, not a dead network, so the lane keeps
+    it (the heartbeat does not queue a ping behind the query for the watchdog to
+    time out)."""
+    _setup(client, conn, slots=1)
+    conn.execute("create table account (id int primary key, n int)")
+    conn.execute("insert into account values (1, 0)")
+    calls: list[int] = []
+
+    def handle(message: pgque.Message[Any], db: psycopg.Connection[Any]) -> None:
+        calls.append(db.info.backend_pid)
+        db.execute("update account set n = n + 1 where id = 1")
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute("select * from account where id = 1 for update")  # holds the row
+        with pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=handle,
+                          transactional=True, network_timeout=4, rebalance_interval=0.2,
+                          name="tx-wait"):
+            client.send("q", "e", 1, partition_key="k")
+            wait_for(lambda: scalar(conn, "select count(*) from pg_stat_activity where "
+                                          "application_name = 'tx-wait-lane1' and "
+                                          "wait_event_type = 'Lock'"),
+                     what="the handler to wait for the row", dsn=dsn)
+            time.sleep(3.0)  # the fault: a wait longer than network_timeout / 2
+            holder.rollback()
+            wait_for(lambda: scalar(conn, "select n from account") == 1 and _drained(conn),
+                     what="the effect", dsn=dsn)
+    assert len(calls) == 1  # handled once, on the session it started on
