@@ -23,6 +23,7 @@ __all__ = [
     "DeadLetterNotFound",
     "DependentObjects",
     "EventNotInBatch",
+    "HandlerEndedTransaction",
     "InvalidArgument",
     "InvalidConfig",
     "InvalidGrant",
@@ -256,6 +257,18 @@ class CronUnavailable(PgqueError):
     """pg_cron is not installed in this database (PQ030)."""
 
     sqlstate = "PQ030"
+
+
+class HandlerEndedTransaction(PgqueError):
+    """A transactional handler ended the Worker's transaction (COMMIT or ROLLBACK
+    in SQL, or released the Worker's savepoint) instead of leaving it to the
+    Worker.
+
+    The promise of a transactional handler, that its writes commit with the ack
+    of its event, no longer holds for that batch: the Worker acks nothing and
+    stops with this error (:attr:`Worker.error`). Writes the handler committed
+    itself may be applied again when the batch is delivered again.
+    """
 
 
 class InvalidArgument(PgqueError, ValueError):

@@ -49,6 +49,7 @@ from pgque.errors import (
     AccessDenied,
     ConnectError,
     ConsumerNotFound,
+    HandlerEndedTransaction,
     InvalidArgument,
     InvalidConfig,
     InvalidName,
@@ -77,8 +78,8 @@ S = TypeVar("S", bound="Service")
 
 # Errors that retrying cannot fix: configuration, privileges, pgque missing.
 _FATAL = (
-    AccessDenied, SessionUnstable, SlotCountMismatch, InvalidSlotCount, InvalidSlot, InvalidName,
-    QueueNotFound, ConsumerNotFound, InvalidArgument, InvalidConfig,
+    AccessDenied, HandlerEndedTransaction, SessionUnstable, SlotCountMismatch, InvalidSlotCount,
+    InvalidSlot, InvalidName, QueueNotFound, ConsumerNotFound, InvalidArgument, InvalidConfig,
     psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName,
     psycopg.errors.UndefinedFunction,
 )

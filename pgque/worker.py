@@ -80,7 +80,7 @@ import psycopg
 from psycopg import sql
 
 from pgque.client import Client, Conn
-from pgque.errors import SessionUnstable, SlotNotOwned
+from pgque.errors import HandlerEndedTransaction, SessionUnstable, SlotNotOwned
 from pgque.lifecycle import (
     STOP_LATENCY,
     CallWatch,
@@ -214,6 +214,7 @@ class Worker(Service, Generic[T]):
         self._lanes: list[_Lane[T]] = []
         self._lane_numbers = 0
         self._fatal: BaseException | None = None  # a lane's error that retrying cannot heal
+        self._lane_failed_at = -float("inf")  # when a lane last failed to connect
         self._wake = threading.Event()  # a lane ended or failed, or stop
         self.handled = 0  # events whose handler returned
         self.failed = 0  # events whose handler raised (nacked)
@@ -353,22 +354,30 @@ class Worker(Service, Generic[T]):
                         and s.slot not in claiming and s.slot not in in_hand]
                 random.shuffle(free)
                 for slot in free[: share - mine]:
-                    self._lane_for_claim().request_claim(slot)
+                    lane = self._lane_for_claim()
+                    if lane is None:
+                        break
+                    lane.request_claim(slot)
 
-    def _lane_for_claim(self) -> _Lane[T]:
-        """The lane a new slot goes to: a new one while there are fewer than
-        ``concurrency``, else the one with the fewest slots. Holds self._lock."""
+    def _lane_for_claim(self) -> _Lane[T] | None:
+        """The lane a new slot goes to: an idle one, a new one while there are
+        fewer than ``concurrency``, else the connected one with the fewest slots.
+        No new lane for a while after one could not connect (the server's
+        connection limit, say): the slots then take turns on the lanes that did.
+        None when there is no lane to give it to. Holds self._lock."""
         live = [lane for lane in self._lanes if lane.alive and not lane.lost]
         idle = [lane for lane in live if not lane.load]
         if idle:
             return idle[0]
-        if len(live) < self.concurrency:
+        if (len(live) < self.concurrency
+                and time.monotonic() - self._lane_failed_at > self.max_backoff):
             self._lane_numbers += 1
             lane = _Lane(self, self._lane_numbers)
             self._lanes.append(lane)
             lane.start()
             return lane
-        return min(live, key=lambda lane: lane.load)
+        connected = [lane for lane in live if lane.pid is not None] or live
+        return min(connected, key=lambda lane: lane.load, default=None)
 
     def _finish(self, control: _Session) -> None:
         """On stop: the lanes finish their batches (they ack) and release their
@@ -394,6 +403,9 @@ class Worker(Service, Generic[T]):
     def _lane_ended(self, lane: _Lane[T], exc: BaseException | None) -> None:
         if exc is not None and (isinstance(exc, SessionUnstable) or is_fatal(exc)):
             self._fatal = exc
+        if exc is not None and lane.pid is None:
+            with self._lock:
+                self._lane_failed_at = time.monotonic()
         self._wake.set()
 
     def _count(self, handled: int, failed: int) -> None:
@@ -672,8 +684,9 @@ class _Lane(Generic[T]):
                     if conn is None:
                         worker.handler(message)  # type: ignore[call-arg]
                     else:
-                        with conn.transaction():
-                            worker.handler(message, conn)  # type: ignore[call-arg]
+                        self._handle_in_savepoint(message, conn)
+                except HandlerEndedTransaction:
+                    raise
                 except BaseException as exc:  # also CancelledError & co: the event failed
                     if conn is not None and conn.broken:
                         raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
@@ -690,6 +703,25 @@ class _Lane(Generic[T]):
             worker._count(handled, len(failures))
         return failures
 
+    def _handle_in_savepoint(self, message: Message[T], conn: Conn) -> None:
+        """Run a transactional handler in a savepoint of the lane's transaction:
+        on failure only its own writes roll back. A handler that returns with the
+        transaction in error (it caught an SQL error) has failed too. A handler
+        that ended the transaction (COMMIT or ROLLBACK) broke the promise that
+        its writes commit with the ack: HandlerEndedTransaction, and no ack."""
+        conn.execute("savepoint pgque_event")
+        try:
+            self.worker.handler(message, conn)  # type: ignore[call-arg]
+        except BaseException:
+            _rollback_to_savepoint(conn)
+            raise
+        status = conn.info.transaction_status
+        if status == psycopg.pq.TransactionStatus.INERROR:
+            _rollback_to_savepoint(conn)
+            raise HandlerFailed("the handler returned with its transaction in error (it "
+                                "caught an SQL error without rolling back to a savepoint)")
+        _release_savepoint(conn)
+
     def _release_all(self, session: _Session) -> None:
         """On stop: release every slot of the lane, so others may take them at once."""
         worker = self.worker
@@ -702,6 +734,35 @@ class _Lane(Generic[T]):
                 self._drop(slot)
         except (psycopg.Error, _ConnectionLost) as exc:
             worker.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
+
+
+class HandlerFailed(Exception):
+    """A transactional handler returned, but its event failed anyway."""
+
+
+def _in_transaction(conn: Conn) -> bool:
+    return conn.info.transaction_status in (psycopg.pq.TransactionStatus.INTRANS,
+                                            psycopg.pq.TransactionStatus.INERROR)
+
+
+def _rollback_to_savepoint(conn: Conn) -> None:
+    if not _in_transaction(conn):
+        raise HandlerEndedTransaction(
+            "a transactional handler ended the worker's transaction (COMMIT or ROLLBACK): "
+            "its batch is not acked; leave the transaction to the worker")
+    try:
+        conn.execute("rollback to savepoint pgque_event")
+    except psycopg.errors.InvalidSavepointSpecification as exc:  # released by the handler
+        raise HandlerEndedTransaction(
+            f"a transactional handler released the worker's savepoint: {exc}") from exc
+
+
+def _release_savepoint(conn: Conn) -> None:
+    if not _in_transaction(conn):
+        raise HandlerEndedTransaction(
+            "a transactional handler ended the worker's transaction (COMMIT or ROLLBACK): "
+            "its batch is not acked; leave the transaction to the worker")
+    conn.execute("release savepoint pgque_event")
 
 
 def failure_reason(exc: BaseException) -> str:

@@ -71,7 +71,9 @@ def test_a_checked_write_commits_after_its_owner_died(
     has not received yet). What is enforced is the second half of the sentence
     (before any event is handed out under a later epoch). Expected: the headline
     says what holds (e.g. "...commits only if, when it was checked, ... owned the
-    slot, and before any event ... under a later epoch"), or the commit is refused."""
+    slot, and before any event ... under a later epoch"), or the commit is refused.
+    Fixed in the docs (the headline says what holds); this test now checks it: the
+    commit happens before the successor receives anything, under a later epoch."""
     _setup(client, conn)
     client.send("q", "e", 1, partition_key="k")
     owner = pgque.connect(dsn)
@@ -87,16 +89,17 @@ def test_a_checked_write_commits_after_its_owner_died(
         assert scalar(conn, "select pg_terminate_backend(%s, 10000)", (pid,))
         owner.close()
         wait_for(lambda: _backend_gone(conn, pid), what="the owner's backend to exit", dsn=dsn)
-        # Another session owns the slot now (it has not received yet).
+        # Another session owns the slot now: it receives nothing while the
+        # checked transaction is open, and everything after it ended.
         with pgque.connect(dsn) as successor:
             assert successor.claim_slot("q", "g", 0)
-            committed = True
-            try:
-                zombie.commit()
-            except psycopg.Error:
-                committed = False
-    assert not committed, ("a write checked under the old epoch committed after its owner's "
-                           "session ended and another session owned the slot")
+            assert successor.receive_partitioned("q", "g", slot=0, slots=1) is None
+            zombie.commit()
+            again = successor.receive_partitioned("q", "g", slot=0, slots=1)
+            assert again is not None and again.fence is not None
+            assert again.fence.epoch > batch.fence.epoch
+            assert [m.payload for m in again] == [1]
+    assert _effects(conn) == [1]  # the zombie's write, committed before the successor began
 
 
 @pytest.mark.parametrize("isolation", [psycopg.IsolationLevel.REPEATABLE_READ,
@@ -148,7 +151,9 @@ def test_a_receive_waiting_for_a_fenced_transaction_keeps_its_lane(
     lock wait that test_transactional.py keeps). Expected: the lane keeps its
     session while its receive waits for a row lock (as a handler's query does),
     and docs/guarantees.md says that an open checked transaction holds the slot's
-    next owner (without a bound)."""
+    next owner (without a bound).
+    Fixed: the new owner's receive no longer waits (it returns nothing while the
+    old epoch is held, and the worker polls), and the docs say so."""
     _setup(client, conn)
     client.send("q", "e", 1, partition_key="k")
     owner = pgque.connect(dsn)
@@ -167,14 +172,15 @@ def test_a_receive_waiting_for_a_fenced_transaction_keeps_its_lane(
                           handler=lambda m: handled.append(m.payload), network_timeout=2,
                           rebalance_interval=0.2, poll_interval=0.05, name="fencewait"):
             first = wait_for(lambda: _first(
-                conn, "select pid from pg_stat_activity where application_name = "
-                      "'fencewait-lane1' and wait_event_type = 'Lock'"),
-                timeout=20, what="the lane's receive to wait for the zombie", dsn=dsn)
+                conn, "select owner_pid from pgque.partition_slot_status "
+                      "where owner_pid is not null"),
+                timeout=20, what="the lane to own the slot", dsn=dsn)
             seen = {first}
             deadline = time.monotonic() + 3.0  # 3 times network_timeout / 2
             while time.monotonic() < deadline:
                 seen |= _lane_pids(conn, "fencewait")
                 time.sleep(0.05)
+            assert handled == []  # held back while the old epoch's transaction is open
             zombie.rollback()
             wait_for(lambda: handled == [1], timeout=20, what="the event", dsn=dsn)
     assert seen == {first}, f"the lane's session was replaced while it waited: {sorted(seen)}"
@@ -258,7 +264,10 @@ def test_a_handler_that_rolls_back_the_transaction_loses_acked_effects(
     checks after each handler that its transaction is still open (e.g. the
     transaction status and savepoint nesting) and otherwise fails the step
     without acking (the batch comes again), or the docs say plainly that this
-    breaks exactly-once."""
+    breaks exactly-once.
+    Fixed: the worker checks, acks nothing and stops with HandlerEndedTransaction
+    (a bug in the handler, documented); the batch comes again, whole, to a fixed
+    handler, and every effect is then there once."""
     _setup(client, conn)
     tries: dict[int, int] = {}
 
@@ -270,11 +279,16 @@ def test_a_handler_that_rolls_back_the_transaction_loses_acked_effects(
             db.execute("rollback")  # a helper that "cleans up" after itself
 
     client.send_batch("q", [("e", n, "k") for n in range(1, 4)])
+    broken = pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=handle,
+                          transactional=True, retry_after=0, poll_interval=0.05,
+                          rebalance_interval=0.2, name="rollback")
+    with pytest.raises(pgque.HandlerEndedTransaction):
+        broken.run()
+    assert _effects(conn) == [] and not _drained(conn)  # nothing acked, nothing kept
     with pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=handle,
                       transactional=True, retry_after=0, poll_interval=0.05,
-                      rebalance_interval=0.2, name="rollback"):
-        wait_for(lambda: _drained(conn) and tries.get(2, 0) >= 2, timeout=30,
-                 what="the batch and the retry", dsn=dsn)
+                      rebalance_interval=0.2, name="fixed"):
+        wait_for(lambda: _drained(conn), timeout=30, what="the batch", dsn=dsn)
     assert _effects(conn) == [1, 2, 3], "an acked event's effect is lost (or doubled)"
 
 

@@ -354,8 +354,12 @@ begin
     if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
         return;  -- idle: no lock taken, nothing written
     end if;
-    -- Before the receive lock: a new epoch may wait for fenced transactions.
+    -- Before the receive lock. Null while a transaction fenced by the previous
+    -- owner's epoch is still open: nothing is handed out until it ends.
     v_epoch := pgque._slot_epoch(v.sub);
+    if v_epoch is null then
+        return;
+    end if;
     select v.queue, v.grp, f.sub, f.cur into v
       from pgque._find_subscription(v.queue, (v.sub).sub_consumer, true) f;
     perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile

@@ -12,9 +12,12 @@
 --
 -- The check share-locks the slot's pgque.slot_claim row until the checking
 -- transaction ends, and a new epoch is taken by updating that row, so a new
--- owner's first receive waits until every transaction that checked the old
--- epoch has ended: writes fenced by epoch e all commit (or fail) before any
--- event is handed out under epoch e + 1.
+-- owner receives nothing until every transaction that checked the old epoch
+-- has ended: writes fenced by epoch e all commit (or fail) before any event is
+-- handed out under a later epoch. The new owner does not wait for them (a
+-- wait as long as a handler's transaction would look like a dead network to a
+-- client's watchdog): while the row is locked, its receive returns nothing,
+-- as when no batch is ready, and it tries again at its next poll.
 
 -- pgque._backend_start(pid): when the backend with that pid started; with the
 -- pid it names one session (pids are reused).
@@ -25,8 +28,8 @@ set search_path = pg_catalog, pg_temp
 as $$ select a.backend_start from pg_stat_get_activity(p_pid) a $$;
 
 -- pgque._slot_epoch(sub): the slot's epoch for this session, which owns the
--- slot: the current one when this session took it, else a new one. Taking a
--- new one waits for the transactions that checked the old one (see above).
+-- slot: the current one when this session took it, else a new one; null while
+-- a transaction that checked the old one holds it (see above).
 create or replace function pgque._slot_epoch(p_sub pgque.subscription)
 returns bigint
 language plpgsql
@@ -40,6 +43,15 @@ begin
     if found and v_claim.sc_pid = pg_backend_pid() and v_claim.sc_backend_start = v_start then
         return v_claim.sc_epoch;
     end if;
+    if found then
+        perform 1 from pgque.slot_claim where sc_sub = p_sub.sub_id
+            for no key update skip locked;
+        if not found then
+            return null;  -- held by a checking transaction
+        end if;
+    end if;
+    -- A first row of the slot, or the row locked above. (Two sessions cannot
+    -- both get here for one slot: only its owner receives.)
     insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid, sc_backend_start)
     values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid(), v_start)
     on conflict (sc_sub) do update
@@ -51,15 +63,20 @@ end
 $$;
 
 -- pgque._end_epoch(sub): called when this session releases the slot: its
--- epoch ends, so the next claim (even by this session) takes a new one.
--- Waits, like a new epoch, for the transactions that checked it.
+-- epoch ends, so the next claim (even by this session) takes a new one. It
+-- does not wait: while a checking transaction holds the epoch, the epoch stays
+-- (check_fence refuses it anyway once the slot is released, as nobody holds
+-- the slot under it), and only a claim by this same session would take it up
+-- again.
 create or replace function pgque._end_epoch(p_sub pgque.subscription)
 returns void
 language sql
 set search_path = pg_catalog, pg_temp
 as $$
-    update pgque.slot_claim set sc_pid = null, sc_time = now()
-     where sc_sub = p_sub.sub_id and sc_pid = pg_backend_pid()
+    update pgque.slot_claim c set sc_pid = null, sc_time = now()
+     where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid()
+       and c.sc_sub in (select l.sc_sub from pgque.slot_claim l where l.sc_sub = p_sub.sub_id
+                           for no key update skip locked)
 $$;
 
 -- pgque.check_fence(queue, consumer, slot, epoch): returns when epoch is the
