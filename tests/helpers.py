@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import faulthandler
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
+import pytest
 
 import pgque
 
 T = TypeVar("T")
+
+#: Whether the long variants run: ``PGQUE_TEST_LONG=1`` (``make test-long``).
+LONG = os.environ.get("PGQUE_TEST_LONG") == "1"
+
+
+def long_variant(*values: Any, id: str | None = None) -> Any:
+    """A parameter set of a test's long form (bigger, or waiting longer), marked
+    ``long``: it runs only with PGQUE_TEST_LONG=1 (``make test-long``), while the
+    test's short form runs in every ``make test``. (The fault suite has its own,
+    test_faults.long_variant.)"""
+    return pytest.param(*values, id=id, marks=[
+        pytest.mark.long,
+        pytest.mark.skipif(not LONG, reason="long variant: PGQUE_TEST_LONG=1 (make test-long)")])
 
 
 def drain(client: pgque.Client, queue: str, consumer: str, *,
