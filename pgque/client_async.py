@@ -1,6 +1,6 @@
 # The source of pgque/client.py, which tools/async_to_sync.py generates  # async-only
-# from this file (`make twins`): edit this one, then regenerate. Lines marked  # async-only
-# like these two are left out of the sync code; "sync-only:" comments become  # async-only
+# from this file (`make twins`): edit this one, then regenerate. Lines that  # async-only
+# end like these are left out of the sync code; "sync-only:" comments become  # async-only
 # code there (see tools/async_to_sync.py).  # async-only
 """The pgque client: producers' and consumers' calls, each one round trip.
 
