@@ -131,6 +131,33 @@ def test_slots_and_fences(dsn: str) -> None:
     asyncio.run(main())
 
 
+def test_ticker_election_settings_and_maintenance(dsn: str) -> None:
+    """The calls the both_clients modules do not make (the lock and attack modules,
+    which test the SQL with a Client as the vehicle, make them)."""
+    async def main() -> None:
+        async with await pgque.connect_async(dsn) as first, \
+                await pgque.connect_async(dsn) as second:
+            pid = await first.pin_session({"application_name": "pgque-async-test"})
+            assert pid == first.pinned_pid == first.conn.info.backend_pid
+            row = await (await first.conn.execute("show application_name")).fetchone()
+            assert row == ("pgque-async-test",)
+            assert await first.claim_ticker() is True
+            assert await second.claim_ticker() is False
+            assert await second.active_ticker() == pid
+            await first.create_queue("q", max_retries=1)
+            assert (await first.set_queue_config("q", ticker_max_lag=2))["ticker_max_lag"] == 2
+            assert (await first.queue_config("q"))["max_retries"] == 1
+            await first.subscribe("q", "c")
+            await first.send("q", "e", 1)
+            assert await first.tick_overdue(0) == 1
+            assert await first.ticker() == 0
+            assert isinstance(await first.maintenance("q"), list)
+            assert await first.release_ticker() is True
+            assert await second.active_ticker() is None
+
+    asyncio.run(main())
+
+
 def test_install_and_uninstall(empty_dsn: str) -> None:
     async def main() -> None:
         async with await pgque.connect_async(empty_dsn) as client:

@@ -21,8 +21,6 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
-pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
-
 # The fixed keys of pgque 0.1, which any role could take in advance.
 OLD_SLOT_CLASS = 1885827443
 OLD_GROUP_CLASS = 1885827431

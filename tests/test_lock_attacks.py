@@ -23,8 +23,6 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
-pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
-
 # The keys of pgque 0.1: the tick and maintenance lock classes (each with the
 # queue id as second key), and the install's bigint key.
 OLD_TICK_CLASS = 1885827444

@@ -26,8 +26,6 @@ from hypothesis import strategies as st
 
 import pgque
 
-pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
-
 # Statements of the session under test give up after this: a wrong wait fails.
 TIMEOUT_OPTIONS = "-c statement_timeout=20s"
 

@@ -30,8 +30,6 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
-pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
-
 VICTIM_TIMEOUT_MS = 3000
 
 
