@@ -13,7 +13,7 @@ OTHER_BINDIR_PY := from pgque.localpg import bindir_major, embedded_bindir, syst
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
-.PHONY: venv lint test test-faults test-long demo bench clean distclean system-deps
+.PHONY: venv lint twins test test-faults test-long demo bench clean distclean system-deps
 
 venv: $(STAMP)
 
@@ -23,9 +23,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[embedded,dev]'
 	touch $(STAMP)
 
+# The sync client is generated from the async one (tools/async_to_sync.py):
+# lint fails, showing the diff, when a generated file is stale.
 lint: venv
-	$(BIN)/ruff check pgque tests bench
+	$(BIN)/python tools/async_to_sync.py --check
+	$(BIN)/ruff check pgque tests bench tools
 	$(BIN)/mypy --strict pgque
+
+# Regenerate the sync modules (pgque/client.py, pgque/_install.py) from their
+# async sources; never edit the generated files.
+twins: venv
+	$(BIN)/python tools/async_to_sync.py
 
 # Against PGQUE_TEST_DSN when it is set; otherwise on the embedded binaries and,
 # when the machine has PostgreSQL of another major, on those too. The two runs

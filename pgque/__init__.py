@@ -2,11 +2,13 @@
 
 Producers append events to an immutable log with :meth:`Client.send`; each
 consumer reads the whole log through its own cursor, in batches cut by
-ticks. See the README and docs/ for the guarantees.
+ticks. :class:`AsyncClient` makes the same calls on asyncio. See the README
+and docs/ for the guarantees.
 """
 
 from pgque._version import __version__
 from pgque.client import Client, connect, open_connection
+from pgque.client_async import AsyncClient, connect_async, open_connection_async
 from pgque.errors import (
     AccessDenied,
     BatchNotActive,
@@ -48,6 +50,7 @@ from pgque.worker import Worker
 
 __all__ = [
     "AccessDenied",
+    "AsyncClient",
     "Batch",
     "BatchNotActive",
     "Client",
@@ -93,8 +96,10 @@ __all__ = [
     "Worker",
     "__version__",
     "connect",
+    "connect_async",
     "install",
     "install_script",
     "open_connection",
+    "open_connection_async",
     "uninstall",
 ]

@@ -8,8 +8,7 @@ permission error) propagate as psycopg exceptions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 import psycopg
 
@@ -310,13 +309,24 @@ def from_psycopg(exc: psycopg.Error) -> PgqueError | None:
     return error
 
 
-@contextmanager
-def translated() -> Iterator[None]:
-    """Re-raise pgque's server errors as their PgqueError classes."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        mapped = from_psycopg(exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+class translated:  # lower case: used like the function it was, ``with translated():``
+    """Re-raise pgque's server errors as their PgqueError classes: a context
+    manager for ``with`` and ``async with`` alike (the async client's twin code
+    enters it in the same statement as its cursors)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if isinstance(exc, psycopg.Error):
+            mapped = from_psycopg(exc)
+            if mapped is not None:
+                raise mapped from exc
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        traceback: TracebackType | None) -> None:
+        self.__exit__(kind, exc, traceback)

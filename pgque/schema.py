@@ -44,18 +44,6 @@ __all__ = ["Migration", "install", "install_script", "migrations", "uninstall"]
 # cannot shadow anything.
 PIN_SEARCH_PATH = "set local search_path = pg_catalog, pg_temp"
 
-# Concurrent installers serialize on the row of pgque.install_lock, which the
-# guard takes before it writes any catalog row. Into an empty database (or one
-# whose install predates that table) they may still race on CREATE SCHEMA or
-# CREATE TABLE: the losers fail with a unique violation once the winner
-# commits. An install that waited behind an uninstall finds the table it waited
-# for, or the schema, gone. Either way the failing statement rolled the
-# transaction back, and it runs again: it then finds the schema (or its
-# absence) as it now is. A few attempts are plenty.
-_INSTALL_ATTEMPTS = 5
-_RETRIED = (psycopg.errors.UniqueViolation, psycopg.errors.UndefinedTable,
-            psycopg.errors.InvalidSchemaName)
-
 _MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -195,20 +183,12 @@ def install(conn: psycopg.Connection[Any]) -> str | None:
     Works for a non-superuser that owns the database (roles it may not create
     are skipped with a notice). Safe to run concurrently and repeatedly.
     """
-    script = install_script().encode()
-    for attempt in range(1, _INSTALL_ATTEMPTS + 1):
-        try:
-            with conn.transaction(), conn.cursor() as cur:
-                cur.execute(PIN_SEARCH_PATH)
-                cur.execute(script)
-                # Set by the guard, after it checked who owns schema pgque.
-                cur.execute("select pg_catalog.current_setting('pgque.installed_before')")
-                row = cur.fetchone()
-            return (row[0] if row else "") or None
-        except _RETRIED:
-            if attempt == _INSTALL_ATTEMPTS:
-                raise
-    return None  # not reached
+    # The I/O is in pgque/_install.py, generated from pgque/_install_async.py
+    # (as the sync client is from the async one). It builds on this module, so
+    # it is imported when called, not when this module loads.
+    from pgque import _install
+
+    return _install.install(conn)
 
 
 def uninstall(conn: psycopg.Connection[Any]) -> None:
@@ -217,16 +197,6 @@ def uninstall(conn: psycopg.Connection[Any]) -> None:
     Waits for installs in progress, and installs that start meanwhile wait for
     it: it locks pgque.install_lock exclusively before it drops anything.
     """
-    with conn.transaction(), conn.cursor() as cur:
-        cur.execute(PIN_SEARCH_PATH)
-        cur.execute("""
-            do $uninstall$
-            begin
-                if to_regclass('pgque.install_lock') is not null then
-                    lock table pgque.install_lock in access exclusive mode;
-                end if;
-            exception when undefined_table then
-                null;  -- another uninstall dropped it while this one waited
-            end
-            $uninstall$""")
-        cur.execute("drop schema if exists pgque cascade")
+    from pgque import _install
+
+    _install.uninstall(conn)

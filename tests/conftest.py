@@ -11,7 +11,11 @@ pgque.testing (docs/testing.md): ``PGQUE_TEST_DSN``, else a throwaway cluster
 - ``dsn``: ``pgque_dsn``, a fresh copy of the template, dropped after the test;
 - ``empty_dsn``: a fresh database without pgque (from template0);
 - ``conn``: an autocommit connection to ``dsn``;
-- ``client``: ``pgque_client``, a pgque client connected to ``dsn``.
+- ``client``: ``pgque_client``, a pgque client connected to ``dsn``;
+- ``client_flavour`` (autouse): ``"sync"``, or ``"async"`` in the second run of
+  a database test of a module marked ``both_clients``: ``pgque.connect`` (so
+  ``client`` too) then returns an AsyncClient behind a sync face
+  (tests/async_twin.py), so the module's Client tests check the async twin too.
 
 A throwaway cluster preloads pg_cron when it can (tests/pgtest.py), and the
 report header names the server (the plugin names it at the end with -q).
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
+import async_twin
 import pgtest
 import psycopg
 import pytest
@@ -106,9 +112,36 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
         connection.close()
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run each database test of a ``both_clients`` module with the Client and with
+    the AsyncClient (``client_flavour``)."""
+    if (metafunc.definition.get_closest_marker("both_clients")
+            and "pgque_dsn" in metafunc.fixturenames):
+        metafunc.parametrize("client_flavour", ["sync", "async"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def client_flavour(request: pytest.FixtureRequest,
+                   monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Which client ``pgque.connect`` makes in this test: "sync" (pgque.Client) or
+    "async" (pgque.AsyncClient on an event loop thread, behind a sync face). Autouse
+    fixtures come first, so fixtures that connect see the choice."""
+    flavour = getattr(request, "param", "sync")
+    if flavour == "sync":
+        yield flavour
+        return
+    loop = async_twin.Loop()
+    monkeypatch.setattr(pgque, "connect", partial(async_twin.connect, loop))
+    try:
+        yield flavour
+    finally:
+        loop.close()
+
+
 @pytest.fixture
-def client(pgque_client: pgque.Client) -> pgque.Client:
-    """A pgque client connected to ``dsn`` (autocommit), closed after the test."""
+def client(client_flavour: str, pgque_client: pgque.Client) -> pgque.Client:
+    """A pgque client connected to ``dsn`` (autocommit), closed after the test: a
+    Client, or with ``client_flavour`` "async" an AsyncClient behind a sync face."""
     return pgque_client
 
 

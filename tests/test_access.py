@@ -15,6 +15,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 @dataclass
 class Team:

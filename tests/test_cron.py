@@ -18,6 +18,8 @@ from helpers import scalar, wait_for
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 def test_start_cron_without_pg_cron_is_refused(client: pgque.Client) -> None:
     with pytest.raises(pgque.CronUnavailable):

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 _example = itertools.count()  # unique queue names across hypothesis examples
 
 

@@ -17,6 +17,8 @@ import pgque.errors
 from pgque.client import redact
 from pgque.codec import decode_payload
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 @pytest.fixture
 def client(dsn: str) -> Any:

@@ -14,6 +14,8 @@ from helpers import refused, scalar, wait_for
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 def _setup(client: pgque.Client, slots: int = 1) -> None:
     client.create_queue("q")

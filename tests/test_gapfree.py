@@ -15,11 +15,14 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import drain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pgque
+
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
 
 _example = itertools.count()
 

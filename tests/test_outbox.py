@@ -13,6 +13,8 @@ from helpers import drain, scalar
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 class Rollback(Exception):
     pass

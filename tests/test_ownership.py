@@ -13,6 +13,8 @@ from helpers import scalar, wait_for
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 @pytest.fixture
 def group(client: pgque.Client) -> pgque.Client:

@@ -7,12 +7,15 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import msgspec
+import pytest
 from helpers import scalar
 from hypothesis import given
 from hypothesis import strategies as st
 
 import pgque
 from pgque.info import from_row
+
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
 
 
 def test_info_calls_return_typed_records(client: pgque.Client) -> None:

@@ -11,6 +11,8 @@ from helpers import drain, scalar, wait_for
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 def test_nacked_event_returns_after_retry_after_to_same_consumer_only(
         client: pgque.Client, conn: psycopg.Connection[Any]) -> None:

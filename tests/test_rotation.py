@@ -97,6 +97,7 @@ def test_events_through_three_rotations_leave_no_dead_tuples(
     assert all(dead == 0 for _, _, dead in rows), rows
 
 
+@pytest.mark.both_clients  # not the 200k test: its rotation is the engine's
 def test_lagging_consumer_pins_truncation_until_it_catches_up(
         client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
     client.create_queue("q", rotation_period=0)
@@ -116,6 +117,7 @@ def test_lagging_consumer_pins_truncation_until_it_catches_up(
     assert row_counts(conn, tables)[tables[0]] == 0
 
 
+@pytest.mark.both_clients  # not the 200k test: its rotation is the engine's
 def test_unsubscribe_releases_rotation_floor(client: pgque.Client,
                                              conn: psycopg.Connection[Any]) -> None:
     client.create_queue("q", rotation_period=0)
@@ -132,6 +134,7 @@ def test_unsubscribe_releases_rotation_floor(client: pgque.Client,
     assert row_counts(conn, tables)[tables[0]] == 0
 
 
+@pytest.mark.both_clients  # not the 200k test: its rotation is the engine's
 def test_long_transaction_holding_txid_blocks_truncation_not_delivery(
         client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
     """A producer transaction still open in the old table across a switch keeps

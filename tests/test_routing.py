@@ -12,6 +12,8 @@ from helpers import scalar
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 # Looked up once on PostgreSQL 15 and 18 (hash functions are stable across
 # versions: hash-partitioned tables depend on it).
 LITERAL_SLOTS = [

@@ -13,6 +13,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
+pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+
 
 @pytest.fixture
 def users(dsn: str) -> Iterator[dict[str, pgque.Client]]:

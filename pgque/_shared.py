@@ -1,0 +1,171 @@
+"""What the sync and the async client share: everything that does no I/O.
+
+:mod:`pgque.client_async` (the source) and :mod:`pgque.client` (generated from
+it) both import these, so they exist once: encoding arguments, decoding rows
+into records, DSN redaction, the connection-type check.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import msgspec
+import psycopg
+
+from pgque.codec import encode_payload
+from pgque.errors import SessionUnstable
+from pgque.info import GroupStatus, SlotOwner
+from pgque.types import Batch, DeadLetter, Event, Fence, Message
+
+T = TypeVar("T")
+EventLike = Event | tuple[str, Any] | tuple[str, Any, "str | None"]
+
+# SQLSTATEs worth waiting for while a server starts: cannot connect now,
+# the database system is starting up / shutting down, too many connections.
+TRANSIENT_STATES = {None, "57P03", "57P01", "53300", "08001", "08006"}
+
+# A connection in one of these states is inside a transaction the caller opened.
+IN_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
+
+# Statement errors that, on a pinned session, mean the server session changed.
+PREPARED_STATEMENT_ERRORS = (psycopg.errors.InvalidSqlStatementName,
+                             psycopg.errors.DuplicatePreparedStatement)
+
+# Each client class and the psycopg connection class it runs on.
+_CONNECTION_OF = {"Client": "Connection", "AsyncClient": "AsyncConnection"}
+
+
+def check_connection(conn: object, expected: type, client: str) -> None:
+    """Raise TypeError unless ``conn`` is an ``expected`` (the psycopg connection
+    class that the class named ``client`` runs on), naming the class to use."""
+    if isinstance(conn, expected):
+        return
+    kind = type(conn)
+    if isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        other = next(c for c, k in _CONNECTION_OF.items()
+                     if isinstance(conn, getattr(psycopg, k)))
+        raise TypeError(f"pgque.{client} needs a psycopg.{expected.__name__}, not a "
+                        f"psycopg.{kind.__name__}: use pgque.{other} for that one")
+    raise TypeError(f"pgque.{client} needs a psycopg.{expected.__name__}, "
+                    f"not {kind.__module__}.{kind.__qualname__}")
+
+
+def session_changed(exc: psycopg.Error) -> SessionUnstable:
+    """The error for a prepared statement missing from (or already on) the pinned
+    server session: the session changed under the client."""
+    return SessionUnstable(
+        f"the server session behind this connection changed ({exc}): is a "
+        "transaction-mode pooler in between? Connect directly, or through "
+        "a pooler in session mode.")
+
+
+def seconds(value: float | timedelta) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+# A password in a key=value DSN (quoted or not) or in a URI's query string...
+_KEY_VALUE_PASSWORD = re.compile(r"""(?i)\b(password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&'"]+)""")
+# ...and in a URI's user info: scheme://user:password@host.
+_URI_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@]*:)[^\s@]*@")
+# A known password shorter than this is not hunted for in free text (it would
+# garble every message); the patterns above still hide it where it is a password.
+_MIN_QUOTED_PASSWORD = 3
+
+
+def redact(text: str, dsn: str | None = None) -> str:
+    """``text`` with every password hidden (``***``): in key=value and URI DSNs it
+    holds, and, when the ``dsn`` it came from is given, wherever that DSN's
+    password appears (libpq quotes fragments of a malformed DSN in its errors)."""
+    secrets_found: list[str] = []
+    if dsn:
+        try:
+            password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
+        except psycopg.Error:
+            password = None
+        if isinstance(password, str):
+            secrets_found.append(password)
+        for match in _KEY_VALUE_PASSWORD.finditer(dsn):
+            secrets_found.append(match.group(2).strip("'"))
+        for match in _URI_PASSWORD.finditer(dsn):
+            secrets_found.append(dsn[match.end(1):match.end() - 1])
+    text = _URI_PASSWORD.sub(r"\1***@", text)
+    text = _KEY_VALUE_PASSWORD.sub(r"\1***", text)
+    for secret in sorted(set(secrets_found), key=len, reverse=True):
+        if len(secret) >= _MIN_QUOTED_PASSWORD:
+            text = text.replace(secret, "***")
+    return text
+
+
+def config_json(config: dict[str, float | timedelta | str]) -> str:
+    return msgspec.json.encode(
+        {k: v.total_seconds() if isinstance(v, timedelta) else v for k, v in config.items()}
+    ).decode()
+
+
+def event_columns(events: Iterable[EventLike]) -> tuple[list[str], list[str], list[str | None]]:
+    """The types, encoded payloads and partition keys of ``send_batch``'s events."""
+    types: list[str] = []
+    payloads: list[str] = []
+    keys: list[str | None] = []
+    for event in events:
+        if isinstance(event, Event):
+            etype, payload, key = event.type, event.payload, event.partition_key
+        else:
+            etype, payload, key = (*event, None)[:3]
+        types.append(etype)
+        payloads.append(encode_payload(payload))
+        keys.append(key)
+    return types, payloads, keys
+
+
+def message_ids(messages: Message[Any] | int | Iterable[Message[Any] | int]) -> list[int]:
+    if isinstance(messages, (Message, int)):
+        messages = [messages]
+    return [m.id if isinstance(m, Message) else int(m) for m in messages]
+
+
+def nacked(nack: Mapping[int, str | None] | Iterable[Message[Any] | int],
+           ) -> tuple[list[int], list[str | None]]:
+    """``ack``'s ``nack`` argument as event ids and their reasons (one None for all
+    when no reasons are given)."""
+    if isinstance(nack, Mapping):
+        return list(nack), list(nack.values())
+    return message_ids(nack), [None]
+
+
+def batch_from_rows(queue: str, consumer: str, rows: list[Any], payload_type: type[T] | None,
+          slot: int | None = None, slots: int | None = None) -> Batch[Any] | None:
+    """Build a Batch from pgque.batch_event rows, read by name; None when there
+    are no rows."""
+    if not rows:
+        return None
+    # Only a slot's batch has an epoch; a schema older than 0.2 has none.
+    epoch = getattr(rows[0], "epoch", None)
+    fence = None if slot is None or epoch is None else Fence(queue, consumer, slot, epoch)
+    messages = [
+        Message(id=r.ev_id, type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1,
+                retry_count=r.ev_retry, created_at=r.ev_time, payload_type=payload_type,
+                fence=fence)
+        for r in rows if r.ev_id is not None
+    ]
+    return Batch(queue=queue, consumer=consumer, batch_id=rows[0].batch_id, messages=messages,
+                 slot=slot, slots=slots, fence=fence)
+
+
+def group_status_from_row(row: Any) -> GroupStatus:
+    """A GroupStatus from pgque.group_status's row, read by name."""
+    return GroupStatus(
+        members=row.members, my_rank=row.my_rank,
+        slots=tuple(SlotOwner(slot=n, owner_pid=pid, mine=pid == row.my_pid)
+                    for n, pid in enumerate(row.owner_pids)))
+
+
+def dead_letters_from_rows(rows: list[Any]) -> list[DeadLetter]:
+    """DeadLetters from pgque.dead_letters rows, read by name."""
+    return [DeadLetter(id=r.dl_id, consumer=r.consumer, failed_at=r.dl_time, reason=r.reason,
+                       event_id=r.ev_id, created_at=r.ev_time, retry_count=r.ev_retry,
+                       type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1)
+            for r in rows]

@@ -1,0 +1,624 @@
+# The source of pgque/client.py, which tools/async_to_sync.py generates  # async-only
+# from this file (`make twins`): edit this one, then regenerate. Lines that  # async-only
+# end like these are left out of the sync code; "sync-only:" comments become  # async-only
+# code there (see tools/async_to_sync.py).  # async-only
+"""The pgque client: producers' and consumers' calls, each one round trip.
+
+Each :class:`AsyncClient` wraps a psycopg AsyncConnection. Made with
+:func:`connect_async`, it owns an autocommit connection (every call is its own
+transaction) and, for ``send`` from many callers at once, a small pool opened
+on first use. Made as ``AsyncClient(conn)`` over the caller's connection, it runs
+every call in whatever transaction that connection is in: the caller commits.
+
+All correctness lives in the SQL functions; this module encodes arguments,
+decodes rows (with :mod:`pgque._shared`) and maps the engine's SQLSTATEs to
+:mod:`pgque.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any, TypeVar, overload
+
+import msgspec
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.rows import dict_row, namedtuple_row, tuple_row
+from psycopg_pool import AsyncConnectionPool
+
+from pgque import _install_async
+from pgque._acompat import acaller, apause
+from pgque._shared import (
+    IN_TRANSACTION,
+    PREPARED_STATEMENT_ERRORS,
+    TRANSIENT_STATES,
+    EventLike,
+    batch_from_rows,
+    check_connection,
+    config_json,
+    dead_letters_from_rows,
+    event_columns,
+    group_status_from_row,
+    message_ids,
+    nacked,
+    redact,
+    seconds,
+    session_changed,
+)
+from pgque.codec import encode_payload
+from pgque.errors import ConnectError, translated
+from pgque.info import ConsumerInfo, GroupStatus, QueueInfo, SlotStatus, from_row
+from pgque.types import Batch, DeadLetter, Fence, Message
+
+__all__ = ["AsyncClient", "connect_async", "open_connection_async", "redact"]
+
+T = TypeVar("T")
+R = TypeVar("R", bound=msgspec.Struct)
+AsyncConn = AsyncConnection[Any]
+
+
+async def open_connection_async(dsn: str, *, timeout: float = 30.0,
+                                stop: asyncio.Event | None = None, **kwargs: Any) -> AsyncConn:
+    """Open an autocommit psycopg connection, retrying while the server starts.
+
+    Retries with capped exponential backoff for up to ``timeout`` seconds when
+    the server refuses connections or says it is starting; fails at once on a
+    malformed DSN, bad credentials or a missing database. A set ``stop`` event
+    ends the retries early. Raises ConnectError (``transient`` tells which kind).
+    Each attempt is bounded (libpq ``connect_timeout``, from ``timeout`` unless
+    given), so a server that drops packets cannot hold it for minutes.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    kwargs.setdefault("autocommit", True)
+    kwargs.setdefault("connect_timeout", max(2, min(int(timeout), 10)))
+    while True:
+        try:
+            return await AsyncConnection.connect(dsn, **kwargs)
+        except psycopg.ProgrammingError as exc:  # malformed DSN
+            # The error names no password, and its cause is left out: psycopg's
+            # text can quote the DSN, password and all.
+            error = ConnectError(redact(f"invalid DSN: {exc}", dsn))
+            error.transient = False
+            raise error from None
+        except psycopg.OperationalError as exc:
+            transient = exc.sqlstate in TRANSIENT_STATES
+            if not transient or time.monotonic() + delay > deadline:
+                error = ConnectError(redact(f"cannot connect to PostgreSQL: {exc}".strip(), dsn))
+                error.transient = transient
+                raise error from None
+            if await apause(delay, stop):
+                error = ConnectError("stopped while connecting")
+                raise error from None
+            delay = min(delay * 2, 1.0)
+
+
+async def connect_async(dsn: str, *, timeout: float = 30.0, pool_size: int = 4,
+                        **kwargs: Any) -> AsyncClient:
+    """Connect to the database at ``dsn`` and return the :class:`AsyncClient` that
+    owns the connection.
+
+    Waits up to ``timeout`` seconds for a server that is starting. ``pool_size``
+    bounds the producer pool that ``send``/``send_batch`` use when called by
+    several callers at once (0: send on the client's own connection). Extra
+    keyword arguments go to psycopg's ``connect``.
+    """
+    conn = await open_connection_async(dsn, timeout=timeout, **kwargs)
+    return AsyncClient(conn, dsn=dsn, pool_size=pool_size, owns_connection=True,
+                       connect_kwargs=kwargs)
+
+
+class AsyncClient:
+    """pgque's calls over one psycopg connection. See the module docstring."""
+
+    def __init__(
+        self,
+        conn: AsyncConn,
+        *,
+        dsn: str | None = None,
+        pool_size: int = 0,
+        owns_connection: bool = False,
+        connect_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        check_connection(conn, AsyncConnection, "AsyncClient")
+        self.conn = conn
+        self._dsn = dsn
+        self._connect_kwargs = {**(connect_kwargs or {}), "autocommit": True}
+        self._pool_size = pool_size if dsn is not None else 0
+        self._pool: AsyncConnectionPool[AsyncConn] | None = None
+        self._pool_lock = asyncio.Lock()
+        self._owns_connection = owns_connection
+        # (backend pid, token) once pin_session() ran: slot and ticker calls
+        # then check that they still reach that server session.
+        self._pinned: tuple[int, str] | None = None
+        # The thread (under asyncio, the task) that made the client: see _producer.
+        self._owner = acaller()
+
+    # -- lifecycle -------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the pool and, if this client opened it, the connection."""
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        if self._owns_connection:
+            await self.conn.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _rows(self, sql: str, params: Sequence[Any] = (), conn: AsyncConn | None = None,
+                    *, by_name: bool = False) -> list[Any]:
+        """The rows of one statement: tuples, or with by_name named tuples whose
+        fields are the result's column names (records read by name, not position)."""
+        row_factory: Any = namedtuple_row if by_name else tuple_row
+        async with translated(), (conn or self.conn).cursor(row_factory=row_factory) as cur:
+            try:
+                await cur.execute(sql.encode(), params)
+            except PREPARED_STATEMENT_ERRORS as exc:
+                if self._pinned is None:
+                    raise
+                # A statement prepared on this connection is missing from (or
+                # already on) the server session: the session changed under us.
+                raise session_changed(exc) from exc
+            return await cur.fetchall()
+
+    async def _value(self, sql: str, params: Sequence[Any] = (),
+                     conn: AsyncConn | None = None) -> Any:
+        rows = await self._rows(sql, params, conn)
+        return rows[0][0]
+
+    @asynccontextmanager
+    async def _producer(self, conn: AsyncConn | None) -> AsyncIterator[AsyncConn]:
+        if conn is not None:
+            yield conn
+        elif (self.conn.info.transaction_status in IN_TRANSACTION
+              and acaller() == self._owner):
+            # The caller opened a transaction on the client's own connection
+            # (the outbox pattern): the event must commit or roll back with it.
+            # Only for the thread (task) that made the client: another one's
+            # send must not land in that transaction (it goes through the pool).
+            yield self.conn
+        elif self._pool_size > 0:
+            pool = self._pool or await self._open_pool()
+            async with pool.connection() as pooled:
+                yield pooled
+        else:
+            yield self.conn
+
+    async def _open_pool(self) -> AsyncConnectionPool[AsyncConn]:
+        """The producer pool, opened once (whoever asks first)."""
+        async with self._pool_lock:
+            if self._pool is None:
+                assert self._dsn is not None
+                # The same connection settings as the client's own connection.
+                pool = AsyncConnectionPool(
+                    self._dsn, min_size=1, max_size=self._pool_size,
+                    kwargs=self._connect_kwargs, open=False, name="pgque-producers")
+                await pool.open()
+                self._pool = pool
+            return self._pool
+
+    # -- schema and queues -----------------------------------------------
+
+    async def install(self) -> str:
+        """Install or upgrade the engine (idempotent); returns the installed version.
+
+        Raises SchemaNotOwned when schema pgque, or an object in it, belongs to
+        another role than the connected one.
+        """
+        async with translated():
+            await _install_async.install(self.conn)
+        return str(await self._value("select pgque.version()"))
+
+    async def uninstall(self) -> None:
+        """Drop the engine with every queue in it."""
+        await _install_async.uninstall(self.conn)
+
+    async def create_queue(self, name: str, *, exist_ok: bool = False,
+                           **config: float | timedelta | str) -> int:
+        """Create a queue and return its id.
+
+        Settings: ``ticker_max_count``, ``ticker_max_lag``, ``ticker_idle_period``,
+        ``rotation_period``, ``max_retries``, ``event_tables``; durations as
+        seconds or timedeltas. Raises QueueExists unless ``exist_ok``.
+        """
+        return int(await self._value("select pgque.create_queue(%s, %s::jsonb, %s)",
+                                     (name, config_json(config), exist_ok)))
+
+    async def set_queue_config(self, name: str,
+                               **config: float | timedelta | str) -> dict[str, Any]:
+        """Change settings of a queue; returns its whole configuration."""
+        result: dict[str, Any] = await self._value(
+            "select pgque.set_queue_config(%s, %s::jsonb)", (name, config_json(config)))
+        return result
+
+    async def queue_config(self, name: str) -> dict[str, Any]:
+        """The queue's settings (durations in seconds)."""
+        result: dict[str, Any] = await self._value("select pgque.queue_config(%s)", (name,))
+        return result
+
+    async def drop_queue(self, name: str, *, force: bool = False) -> None:
+        """Drop a queue with all its events. Raises QueueInUse while it has consumers,
+        unless ``force``."""
+        await self._rows("select pgque.drop_queue(%s, %s)", (name, force))
+
+    async def subscribe(self, queue: str, consumer: str) -> bool:
+        """Subscribe a consumer; it receives events committed from now on.
+
+        Returns False if it was already subscribed.
+        """
+        return bool(await self._value("select pgque.subscribe(%s, %s)", (queue, consumer)))
+
+    async def unsubscribe(self, queue: str, consumer: str) -> bool:
+        """Remove a subscription (its cursor, open batch and pending retries)."""
+        return bool(await self._value("select pgque.unsubscribe(%s, %s)", (queue, consumer)))
+
+    # -- access ----------------------------------------------------------
+
+    async def grant_queue(self, queue: str, role: str, privilege: str) -> bool:
+        """Restrict ``privilege`` ('send' or 'consume') on ``queue`` to the roles granted
+        it, adding ``role``; True when it was new. Admins only. Without grants of a
+        kind, a queue is open to every pgque_writer ('send') or pgque_reader
+        ('consume')."""
+        return bool(await self._value("select pgque.grant_queue(%s, %s, %s)",
+                                      (queue, role, privilege)))
+
+    async def revoke_queue(self, queue: str, role: str, privilege: str) -> bool:
+        """Take ``privilege`` on ``queue`` back from ``role``; True when it had it.
+        Revoking the last grant of a kind opens the queue again. Admins only."""
+        return bool(await self._value("select pgque.revoke_queue(%s, %s, %s)",
+                                      (queue, role, privilege)))
+
+    async def queue_grants(self, queue: str) -> list[tuple[str, str]]:
+        """The (privilege, role) grants of ``queue``; empty when it is unrestricted."""
+        rows = await self._rows("select * from pgque.queue_grants(%s)", (queue,))
+        return [(p, r) for p, r in rows]
+
+    async def grant_consumer(self, queue: str, consumer: str, role: str) -> bool:
+        """Let ``role`` use ``consumer`` (a plain consumer or a consumer group) as its
+        owner does; True when it was new. Its owner or an admin only."""
+        return bool(await self._value("select pgque.grant_consumer(%s, %s, %s)",
+                                      (queue, consumer, role)))
+
+    async def revoke_consumer(self, queue: str, consumer: str, role: str) -> bool:
+        """Take ``role``'s access to ``consumer`` back; True when it had it."""
+        return bool(await self._value("select pgque.revoke_consumer(%s, %s, %s)",
+                                      (queue, consumer, role)))
+
+    # -- producing -------------------------------------------------------
+
+    async def send(self, queue: str, type: str, payload: Any = None,
+                   partition_key: str | None = None, *, conn: AsyncConn | None = None) -> int:
+        """Append one event and return its id.
+
+        With ``conn``, the event is written in that connection's current
+        transaction and exists only if it commits. Without it, when called from
+        the thread (under asyncio, the task) that made the client, a transaction
+        open on the client's own connection (``async with client.conn.transaction():``)
+        is joined the same way; otherwise the event commits on its own (through
+        the producer pool when there is one).
+        """
+        data = encode_payload(payload)
+        async with self._producer(conn) as target:
+            return int(await self._value("select pgque.send(%s, %s, %s::text, %s)",
+                                         (queue, type, data, partition_key), target))
+
+    async def send_batch(self, queue: str, events: Iterable[EventLike], *,
+                         conn: AsyncConn | None = None) -> list[int]:
+        """Append several events in one round trip; returns their ids in order.
+
+        Each event is a :class:`~pgque.Event` or a ``(type, payload[, partition_key])``
+        tuple. Nothing is written if any of them is invalid. Transactions as
+        for :meth:`send`.
+        """
+        types, payloads, keys = event_columns(events)
+        if not types:
+            return []
+        async with self._producer(conn) as target:
+            # Binary (%b) arrays: psycopg encodes them several times faster than text.
+            ids = await self._value(
+                "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
+                (queue, types, payloads, keys), target)
+        return [int(i) for i in ids]
+
+    # -- ticks and maintenance -------------------------------------------
+
+    async def tick(self, queue: str) -> int:
+        """Force a tick of one queue now; returns the tick id."""
+        return int(await self._value("select pgque.tick(%s)", (queue,)))
+
+    async def ticker(self, queue: str | None = None) -> int:
+        """Tick every queue (or one) whose thresholds ask for it; returns how many ticked."""
+        if queue is not None:
+            return int(await self._value("select pgque.ticker(%s) is not null", (queue,)))
+        check, params = self._checked(None)
+        return int(await self._value(f"select pgque.ticker() from (select {check}) s", params))
+
+    async def tick_overdue(self, after: float | timedelta) -> int:
+        """Tick every queue whose pending events have waited ``after`` since its last
+        tick, whatever its thresholds (a standby ticker's safety net); returns how
+        many ticked."""
+        check, params = self._checked(None)
+        return int(await self._value(
+            f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
+            (seconds(after), *params)))
+
+    async def claim_ticker(self) -> bool:
+        """Try, without waiting, to become the database's active ticker (a session
+        advisory lock on the install's random election key); True when this session
+        holds it. Checks a pinned session first."""
+        check, params = self._checked(None)
+        return bool(await self._value(f"select pgque.claim_ticker() from (select {check}) s",
+                                      params))
+
+    async def release_ticker(self) -> bool:
+        """Give up the ticker election if this session holds it."""
+        return bool(await self._value("select pgque.release_ticker()"))
+
+    async def active_ticker(self) -> int | None:
+        """The backend pid of the database's active ticker, or None."""
+        pid = await self._value("select pgque.active_ticker()")
+        return None if pid is None else int(pid)
+
+    async def start_cron(self) -> int:
+        """Tick from inside the database with pg_cron (job 'pgque-ticker'); returns the
+        job id. Raises CronUnavailable when pg_cron is not installed here."""
+        return int(await self._value("select pgque.start_cron()"))
+
+    async def stop_cron(self) -> bool:
+        """Remove the pg_cron ticking job; False when there was none."""
+        return bool(await self._value("select pgque.stop_cron()"))
+
+    async def maintenance(self, queue: str | None = None) -> list[tuple[str, str, int]]:
+        """Run rotation, retry re-insertion and tick cleanup; returns what was done
+        as (queue, step, amount) rows."""
+        check, params = self._checked(queue)
+        rows = await self._rows(f"select * from pgque.maint({check})", params)
+        return [(q, s, int(n)) for q, s, n in rows]
+
+    # -- consuming -------------------------------------------------------
+
+    @overload
+    async def receive(self, queue: str, consumer: str, *, max_events: int | None = None,
+                      payload_type: None = None) -> Batch[Any] | None: ...
+
+    @overload
+    async def receive(self, queue: str, consumer: str, *, max_events: int | None = None,
+                      payload_type: type[T]) -> Batch[T] | None: ...
+
+    async def receive(self, queue: str, consumer: str, *, max_events: int | None = None,
+                      payload_type: type[T] | None = None) -> Batch[Any] | None:
+        """The consumer's open batch (or its next one), or None when none is ready.
+
+        With ``max_events`` the batch comes in pieces: each ``ack`` acks the
+        piece handed out, and the next ``receive`` continues the same batch.
+        A batch may have no messages (a tick with no events); ack it all the same.
+        """
+        rows = await self._rows("select * from pgque.receive(%s, %s, %s)",
+                                (queue, consumer, max_events), by_name=True)
+        return batch_from_rows(queue, consumer, rows, payload_type)
+
+    async def ack(self, batch: Batch[Any], *,
+                  nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
+                  retry_after: float | timedelta = 0.0) -> bool:
+        """Ack the batch piece; True when that finished the whole batch.
+
+        ``nack`` names events of the piece that failed: ids or messages, or a
+        mapping of event id to reason. They go to retry (or dead letters) in the
+        same transaction as the ack, so a crash cannot leave them nacked but the
+        batch unacked. A slot's batch is acked through the partition layer,
+        which checks that this session still owns the slot (SlotNotOwned).
+        """
+        ids, reasons = nacked(nack)
+        if batch.slot is not None:
+            check, params = self._checked(batch.queue)
+            if not ids:
+                return bool(await self._value(
+                    f"select pgque.ack_partitioned({check}, %s, %s, %s, %s)",
+                    (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id)))
+            return bool(await self._value(
+                f"select pgque.ack_partitioned({check}, %s, %s, %s, %s, %s::bigint[], "
+                "%s::text[], make_interval(secs => %s))",
+                (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                 reasons, seconds(retry_after))))
+        if not ids:
+            return bool(await self._value("select pgque.ack(%s, %s, %s)",
+                                          (batch.queue, batch.consumer, batch.batch_id)))
+        return bool(await self._value(
+            "select pgque.ack(%s, %s, %s, %s::bigint[], %s::text[], make_interval(secs => %s))",
+            (batch.queue, batch.consumer, batch.batch_id, ids, reasons,
+             seconds(retry_after))))
+
+    async def nack(self, batch: Batch[Any],
+                   messages: Message[Any] | int | Iterable[Message[Any] | int], *,
+                   retry_after: float | timedelta = 0.0, reason: str | None = None) -> int:
+        """Send messages of the batch to retry after ``retry_after`` (or to dead
+        letters once retried max_retries times), in one round trip.
+
+        Returns how many went to dead letters. Ack the batch afterwards as usual.
+        """
+        ids = message_ids(messages)
+        if batch.slot is not None:
+            check, params = self._checked(batch.queue)
+            return int(await self._value(
+                f"select pgque.nack_partitioned({check}, %s, %s, %s, %s, %s::bigint[], "
+                "make_interval(secs => %s), %s)",
+                (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                 seconds(retry_after), reason)))
+        return int(await self._value(
+            "select pgque.nack(%s, %s, %s, %s::bigint[], make_interval(secs => %s), %s)",
+            (batch.queue, batch.consumer, batch.batch_id, ids, seconds(retry_after), reason)))
+
+    # -- partitioned consumption -----------------------------------------
+
+    async def subscribe_slots(self, queue: str, consumer: str, *, slots: int) -> int:
+        """Subscribe consumer group ``consumer`` with ``slots`` slots (N is then fixed).
+
+        Idempotent for the same N; returns how many slot subscriptions were new.
+        Raises SlotCountMismatch if the group exists with another N.
+        """
+        return int(await self._value("select pgque.subscribe_slots(%s, %s, %s)",
+                                     (queue, consumer, slots)))
+
+    async def unsubscribe_slots(self, queue: str, consumer: str) -> int:
+        """Remove a consumer group with all its slots; returns how many were removed."""
+        return int(await self._value("select pgque.unsubscribe_slots(%s, %s)",
+                                     (queue, consumer)))
+
+    async def slot_lock_key(self, queue: str, consumer: str, slot: int) -> int:
+        """The bigint session advisory-lock key that owns a slot (see docs/design-notes.md)."""
+        return int(await self._value("select pgque.slot_lock_key(%s, %s, %s)",
+                                     (queue, consumer, slot)))
+
+    async def pin_session(self, settings: Mapping[str, str] | None = None) -> int:
+        """Pin the server session behind this client's connection; returns its pid.
+
+        Slot ownership and the ticker election are session locks. Once pinned,
+        every slot call (claim, receive, ack, nack, release, group) and every
+        ticker call checks, in the same statement, that it still runs on that
+        session, and raises SessionUnstable when it does not (a transaction-mode
+        pooler, or another client pinning the same backend). claim_slot pins
+        on first use. ``settings`` (session settings, name to value) are set in
+        the same statement, so they are on the pinned session whatever lies in
+        between.
+        """
+        token = secrets.token_hex(8)
+        pairs = list((settings or {}).items())
+        extra = "".join(", set_config(%s, %s, false)" for _ in pairs)
+        pid = int(await self._value(f"select pgque.pin_session(%s){extra}",
+                                    (token, *(v for pair in pairs for v in pair))))
+        self._pinned = (pid, token)
+        return pid
+
+    @property
+    def pinned_pid(self) -> int | None:
+        """The backend pid pinned by pin_session(), or None."""
+        return None if self._pinned is None else self._pinned[0]
+
+    def _checked(self, value: str | None) -> tuple[str, tuple[Any, ...]]:
+        """SQL and parameters for a text argument that, on a pinned session, passes
+        through pgque.session_checked: arguments are evaluated before the call,
+        so a call on the wrong session fails before it takes effect."""
+        if self._pinned is None:
+            return "%s", (value,)
+        return "pgque.session_checked(%s, %s, %s)", (value, *self._pinned)
+
+    async def claim_slot(self, queue: str, consumer: str, slot: int) -> bool:
+        """Try to own a slot: a non-blocking session advisory lock on this client's
+        connection. False at once when another session holds it. Pins the
+        session first (see pin_session)."""
+        if self._pinned is None:
+            await self.pin_session()
+        check, params = self._checked(queue)
+        return bool(await self._value(f"select pgque.claim_slot({check}, %s, %s)",
+                                      (*params, consumer, slot)))
+
+    async def release_slot(self, queue: str, consumer: str, slot: int) -> bool:
+        """Give up a slot this session owns; False if it did not own it."""
+        check, params = self._checked(queue)
+        return bool(await self._value(f"select pgque.release_slot({check}, %s, %s)",
+                                      (*params, consumer, slot)))
+
+    async def check_fence(self, fence: Fence) -> None:
+        """Raise StaleEpoch unless ``fence.epoch`` is still the slot's epoch and the
+        session that received under it still owns the slot.
+
+        Call it on the connection, and inside the transaction, that writes a
+        handler's effects (``await AsyncClient(conn).check_fence(message.fence)``):
+        the epoch then holds until that transaction ends, and a new owner's first
+        receive waits for it, so no effect checked under an old epoch commits
+        after the slot moved.
+        """
+        await self._rows("select pgque.check_fence(%s, %s, %s, %s)",
+                         (fence.queue, fence.consumer, fence.slot, fence.epoch))
+
+    async def join_group(self, queue: str, consumer: str) -> bool:
+        """Register this session as a live member of the group (see group_status)."""
+        check, params = self._checked(queue)
+        return bool(await self._value(f"select pgque.join_group({check}, %s)",
+                                      (*params, consumer)))
+
+    async def group_status(self, queue: str, consumer: str) -> GroupStatus:
+        """The group now: its live members, this session's rank among them and
+        who owns each slot (see GroupStatus.fair_share)."""
+        check, params = self._checked(queue)
+        (row,) = await self._rows(f"select * from pgque.group_status({check}, %s)",
+                                  (*params, consumer), by_name=True)
+        return group_status_from_row(row)
+
+    @overload
+    async def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
+                                  max_events: int | None = None,
+                                  payload_type: None = None) -> Batch[Any] | None: ...
+
+    @overload
+    async def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
+                                  max_events: int | None = None,
+                                  payload_type: type[T]) -> Batch[T] | None: ...
+
+    async def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
+                                  max_events: int | None = None,
+                                  payload_type: type[T] | None = None) -> Batch[Any] | None:
+        """The open (or next) batch of one slot, holding only the events whose
+        partition key routes to it. The session must own the slot (SlotNotOwned)."""
+        check, params = self._checked(queue)
+        rows = await self._rows(
+            f"select * from pgque.receive_partitioned({check}, %s, %s, %s, %s)",
+            (*params, consumer, slot, slots, max_events), by_name=True)
+        return batch_from_rows(queue, consumer, rows, payload_type, slot, slots)
+
+    async def partition_slot_status(self, queue: str | None = None) -> list[SlotStatus]:
+        """Every slot of every consumer group (of one queue): owner pid, pending
+        events, oldest unconsumed age, stalled flag."""
+        return await self._records(
+            SlotStatus, "select * from pgque.partition_slot_status where %s::text is null "
+            "or queue_name = %s order by queue_name, consumer_name, slot", (queue, queue))
+
+    # -- dead letters ----------------------------------------------------
+
+    async def dead_letters(self, queue: str, consumer: str | None = None, *, limit: int = 100,
+                           after_id: int = 0) -> list[DeadLetter]:
+        """Dead letters of a queue (of one consumer), oldest first."""
+        rows = await self._rows("select * from pgque.dead_letters(%s, %s, %s, %s)",
+                                (queue, consumer, limit, after_id), by_name=True)
+        return dead_letters_from_rows(rows)
+
+    async def replay_dead_letter(self, queue: str, dead_letter_id: int) -> int:
+        """Put a dead letter back into the log for its consumer; returns the event id."""
+        return int(await self._value("select pgque.replay_dead_letter(%s, %s)",
+                                     (queue, dead_letter_id)))
+
+    async def purge_dead_letters(self, queue: str, consumer: str | None = None,
+                                 ids: Sequence[int] | None = None) -> int:
+        """Delete dead letters (the given ids, or all of the queue or consumer)."""
+        return int(await self._value("select pgque.purge_dead_letters(%s, %s, %s::bigint[])",
+                                     (queue, consumer, None if ids is None else list(ids))))
+
+    # -- information -----------------------------------------------------
+
+    async def queue_info(self, queue: str | None = None) -> list[QueueInfo]:
+        """Every queue (or the one named): settings, newest tick, events since that tick."""
+        return await self._records(
+            QueueInfo, "select * from pgque.queue_info where %s::text is null "
+            "or queue_name = %s order by queue_name", (queue, queue))
+
+    async def consumer_info(self, queue: str | None = None) -> list[ConsumerInfo]:
+        """Every subscription (of one queue): cursor, lag, open batch, oldest
+        unconsumed age. A group's slots are listed as ``group#slot/slots``."""
+        return await self._records(
+            ConsumerInfo, "select * from pgque.consumer_info where %s::text is null "
+            "or queue_name = %s order by queue_name, consumer_name", (queue, queue))
+
+    async def _records(self, record: type[R], sql: str, params: Sequence[Any] = ()) -> list[R]:
+        async with translated(), self.conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(sql.encode(), params)
+            return [from_row(record, row) for row in await cur.fetchall()]

@@ -1,0 +1,204 @@
+"""The AsyncClient used natively, on asyncio (each test runs its coroutine with
+asyncio.run). The Client's own tests run against it too (modules marked
+both_clients, see conftest.py); these are the cases only asyncio code has: an
+AsyncConnection of the caller's, tasks instead of threads, the type checks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+import pytest
+
+import pgque
+
+
+async def _setup(client: pgque.AsyncClient) -> None:
+    await client.create_queue("q")
+    await client.subscribe("q", "c")
+
+
+async def _drain(client: pgque.AsyncClient) -> list[pgque.Message[Any]]:
+    await client.tick("q")
+    received: list[pgque.Message[Any]] = []
+    while (batch := await client.receive("q", "c")) is not None:
+        received.extend(batch.messages)
+        await client.ack(batch)
+    return received
+
+
+def test_send_receive_ack(dsn: str) -> None:
+    async def main() -> None:
+        async with await pgque.connect_async(dsn) as client:
+            await _setup(client)
+            first = await client.send("q", "OrderPlaced", {"id": 1}, partition_key="k")
+            ids = await client.send_batch("q", [("OrderLine", {"id": 1}, "k"),
+                                                pgque.Event("OrderPaid", 7)])
+            await client.tick("q")
+            batch = await client.receive("q", "c")
+            assert batch is not None
+            assert [(m.id, m.type, m.payload, m.partition_key) for m in batch] == [
+                (first, "OrderPlaced", {"id": 1}, "k"),
+                (ids[0], "OrderLine", {"id": 1}, "k"),
+                (ids[1], "OrderPaid", 7, None)]
+            assert await client.ack(batch) is True
+            assert await client.receive("q", "c") is None
+        assert client.conn.closed
+
+    asyncio.run(main())
+
+
+def test_send_in_the_callers_transaction_on_an_async_connection(dsn: str) -> None:
+    async def main() -> None:
+        async with await pgque.connect_async(dsn) as client:
+            await _setup(client)
+            async with await psycopg.AsyncConnection.connect(dsn) as conn:
+                await conn.execute("create table orders (id int)")
+                await conn.commit()
+                # An AsyncClient over the caller's connection: its transaction.
+                await conn.execute("insert into orders values (1)")
+                kept = await pgque.AsyncClient(conn).send("q", "OrderPlaced", 1)
+                await conn.commit()
+                # The conn argument of a client that has a connection of its own.
+                await client.send("q", "Dropped", 2, conn=conn)
+                await client.send_batch("q", [("Dropped", 3)], conn=conn)
+                await conn.rollback()
+            assert [m.id for m in await _drain(client)] == [kept]
+
+    asyncio.run(main())
+
+
+def test_the_task_that_made_the_client_joins_its_transaction(dsn: str) -> None:
+    """The outbox pattern on the client's own connection: the task that made the
+    client joins a transaction open on client.conn; another task's send (there,
+    one gathered alongside) commits on its own, through the pool."""
+    async def main() -> None:
+        client = await pgque.connect_async(dsn, pool_size=2)
+        try:
+            await _setup(client)
+            theirs: list[int] = []
+
+            async def other_task() -> None:
+                theirs.append(await client.send("q", "Theirs", 2))
+
+            with pytest.raises(ZeroDivisionError):
+                async with client.conn.transaction():
+                    await client.send("q", "Mine", 1)
+                    await asyncio.gather(other_task())
+                    raise ZeroDivisionError
+            assert [m.id for m in await _drain(client)] == theirs
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_concurrent_sends_share_one_pool(dsn: str) -> None:
+    async def main() -> None:
+        async with await pgque.connect_async(dsn, pool_size=3) as client:
+            await _setup(client)
+            ids = await asyncio.gather(*(client.send("q", "e", n, str(n)) for n in range(30)))
+            assert client._pool is not None and client._pool.max_size == 3
+            assert sorted(m.id for m in await _drain(client)) == sorted(ids)
+
+    asyncio.run(main())
+
+
+def test_slots_and_fences(dsn: str) -> None:
+    async def main() -> None:
+        async with await pgque.connect_async(dsn) as owner, \
+                await pgque.connect_async(dsn) as other:
+            await owner.create_queue("q")
+            assert await owner.subscribe_slots("q", "g", slots=1) == 1
+            assert await owner.claim_slot("q", "g", 0) is True
+            assert owner.pinned_pid == owner.conn.info.backend_pid
+            assert await other.claim_slot("q", "g", 0) is False
+            await owner.send("q", "e", 1)
+            await owner.tick("q")
+            batch = await owner.receive_partitioned("q", "g", slot=0, slots=1)
+            assert batch is not None and batch.fence is not None
+            with pytest.raises(pgque.SlotNotOwned):
+                await other.receive_partitioned("q", "g", slot=0, slots=1)
+            await owner.check_fence(batch.fence)
+            assert await owner.ack(batch) is True
+            status = await owner.group_status("q", "g")
+            assert status.slots[0].mine
+            assert await owner.release_slot("q", "g", 0) is True
+            with pytest.raises(pgque.StaleEpoch):
+                await other.check_fence(batch.fence)
+
+    asyncio.run(main())
+
+
+def test_ticker_election_settings_and_maintenance(dsn: str) -> None:
+    """The calls the both_clients modules do not make (the lock and attack modules,
+    which test the SQL with a Client as the vehicle, make them)."""
+    async def main() -> None:
+        async with await pgque.connect_async(dsn) as first, \
+                await pgque.connect_async(dsn) as second:
+            pid = await first.pin_session({"application_name": "pgque-async-test"})
+            assert pid == first.pinned_pid == first.conn.info.backend_pid
+            row = await (await first.conn.execute("show application_name")).fetchone()
+            assert row == ("pgque-async-test",)
+            assert await first.claim_ticker() is True
+            assert await second.claim_ticker() is False
+            assert await second.active_ticker() == pid
+            await first.create_queue("q", max_retries=1)
+            assert (await first.set_queue_config("q", ticker_max_lag=2))["ticker_max_lag"] == 2
+            assert (await first.queue_config("q"))["max_retries"] == 1
+            await first.subscribe("q", "c")
+            await first.send("q", "e", 1)
+            assert await first.tick_overdue(0) == 1
+            assert await first.ticker() == 0
+            assert isinstance(await first.maintenance("q"), list)
+            assert await first.release_ticker() is True
+            assert await second.active_ticker() is None
+
+    asyncio.run(main())
+
+
+def test_install_and_uninstall(empty_dsn: str) -> None:
+    async def main() -> None:
+        async with await pgque.connect_async(empty_dsn) as client:
+            assert await client.install() == pgque.__version__
+            assert await client.create_queue("q") > 0
+            await client.uninstall()
+            with pytest.raises(psycopg.errors.InvalidSchemaName):
+                await client.create_queue("q")
+
+    asyncio.run(main())
+
+
+def test_a_client_refuses_the_other_kind_of_connection(dsn: str) -> None:
+    with psycopg.connect(dsn) as conn, pytest.raises(
+            TypeError, match=r"pgque.AsyncClient needs a psycopg.AsyncConnection, not a "
+                             r"psycopg.Connection: use pgque.Client"):
+        pgque.AsyncClient(conn)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as aconn:
+            with pytest.raises(TypeError, match=r"pgque.Client needs a psycopg.Connection, "
+                                                r"not a psycopg.AsyncConnection: use "
+                                                r"pgque.AsyncClient"):
+                pgque.Client(aconn)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    with pytest.raises(TypeError, match=r"needs a psycopg.Connection, not builtins.str"):
+        pgque.Client(dsn)  # type: ignore[arg-type]
+
+
+def test_connect_errors_and_a_stop_event() -> None:
+    async def main() -> None:
+        with pytest.raises(pgque.ConnectError, match="invalid DSN") as error:
+            await pgque.connect_async("password=hunter2 nonsense", timeout=1)
+        assert "hunter2" not in str(error.value)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(pgque.ConnectError, match="stopped while connecting"):
+            await pgque.open_connection_async("host=127.0.0.1 port=1 connect_timeout=1",
+                                              timeout=30, stop=stop)
+        assert asyncio.get_running_loop().time() - started < 5
+
+    asyncio.run(main())
