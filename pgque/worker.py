@@ -548,8 +548,10 @@ class _Lane(Generic[T]):
             try:
                 with session.call() as client:
                     client.conn.execute("select 1")
-            except (psycopg.OperationalError, _ConnectionLost):
-                return  # the lane sees it at its next event
+            except (psycopg.OperationalError, _ConnectionLost) as exc:
+                # The lane sees it after the handler in hand returns.
+                self.worker.log.warning("%s: session lost (heartbeat): %s", self.name, exc)
+                return
             except psycopg.Error:
                 pass  # say, inside a failed transaction of a handler: the lane's to sort out
 
@@ -685,7 +687,7 @@ class _Lane(Generic[T]):
                         worker.handler(message)  # type: ignore[call-arg]
                     else:
                         self._handle_in_savepoint(message, conn)
-                except HandlerEndedTransaction:
+                except (HandlerEndedTransaction, _ConnectionLost):
                     raise
                 except BaseException as exc:  # also CancelledError & co: the event failed
                     if conn is not None and conn.broken:
@@ -715,8 +717,8 @@ class _Lane(Generic[T]):
         except BaseException:
             _rollback_to_savepoint(conn)
             raise
-        status = conn.info.transaction_status
-        if status == psycopg.pq.TransactionStatus.INERROR:
+        _check_transaction(conn)
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
             _rollback_to_savepoint(conn)
             raise HandlerFailed("the handler returned with its transaction in error (it "
                                 "caught an SQL error without rolling back to a savepoint)")
@@ -740,16 +742,22 @@ class HandlerFailed(Exception):
     """A transactional handler returned, but its event failed anyway."""
 
 
-def _in_transaction(conn: Conn) -> bool:
-    return conn.info.transaction_status in (psycopg.pq.TransactionStatus.INTRANS,
-                                            psycopg.pq.TransactionStatus.INERROR)
-
-
-def _rollback_to_savepoint(conn: Conn) -> None:
-    if not _in_transaction(conn):
+def _check_transaction(conn: Conn) -> None:
+    """Whether the worker's transaction is still there after a handler: a lost
+    session is _ConnectionLost (the heartbeat may have found out first), a
+    transaction the handler ended is HandlerEndedTransaction."""
+    status = conn.info.transaction_status
+    if conn.broken or conn.closed or status == psycopg.pq.TransactionStatus.UNKNOWN:
+        raise _ConnectionLost("session gone during a handler")
+    if status not in (psycopg.pq.TransactionStatus.INTRANS,
+                      psycopg.pq.TransactionStatus.INERROR):
         raise HandlerEndedTransaction(
             "a transactional handler ended the worker's transaction (COMMIT or ROLLBACK): "
             "its batch is not acked; leave the transaction to the worker")
+
+
+def _rollback_to_savepoint(conn: Conn) -> None:
+    _check_transaction(conn)
     try:
         conn.execute("rollback to savepoint pgque_event")
     except psycopg.errors.InvalidSavepointSpecification as exc:  # released by the handler
@@ -758,10 +766,7 @@ def _rollback_to_savepoint(conn: Conn) -> None:
 
 
 def _release_savepoint(conn: Conn) -> None:
-    if not _in_transaction(conn):
-        raise HandlerEndedTransaction(
-            "a transactional handler ended the worker's transaction (COMMIT or ROLLBACK): "
-            "its batch is not acked; leave the transaction to the worker")
+    _check_transaction(conn)
     conn.execute("release savepoint pgque_event")
 
 

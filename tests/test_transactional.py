@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import scalar, wait_for
 
 import pgque
@@ -60,11 +61,16 @@ def test_effects_commit_with_the_ack_and_failures_roll_back_alone(
     assert scalar(conn, "select count(*) from pgque.dead_letter") == 0
 
 
+@pytest.mark.parametrize("heartbeat_first", [False, True])
 def test_a_lane_that_lost_its_session_commits_nothing(
-        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
+        caplog: pytest.LogCaptureFixture, heartbeat_first: bool) -> None:
     """The lane's session ends while its handler has written and waits: the write
     is gone with the transaction, and the event is applied once, by the next
-    ownership."""
+    ownership. With heartbeat_first, the lane's heartbeat has found the session
+    gone before the handler returns (the connection is closed by then): that is a
+    lost session too, not a handler that ended the transaction (it used to stop
+    the worker with HandlerEndedTransaction)."""
     _setup(client, conn, slots=1)
     ids = client.send_batch("q", [("e", n, "k") for n in range(3)])
     entered = threading.Event()
@@ -85,6 +91,9 @@ def test_a_lane_that_lost_its_session_commits_nothing(
         assert entered.wait(30)
         owner = scalar(conn, "select owner_pid from pgque.partition_slot_status")
         assert scalar(conn, "select pg_terminate_backend(%s, 10000)", (owner,))
+        if heartbeat_first:
+            wait_for(lambda: "session lost (heartbeat)" in caplog.text,
+                     what="the heartbeat to find the session gone", dsn=dsn)
         release.set()
         wait_for(lambda: scalar(conn, "select count(*) from effects") == 3 and _drained(conn),
                  timeout=30, what="every effect, once", dsn=dsn)
