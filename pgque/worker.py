@@ -717,8 +717,7 @@ class _Lane(Generic[T]):
         except BaseException:
             _rollback_to_savepoint(conn)
             raise
-        _check_transaction(conn)
-        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+        if _check_transaction(conn) == psycopg.pq.TransactionStatus.INERROR:
             _rollback_to_savepoint(conn)
             raise HandlerFailed("the handler returned with its transaction in error (it "
                                 "caught an SQL error without rolling back to a savepoint)")
@@ -742,18 +741,23 @@ class HandlerFailed(Exception):
     """A transactional handler returned, but its event failed anyway."""
 
 
-def _check_transaction(conn: Conn) -> None:
+def _check_transaction(conn: Conn) -> psycopg.pq.TransactionStatus:
     """Whether the worker's transaction is still there after a handler: a lost
     session is _ConnectionLost (the heartbeat may have found out first), a
     transaction the handler ended is HandlerEndedTransaction."""
-    status = conn.info.transaction_status
+    # Under the connection's lock: the lane's heartbeat may have a query in
+    # flight on it (the status would read ACTIVE meanwhile).
+    with conn.lock:
+        status = conn.info.transaction_status
     if conn.broken or conn.closed or status == psycopg.pq.TransactionStatus.UNKNOWN:
         raise _ConnectionLost("session gone during a handler")
     if status not in (psycopg.pq.TransactionStatus.INTRANS,
                       psycopg.pq.TransactionStatus.INERROR):
         raise HandlerEndedTransaction(
-            "a transactional handler ended the worker's transaction (COMMIT or ROLLBACK): "
-            "its batch is not acked; leave the transaction to the worker")
+            f"a transactional handler ended the worker's transaction (COMMIT or ROLLBACK; "
+            f"the transaction status is {status.name}): its batch is not acked; leave the "
+            f"transaction to the worker")
+    return status
 
 
 def _rollback_to_savepoint(conn: Conn) -> None:
