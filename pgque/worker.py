@@ -80,7 +80,7 @@ import psycopg
 from psycopg import sql
 
 from pgque.client import Client, Conn
-from pgque.errors import HandlerEndedTransaction, SessionUnstable, SlotNotOwned
+from pgque.errors import HandlerEndedTransaction, SlotNotOwned
 from pgque.lifecycle import (
     STOP_LATENCY,
     CallWatch,
@@ -401,7 +401,7 @@ class Worker(Service, Generic[T]):
     # -- called by the lanes ------------------------------------------------------
 
     def _lane_ended(self, lane: _Lane[T], exc: BaseException | None) -> None:
-        if exc is not None and (isinstance(exc, SessionUnstable) or is_fatal(exc)):
+        if exc is not None and is_fatal(exc):  # SessionUnstable among them
             self._fatal = exc
         if exc is not None and lane.pid is None:
             with self._lock:
@@ -686,7 +686,7 @@ class _Lane(Generic[T]):
                     if conn is None:
                         worker.handler(message)  # type: ignore[call-arg]
                     else:
-                        self._handle_in_savepoint(message, conn)
+                        self._handle_in_savepoint(message, conn, first=index == 0)
                 except (HandlerEndedTransaction, _ConnectionLost):
                     raise
                 except BaseException as exc:  # also CancelledError & co: the event failed
@@ -705,23 +705,25 @@ class _Lane(Generic[T]):
             worker._count(handled, len(failures))
         return failures
 
-    def _handle_in_savepoint(self, message: Message[T], conn: Conn) -> None:
+    def _handle_in_savepoint(self, message: Message[T], conn: Conn, *, first: bool) -> None:
         """Run a transactional handler in a savepoint of the lane's transaction:
         on failure only its own writes roll back. A handler that returns with the
         transaction in error (it caught an SQL error) has failed too. A handler
         that ended the transaction (COMMIT or ROLLBACK) broke the promise that
-        its writes commit with the ack: HandlerEndedTransaction, and no ack."""
-        conn.execute("savepoint pgque_event")
+        its writes commit with the ack: HandlerEndedTransaction, and no ack.
+        One round trip per event: the statement that opens the event's savepoint
+        releases the one before it (the commit releases the last)."""
+        _on_savepoint(conn, "savepoint pgque_event" if first
+                      else "release savepoint pgque_event; savepoint pgque_event")
         try:
             self.worker.handler(message, conn)  # type: ignore[call-arg]
         except BaseException:
-            _rollback_to_savepoint(conn)
+            _on_savepoint(conn, "rollback to savepoint pgque_event")
             raise
         if _check_transaction(conn) == psycopg.pq.TransactionStatus.INERROR:
-            _rollback_to_savepoint(conn)
+            _on_savepoint(conn, "rollback to savepoint pgque_event")
             raise HandlerFailed("the handler returned with its transaction in error (it "
                                 "caught an SQL error without rolling back to a savepoint)")
-        _release_savepoint(conn)
 
     def _release_all(self, session: _Session) -> None:
         """On stop: release every slot of the lane, so others may take them at once."""
@@ -760,18 +762,15 @@ def _check_transaction(conn: Conn) -> psycopg.pq.TransactionStatus:
     return status
 
 
-def _rollback_to_savepoint(conn: Conn) -> None:
+def _on_savepoint(conn: Conn, statement: str) -> None:
+    """Run a statement on the worker's savepoint, once the handler is known to
+    have left the transaction to the worker."""
     _check_transaction(conn)
     try:
-        conn.execute("rollback to savepoint pgque_event")
+        conn.execute(statement.encode())
     except psycopg.errors.InvalidSavepointSpecification as exc:  # released by the handler
         raise HandlerEndedTransaction(
             f"a transactional handler released the worker's savepoint: {exc}") from exc
-
-
-def _release_savepoint(conn: Conn) -> None:
-    _check_transaction(conn)
-    conn.execute("release savepoint pgque_event")
 
 
 def failure_reason(exc: BaseException) -> str:
