@@ -36,7 +36,7 @@ import pgque
 from pgque import display
 from pgque.client import redact
 from pgque.errors import translated
-from pgque.tail import ConsumerLeftBehind, Tail
+from pgque.tail import ConsumerLeftBehind, Tail, queue_info
 
 __all__ = ["cli", "main"]
 
@@ -543,9 +543,7 @@ class _Status(NamedTuple):
 
 
 def _status(client: pgque.Client, queue_name: str | None) -> _Status:
-    queues = client.queue_info(queue_name)
-    if queue_name is not None and not queues:
-        raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
+    queues = client.queue_info() if queue_name is None else [queue_info(client, queue_name)]
     return _Status(queues, client.consumer_info(queue_name),
                    client.partition_slot_status(queue_name))
 

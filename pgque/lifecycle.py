@@ -302,7 +302,6 @@ class Service:
                         break
                     self.log.warning("%s: %s; reconnecting in %.1fs", self.name,
                                      _describe(exc), self._backoff)
-                    self.on_connection_lost()
                     self.sleep(self._backoff)
                     self._backoff = min(self._backoff * 2, self.max_backoff)
         finally:
@@ -310,9 +309,6 @@ class Service:
                 self.cleanup()
             finally:
                 self._stopped.set()
-
-    def on_connection_lost(self) -> None:
-        """Called after serve() raised a retryable error, before the backoff."""
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():

@@ -364,8 +364,8 @@ end
 $$;
 
 -- pgque.receive(queue, consumer, max_events): the consumer's open batch, or
--- its next one, as rows (batch_id, ev_id, ev_time, ev_retry, ev_type,
--- ev_data, ev_extra1..4), at most max_events of them (null: the whole batch).
+-- its next one, as pgque.batch_event rows (epoch null), at most max_events
+-- of them (null: the whole batch).
 -- Blocks while another session holds the same subscription's receive lock,
 -- then returns the same open batch. An open batch with no events left yields
 -- one row with a null ev_id; no rows means no batch is ready.
