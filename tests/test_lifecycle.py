@@ -186,7 +186,8 @@ def test_a_worker_stops_handling_its_batch_once_its_session_is_gone(
 
 
 def test_invalid_worker_arguments_are_refused_up_front() -> None:
-    for bad in ({"max_events": 0}, {"retry_after": -1}, {"network_timeout": 1}):
+    for bad in ({"max_events": 0}, {"retry_after": -1}, {"network_timeout": 1},
+                {"concurrency": 0}):
         with pytest.raises(ValueError):
             pgque.Worker("dbname=x", queue="q", consumer="g", slots=2, handler=noop, **bad)
 

@@ -32,6 +32,19 @@ def _setup(client: pgque.Client, conn: psycopg.Connection[Any], slots: int = 1,
     conn.execute("create table effects (ev_id bigint, payload int, pid int)")
 
 
+def _owner_with_a_batch(client: pgque.Client,
+                        dsn: str) -> tuple[pgque.Client, pgque.Batch[Any], int]:
+    """One event sent and ticked; a new session owns slot 0 and has received it:
+    the session (to close), its batch (with a fence) and its backend pid."""
+    client.send("q", "e", 1, partition_key="k")
+    owner = pgque.connect(dsn)
+    assert owner.claim_slot("q", "g", 0)
+    client.tick("q")
+    batch = owner.receive_partitioned("q", "g", slot=0, slots=1)
+    assert batch is not None and batch.fence is not None and owner.pinned_pid is not None
+    return owner, batch, owner.pinned_pid
+
+
 def _drained(conn: psycopg.Connection[Any]) -> bool:
     return bool(scalar(conn, "select coalesce(bool_and(pending_events = 0 and open_batch_id is "
                              "null and retries_waiting = 0), false) "
@@ -75,14 +88,7 @@ def test_a_checked_write_commits_after_its_owner_died(
     Fixed in the docs (the headline says what holds); this test now checks it: the
     commit happens before the successor receives anything, under a later epoch."""
     _setup(client, conn)
-    client.send("q", "e", 1, partition_key="k")
-    owner = pgque.connect(dsn)
-    assert owner.claim_slot("q", "g", 0)
-    client.tick("q")
-    batch = owner.receive_partitioned("q", "g", slot=0, slots=1)
-    assert batch is not None and batch.fence is not None
-    pid = owner.pinned_pid
-    assert pid is not None
+    owner, batch, pid = _owner_with_a_batch(client, dsn)
     with psycopg.connect(dsn) as zombie:
         pgque.Client(zombie).check_fence(batch.fence)
         zombie.execute("insert into effects values (1, 1, pg_backend_pid())")
@@ -112,13 +118,7 @@ def test_a_check_in_an_old_snapshot_is_refused(
     check_fence once the successor has received: the share lock on the updated
     epoch row fails (StaleEpoch or a serialization failure), and nothing commits."""
     _setup(client, conn)
-    client.send("q", "e", 1, partition_key="k")
-    owner = pgque.connect(dsn)
-    assert owner.claim_slot("q", "g", 0)
-    client.tick("q")
-    batch = owner.receive_partitioned("q", "g", slot=0, slots=1)
-    assert batch is not None and batch.fence is not None
-    pid = owner.pinned_pid
+    owner, batch, pid = _owner_with_a_batch(client, dsn)
     with psycopg.connect(dsn) as zombie:
         zombie.isolation_level = isolation
         zombie.execute("select count(*) from pgque.slot_claim")  # the snapshot, old epoch
@@ -155,14 +155,7 @@ def test_a_receive_waiting_for_a_fenced_transaction_keeps_its_lane(
     Fixed: the new owner's receive no longer waits (it returns nothing while the
     old epoch is held, and the worker polls), and the docs say so."""
     _setup(client, conn)
-    client.send("q", "e", 1, partition_key="k")
-    owner = pgque.connect(dsn)
-    assert owner.claim_slot("q", "g", 0)
-    client.tick("q")
-    batch = owner.receive_partitioned("q", "g", slot=0, slots=1)
-    assert batch is not None and batch.fence is not None
-    pid = owner.pinned_pid
-    assert pid is not None
+    owner, batch, pid = _owner_with_a_batch(client, dsn)
     handled: list[int] = []
     with psycopg.connect(dsn) as zombie:
         pgque.Client(zombie).check_fence(batch.fence)  # holds epoch e
