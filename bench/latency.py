@@ -174,13 +174,15 @@ def _idle(client: pgque.Client, dsn: str, sizes: Sizes, repeats: int) -> dict[st
     try:
         wait_for_group(client, queue, CONSUMER, [worker])
         time.sleep(SETTLE_S)
-        # The Worker names its sessions after itself: pgque-worker-<queue>-<consumer>,
-        # with -listener and -ticker for the other two.
+        # The Worker names its sessions after itself (bench-worker-<pid>, see
+        # bench.worker_process): its control session, -ticker, and -lane<k>
+        # for each of its lanes (one per slot it owns, at the default concurrency).
         backends = [row[0] for row in client.conn.execute(
             "select pid from pg_stat_activity where application_name like %s",
-            (f"pgque-worker-{queue}-{CONSUMER}%",)).fetchall()]
-        if len(backends) != 3:
-            raise BenchError(f"expected 3 backends of the idle worker, found {backends}")
+            (f"bench-worker-{worker.pid}%",)).fetchall()]
+        if len(backends) != SLOT_COUNTS[0] + 2:
+            raise BenchError(f"expected {SLOT_COUNTS[0] + 2} backends of the idle worker, "
+                             f"found {backends}")
         server_before = _server_counters(client)
         window = sizes.idle / repeats
         worker_pct: list[float] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,8 +122,8 @@ def wait_for_group(client: pgque.Client, queue: str, consumer: str,
         for worker in workers:
             worker.check_alive()
         status = client.group_status(queue, consumer)
-        owners = [s.owner_pid for s in status.slots]
-        counts = {pid: owners.count(pid) for pid in set(owners)}
+        owners = _owner_processes(client, [s.owner_pid for s in status.slots])
+        counts = {owner: owners.count(owner) for owner in set(owners)}
         if (status.members == len(workers) and None not in counts
                 and len(counts) == len(workers)
                 and max(counts.values()) - min(counts.values()) <= 1):
@@ -131,6 +132,19 @@ def wait_for_group(client: pgque.Client, queue: str, consumer: str,
             raise BenchError(f"{len(workers)} workers did not share the slots of "
                              f"{queue}/{consumer} within {timeout:.0f} s: {status}")
         time.sleep(0.05)
+
+
+def _owner_processes(client: pgque.Client, backend_pids: list[int | None]) -> list[str | None]:
+    """The worker process behind each slot owner's backend pid (None: no owner).
+
+    A Worker holds its slots on several lane sessions, one backend each; the
+    sessions of one process share its name (``bench-worker-<pid>``, see
+    bench.worker_process) up to the ``-lane<k>`` suffix."""
+    rows = client.conn.execute(
+        "select pid, application_name from pg_stat_activity where pid = any(%s)",
+        ([pid for pid in backend_pids if pid is not None],)).fetchall()
+    names = {pid: re.sub(r"-lane\d+$", "", name) for pid, name in rows}
+    return [None if pid is None else names.get(pid, f"backend {pid}") for pid in backend_pids]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[bench worker {os.getpid()}] %(levelname)s %(message)s")
     worker: pgque.Worker[Any] = pgque.Worker(
         args.dsn, queue=args.queue, consumer=args.consumer, slots=args.slots,
-        handler=handlers[args.handler], **options)
+        handler=handlers[args.handler], name=f"bench-worker-{os.getpid()}", **options)
     worker.run()  # until SIGTERM; returns with every batch in flight acked
 
     result: dict[str, Any] = {"pid": os.getpid(), "handled": worker.handled,

@@ -47,10 +47,12 @@ from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
 from pgque.types import Batch, DeadLetter, Event, Fence, Message
 from pgque.worker import Worker
+from pgque.worker_async import AsyncWorker
 
 __all__ = [
     "AccessDenied",
     "AsyncClient",
+    "AsyncWorker",
     "Batch",
     "BatchNotActive",
     "Client",

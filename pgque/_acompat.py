@@ -10,8 +10,16 @@ directly instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeAlias, TypeVar
+
+R = TypeVar("R")
 
 
 def caller() -> object:
@@ -27,21 +35,181 @@ def acaller() -> object:
         return None
 
 
-def pause(delay: float, stop: threading.Event | None) -> bool:
-    """Sleep ``delay`` seconds, less when ``stop`` is set meanwhile; True when it is."""
+def pause(delay: float | None, stop: threading.Event | None) -> bool:
+    """Sleep ``delay`` seconds, less when ``stop`` is set meanwhile; True when it is.
+    A ``delay`` of None waits for ``stop`` without a limit."""
     if stop is None:
-        time.sleep(delay)
+        time.sleep(delay or 0.0)
         return False
     return stop.wait(delay)
 
 
-async def apause(delay: float, stop: asyncio.Event | None) -> bool:
-    """Sleep ``delay`` seconds, less when ``stop`` is set meanwhile; True when it is."""
+async def apause(delay: float | None, stop: asyncio.Event | None) -> bool:
+    """Sleep ``delay`` seconds, less when ``stop`` is set meanwhile; True when it is.
+    A ``delay`` of None waits for ``stop`` without a limit."""
     if stop is None:
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay or 0.0)
         return False
+    if stop.is_set():  # wait_for with no time left gives up without a look
+        return True
     try:
         await asyncio.wait_for(stop.wait(), delay)
     except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
         return False
     return True
+
+
+# -- the services' concurrency: a thread each in sync code, a task each under asyncio
+
+#: What a handler returns: anything, which the worker ignores (under asyncio,
+#: an awaitable of anything).
+HandlerResult: TypeAlias = object
+AHandlerResult: TypeAlias = Awaitable[object]
+
+#: What spawn returns, to join.
+Spawned: TypeAlias = threading.Thread
+ASpawned: TypeAlias = "asyncio.Task[None]"
+
+def spawn(target: Callable[..., None], *args: Any, name: str) -> threading.Thread:
+    """Run ``target(*args)`` in a daemon thread."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def aspawn(target: Callable[..., Awaitable[None]], *args: Any, name: str) -> asyncio.Task[None]:
+    """Run ``target(*args)`` in a task of the running loop."""
+    return asyncio.get_running_loop().create_task(_none(target(*args)), name=name)
+
+
+async def _none(awaitable: Awaitable[None]) -> None:
+    await awaitable
+
+
+def running(thread: threading.Thread) -> bool:
+    """Whether a spawned thread still runs."""
+    return thread.is_alive()
+
+
+def arunning(task: asyncio.Task[None]) -> bool:
+    """Whether a spawned task still runs."""
+    return not task.done()
+
+
+def join(thread: threading.Thread, timeout: float | None = None) -> None:
+    """Wait up to ``timeout`` for a spawned thread to end (not for the caller itself)."""
+    if thread is not threading.current_thread():
+        thread.join(timeout)
+
+
+async def ajoin(task: asyncio.Task[None], timeout: float | None = None) -> None:
+    """Wait up to ``timeout`` for a spawned task to end (not for the caller itself)."""
+    if task is not asyncio.current_task():
+        await asyncio.wait({task}, timeout=timeout)
+
+
+def run_blocking(target: Callable[..., R], *args: Any) -> R:
+    """Call ``target(*args)``: here it may block."""
+    return target(*args)
+
+
+async def arun_blocking(target: Callable[..., R], *args: Any) -> R:
+    """Call ``target(*args)`` in a thread, so its blocking does not hold the loop."""
+    return await asyncio.to_thread(target, *args)
+
+
+def call_interruptibly(attempt: Callable[[], R], stopping: Callable[[], bool],
+                       abandon: Callable[[R], object], *, poll: float, name: str) -> R | None:
+    """``attempt()`` in a helper thread, polled every ``poll`` seconds: its result,
+    or None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``)."""
+    outcome: Future[R] = Future()
+
+    def run() -> None:
+        try:
+            outcome.set_result(attempt())
+        except BaseException as exc:
+            outcome.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    while True:
+        try:
+            return outcome.result(timeout=poll)
+        except FutureTimeout:
+            if stopping():
+                outcome.add_done_callback(
+                    lambda done: done.exception() is None and abandon(done.result()))
+                return None
+
+
+async def acall_interruptibly(attempt: Callable[[], Awaitable[R]], stopping: Callable[[], bool],
+                              abandon: Callable[[R], object], *, poll: float,
+                              name: str) -> R | None:
+    """``await attempt()`` in a task, polled every ``poll`` seconds: its result, or
+    None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``,
+    whose coroutine, if it returns one, is run in a task of its own)."""
+    task = asyncio.get_running_loop().create_task(_value(attempt()), name=name)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll)
+        if done:
+            return task.result()
+        if stopping():
+            task.add_done_callback(lambda finished: _abandon(finished, abandon))
+            return None
+
+
+async def _value(awaitable: Awaitable[R]) -> R:
+    return await awaitable
+
+
+def _abandon(task: asyncio.Task[R], abandon: Callable[[R], object]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = abandon(task.result())
+    if inspect.isawaitable(result):
+        asyncio.get_running_loop().create_task(_value(result))
+
+
+@contextlib.contextmanager
+def hold_if_free(lock: threading.Lock) -> Iterator[bool]:
+    """Take ``lock`` if nobody holds it, for the ``with`` block; yields whether
+    it was taken (a connection's lock: another thread's call is in flight)."""
+    taken = lock.acquire(blocking=False)
+    try:
+        yield taken
+    finally:
+        if taken:
+            lock.release()
+
+
+@contextlib.contextmanager
+def ahold_if_free(lock: asyncio.Lock) -> Iterator[bool]:
+    """Whether nobody holds ``lock`` (a connection's lock: another task's call is
+    in flight). Nothing to take: the ``with`` block has no await, so no other
+    task runs before it ends."""
+    yield not lock.locked()
+
+
+def _is_coroutine_function(handler: object) -> bool:
+    # Also an object whose class's __call__ is an async def.
+    return (inspect.iscoroutinefunction(handler)
+            or inspect.iscoroutinefunction(type(handler).__call__))
+
+
+def check_handler(handler: object) -> None:
+    """A Worker's handler is a plain function: an async one would only make
+    coroutines that nobody awaits, and every event would count as handled."""
+    if not callable(handler):
+        raise TypeError(f"the handler must be callable, not {type(handler).__name__}")
+    if _is_coroutine_function(handler):
+        raise TypeError("the handler is an async function: pgque.Worker calls it without "
+                        "awaiting; use pgque.AsyncWorker for it")
+
+
+def acheck_handler(handler: object) -> None:
+    """An AsyncWorker's handler is an async function (``async def``): a plain one
+    would block the event loop, and with it every lane of the worker."""
+    if not callable(handler):
+        raise TypeError(f"the handler must be callable, not {type(handler).__name__}")
+    if not _is_coroutine_function(handler):
+        raise TypeError("the handler of pgque.AsyncWorker must be an async function "
+                        "(async def); use pgque.Worker for a plain function")

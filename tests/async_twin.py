@@ -143,3 +143,76 @@ class Synced:
 def connect(loop: Loop, dsn: str, **kwargs: Any) -> Any:
     """``pgque.connect`` for the async twin: an AsyncClient, with the sync face."""
     return loop.wrap(pgque.connect_async(dsn, **kwargs))
+
+
+def client_over(loop: Loop, client_class: Any, conn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``pgque.Client(conn)``; for a connection with the sync face (a transactional
+    AsyncWorker handler's), an AsyncClient over it, with the sync face."""
+    if isinstance(conn, Synced):
+        return Synced(loop, pgque.AsyncClient(conn.target, *args, **kwargs))
+    return client_class(conn, *args, **kwargs)
+
+
+class SyncedWorker:
+    """``pgque.Worker``'s face over a ``pgque.AsyncWorker`` run on a :class:`Loop`.
+
+    The test's handler is a plain function that may block (an Event, a sleep):
+    it runs in a thread of its own while its lane's task awaits it, as the
+    Worker runs it in the lane's thread; a transactional one gets the lane's
+    AsyncConnection with the sync face. Everything else, the worker's own
+    waits, calls and errors, is the AsyncWorker's. Its methods that return
+    coroutines are run on the loop; ``start`` and ``request_stop`` run there too.
+    """
+
+    def __init__(self, loop: Loop, dsn: str, *, handler: Any, transactional: bool = False,
+                 **options: Any) -> None:
+        self.loop = loop
+        # Not the loop's default executor: its few threads would let a test
+        # whose handlers all block (waiting for each other) hang.
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=64,
+                                                              thread_name_prefix="handler")
+        if not callable(handler):
+            threaded: Any = handler  # the AsyncWorker's own check refuses it
+        elif transactional:
+            async def threaded(message: Any, conn: Any) -> Any:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._threads, handler, message, Synced(loop, conn))
+        else:
+            async def threaded(message: Any) -> Any:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._threads, handler, message)
+        self.target = pgque.AsyncWorker(dsn, handler=threaded, transactional=transactional,
+                                        **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)  # alive, error, handled, owned_slots...
+
+    def _on_loop(self, function: Any) -> Any:
+        async def call() -> Any:
+            return function()
+        return self.loop.run(call())
+
+    def start(self) -> None:
+        self._on_loop(self.target.start)
+
+    def request_stop(self) -> None:
+        self._on_loop(self.target.request_stop)
+
+    def run(self) -> None:
+        self.loop.run(self.target.run())
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self.loop.run(self.target.stop(timeout))
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return bool(self.loop.run(self.target.wait_stopped(timeout)))
+
+    def __enter__(self) -> SyncedWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __class_getitem__(cls, item: Any) -> Any:
+        return cls  # pgque.Worker[Any](...)

@@ -15,7 +15,12 @@ pgque.testing (docs/testing.md): ``PGQUE_TEST_DSN``, else a throwaway cluster
 - ``client_flavour`` (autouse): ``"sync"``, or ``"async"`` in the second run of
   a database test of a module marked ``both_clients``: ``pgque.connect`` (so
   ``client`` too) then returns an AsyncClient behind a sync face
-  (tests/async_twin.py), so the module's Client tests check the async twin too.
+  (tests/async_twin.py), so the module's Client tests check the async twin too;
+- ``worker_flavour`` (autouse): likewise ``"sync"``, or ``"async"`` in the second
+  run of a test of a module marked ``both_workers``: ``pgque.Worker`` is then an
+  AsyncWorker behind the Worker's face (async_twin.SyncedWorker), and the
+  worker processes the test starts (tests/worker_process.py,
+  tests/fault_worker.py) run an AsyncWorker (``PGQUE_TEST_WORKER=async``).
 
 A throwaway cluster preloads pg_cron when it can (tests/pgtest.py), and the
 report header names the server (the plugin names it at the end with -q).
@@ -118,6 +123,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if (metafunc.definition.get_closest_marker("both_clients")
             and "pgque_dsn" in metafunc.fixturenames):
         metafunc.parametrize("client_flavour", ["sync", "async"], indirect=True)
+    if metafunc.definition.get_closest_marker("both_workers"):
+        metafunc.parametrize("worker_flavour", ["sync", "async"], indirect=True)
 
 
 @pytest.fixture(autouse=True)
@@ -132,6 +139,28 @@ def client_flavour(request: pytest.FixtureRequest,
         return
     loop = async_twin.Loop()
     monkeypatch.setattr(pgque, "connect", partial(async_twin.connect, loop))
+    try:
+        yield flavour
+    finally:
+        loop.close()
+
+
+@pytest.fixture(autouse=True)
+def worker_flavour(request: pytest.FixtureRequest,
+                   monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Which worker ``pgque.Worker`` makes in this test, and worker processes
+    run: "sync" (pgque.Worker) or "async" (pgque.AsyncWorker, behind a sync face
+    in this process)."""
+    flavour = getattr(request, "param", "sync")
+    if flavour == "sync":
+        yield flavour
+        return
+    loop = async_twin.Loop()
+    monkeypatch.setattr(pgque, "Worker", partial(async_twin.SyncedWorker, loop))
+    # A transactional handler's connection is then an AsyncConnection (behind
+    # a sync face): a Client over it is an AsyncClient, as an async handler makes.
+    monkeypatch.setattr(pgque, "Client", partial(async_twin.client_over, loop, pgque.Client))
+    monkeypatch.setenv("PGQUE_TEST_WORKER", "async")
     try:
         yield flavour
     finally:

@@ -2,7 +2,8 @@
 
     python tests/fault_worker.py CONFIG_JSON
 
-runs :class:`pgque.Worker` until SIGTERM, with a handler that records every
+runs :class:`pgque.Worker` (with ``PGQUE_TEST_WORKER=async``, :class:`pgque.AsyncWorker`
+and a coroutine doing the same) until SIGTERM, with a handler that records every
 call in the table ``fault_handled`` (made by tests/faults.py): event id, key,
 producer, producer sequence, retry count, this process's pid, the worker's
 name, and the start and end of the call on the DATABASE clock
@@ -39,6 +40,7 @@ whose batch was not acked leaves none).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import faulthandler
 import inspect
@@ -168,9 +170,40 @@ def main() -> int:
         if failed:
             raise HandlerFailure(f"event {message.id} fails at retry {message.retry_count}")
 
+    async def async_handler(message: pgque.Message[Any],
+                            conn: psycopg.AsyncConnection[Any] | None = None) -> None:
+        """The same as handler, for the AsyncWorker: its effect on the lane's
+        AsyncConnection, its records (blocking, retried) in a thread."""
+        payload = message.payload
+        if conn is not None:
+            amount = (payload["p"] * 7 + payload["s"]) % 13 + 1  # faults.effect_amount
+            await conn.execute("insert into fault_effects (ev_id, key, amount, worker) "
+                               "values (%s, %s, %s, %s)",
+                               (message.id, message.partition_key, amount, name))
+            await conn.execute("insert into fault_balance as b (key, total) values (%s, %s) "
+                               "on conflict (key) do update set total = b.total + excluded.total",
+                               (message.partition_key, amount))
+        token = f"{pid}:{next(calls)}"
+        await asyncio.to_thread(
+            recorder.execute,
+            "insert into fault_handled (token, ev_id, key, producer, seq, retry, pid, worker, "
+            "started) values (%s, %s, %s, %s, %s, %s, %s, %s, clock_timestamp()) "
+            "on conflict (token) do nothing",
+            (token, message.id, message.partition_key, payload["p"], payload["s"],
+             message.retry_count, pid, name))
+        await asyncio.sleep(rng.uniform(low, high) / 1000)
+        failed = message.retry_count < payload.get("fail", 0)
+        await asyncio.to_thread(
+            recorder.execute,
+            "update fault_handled set ended = clock_timestamp(), outcome = %s "
+            "where token = %s and ended is null",
+            ("fail" if failed else "ok", token))
+        if failed:
+            raise HandlerFailure(f"event {message.id} fails at retry {message.retry_count}")
+
     kwargs: dict[str, Any] = {
         "queue": config["queue"], "consumer": config["consumer"], "slots": config["slots"],
-        "handler": handler, "max_events": config["max_events"],
+        "max_events": config["max_events"],
         "poll_interval": config["poll_interval"],
         "rebalance_interval": config["rebalance_interval"],
         "retry_after": config["retry_after"], "name": name,
@@ -195,9 +228,13 @@ def main() -> int:
     pgque_log = logging.getLogger("pgque")
     pgque_log.setLevel(logging.INFO)
     pgque_log.addHandler(log_recorder)
-    worker = pgque.Worker(config["dsn"], **kwargs)
     try:
-        worker.run()  # returns after SIGTERM, having released everything
+        # Returns after SIGTERM, having released everything.
+        if os.environ.get("PGQUE_TEST_WORKER") == "async":  # the AsyncWorker (conftest.py)
+            asyncio.run(pgque.AsyncWorker(config["dsn"], handler=async_handler,
+                                          **kwargs).run())
+        else:
+            pgque.Worker(config["dsn"], handler=handler, **kwargs).run()
     finally:
         log_recorder.flush_and_stop(5.0)
     return 0

@@ -121,6 +121,7 @@ def cool_down(run: FaultRun) -> None:
 # -- 1. SIGKILL ---------------------------------------------------------------------
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 @pytest.mark.parametrize("kills", [3, long_variant(10, id="10-long")])
 def test_sigkill_mid_batch(scenario: Scenario, conclude: Callable[[FaultRun], None],
                            kills: int) -> None:
@@ -167,6 +168,7 @@ def test_sigstop_ticker_holder(scenario: Scenario, conclude: Callable[[FaultRun]
 # -- 3. the network: a proxy that cuts or blackholes ---------------------------------
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 @pytest.mark.parametrize("cuts", [1, long_variant(5, id="5-long")])
 def test_proxy_cut(scenario: Scenario, conclude: Callable[[FaultRun], None],
                    cuts: int) -> None:
@@ -275,6 +277,7 @@ def test_blackhole_netns(netns_scenario: Callable[..., tuple[FaultRun, Any]],
 # -- 4. pg_terminate_backend -----------------------------------------------------------
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 @pytest.mark.parametrize("rounds", [1, long_variant(6, id="6-long")])
 def test_terminate_backend(scenario: Scenario, conclude: Callable[[FaultRun], None],
                            rounds: int) -> None:
@@ -309,6 +312,7 @@ def test_server_restart(scenario: Scenario, conclude: Callable[[FaultRun], None]
 # -- 5b. transactional handlers ----------------------------------------------------------
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 def test_transactional_effects_exactly_once(scenario: Scenario,
                                             conclude: Callable[[FaultRun], None],
                                             restartable_server: pgtest.PgServer) -> None:

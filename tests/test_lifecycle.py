@@ -24,6 +24,8 @@ from helpers import scalar, wait_for
 
 import pgque
 
+pytestmark = pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
+
 
 @contextlib.contextmanager
 def closed_port() -> Iterator[int]:
@@ -70,12 +72,20 @@ def test_stop_is_noticed_within_a_second_while_the_server_is_unreachable(where: 
 
 def test_sigterm_ends_a_worker_process_within_a_second_while_the_server_is_down() -> None:
     with closed_port() as port:
+        # With the AsyncWorker (PGQUE_TEST_WORKER=async, conftest.py): its run()
+        # under asyncio.run in the main thread, where SIGTERM must stop it too.
         script = textwrap.dedent(f"""
+            import asyncio, os
             import pgque
-            worker = pgque.Worker({unreachable_dsn(port)!r}, queue="q", consumer="g",
-                                  slots=2, handler=print)
+            options = dict(queue="q", consumer="g", slots=2)
             print("running", flush=True)
-            worker.run()
+            if os.environ.get("PGQUE_TEST_WORKER") == "async":
+                async def handler(message):
+                    print(message)
+                asyncio.run(pgque.AsyncWorker({unreachable_dsn(port)!r}, handler=handler,
+                                              **options).run())
+            else:
+                pgque.Worker({unreachable_dsn(port)!r}, handler=print, **options).run()
             print("stopped", flush=True)
         """)
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,

@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import scalar, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pgque
+
+pytestmark = pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 
 WORKER_SCRIPT = str(Path(__file__).with_name("worker_process.py"))
 _example = itertools.count()

@@ -30,6 +30,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 import pgque
 
+pytestmark = pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
+
 #: How long a misconfigured Worker or Ticker may take to give up.
 STOP_DEADLINE = 10.0
 EVENTS = 300

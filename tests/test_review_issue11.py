@@ -24,6 +24,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
+pytestmark = pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
+
 
 def _setup(client: pgque.Client, conn: psycopg.Connection[Any], slots: int = 1,
            **config: Any) -> None:

@@ -15,6 +15,8 @@ from helpers import scalar, wait_for
 
 import pgque
 
+pytestmark = pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
+
 
 def _setup(client: pgque.Client, conn: psycopg.Connection[Any], slots: int = 2) -> None:
     client.create_queue("q", ticker_max_lag=0, max_retries=3)

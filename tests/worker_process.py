@@ -1,5 +1,6 @@
-"""A worker process for the multi-process tests: runs pgque.Worker with a handler
-that records, in the database, when it starts and ends each event.
+"""A worker process for the multi-process tests: runs pgque.Worker (or, with
+``PGQUE_TEST_WORKER=async``, pgque.AsyncWorker) with a handler that records,
+in the database, when it starts and ends each event.
 
     python tests/worker_process.py DSN QUEUE CONSUMER SLOTS MAX_DELAY_MS SEED
 
@@ -11,6 +12,7 @@ by then).
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import logging
 import os
@@ -47,11 +49,34 @@ def main() -> int:
         threading.Event().wait(rng.uniform(0, int(max_delay_ms)) / 1000)
         conn.execute("update handled set ended = clock_timestamp() where id = %s", (row[0],))
 
+    conns: dict[object, psycopg.AsyncConnection[Any]] = {}  # one per lane's task
+
+    async def async_handler(message: pgque.Message[Any]) -> None:
+        lane = asyncio.current_task()
+        if lane not in conns or conns[lane].closed:
+            conns[lane] = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        conn = conns[lane]
+        cur = await conn.execute(
+            "insert into handled (ev_id, key, producer, seq, pid, retry, started) "
+            "values (%s, %s, %s, %s, %s, %s, clock_timestamp()) returning id",
+            (message.id, message.partition_key, message.payload["p"], message.payload["s"],
+             os.getpid(), message.retry_count))
+        row = await cur.fetchone()
+        assert row is not None
+        await asyncio.sleep(rng.uniform(0, int(max_delay_ms)) / 1000)
+        await conn.execute("update handled set ended = clock_timestamp() where id = %s",
+                           (row[0],))
+
     faulthandler.register(signal.SIGUSR1)  # the tests dump our stacks if we hang
     logging.basicConfig(level=logging.WARNING, format=f"[worker {os.getpid()}] %(message)s")
-    worker = pgque.Worker(dsn, queue=queue, consumer=consumer, slots=int(slots), handler=handler,
-                          max_events=20, poll_interval=0.05, rebalance_interval=0.2)
-    worker.run()  # returns after SIGTERM, having released everything
+    options: dict[str, Any] = {"queue": queue, "consumer": consumer, "slots": int(slots),
+                               "max_events": 20, "poll_interval": 0.05,
+                               "rebalance_interval": 0.2}
+    # Returns after SIGTERM, having released everything.
+    if os.environ.get("PGQUE_TEST_WORKER") == "async":  # the AsyncWorker (conftest.py)
+        asyncio.run(pgque.AsyncWorker(dsn, handler=async_handler, **options).run())
+    else:
+        pgque.Worker(dsn, handler=handler, **options).run()
     return 0
 
 

@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TWINS = {
     "pgque/client_async.py": "pgque/client.py",
     "pgque/_install_async.py": "pgque/_install.py",
+    "pgque/lifecycle_async.py": "pgque/lifecycle.py",
+    "pgque/worker_async.py": "pgque/worker.py",
 }
 
 RENAMES = {
@@ -62,9 +64,23 @@ RENAMES = {
     "open_connection_async": "open_connection",
     "client_async": "client",
     "_install_async": "_install",
+    "AsyncService": "Service",
+    "AsyncCallWatch": "CallWatch",
+    "lifecycle_async": "lifecycle",
+    "AsyncWorker": "Worker",
+    "worker_async": "worker",
     # pgque/_acompat.py: the two flavours of what has no one-to-one twin
     "acaller": "caller",
     "apause": "pause",
+    "aspawn": "spawn",
+    "arunning": "running",
+    "ajoin": "join",
+    "arun_blocking": "run_blocking",
+    "acall_interruptibly": "call_interruptibly",
+    "ahold_if_free": "hold_if_free",
+    "ASpawned": "Spawned",
+    "acheck_handler": "check_handler",
+    "AHandlerResult": "HandlerResult",
     # psycopg and psycopg_pool
     "AsyncConnection": "Connection",
     "AsyncConnectionPool": "ConnectionPool",
@@ -267,7 +283,10 @@ def _sort_imports(text: str) -> str:
         end = start
         while end < len(lines) and plain.fullmatch(lines[end]):
             end += 1
-        lines[start:end] = sorted(lines[start:end], key=lambda line: line.lower())
+        # A rename can also make two of them the same (asyncio and threading):
+        # the copy is blanked here and dropped below, so rows stay put meanwhile.
+        run = sorted(lines[start:end], key=lambda line: line.lower())
+        lines[start:end] = [line if line not in run[:i] else "" for i, line in enumerate(run)]
         start = end + 1
     for tok in _tokens(text):
         line = tok.line

@@ -1,0 +1,461 @@
+# The source of pgque/lifecycle.py, which tools/async_to_sync.py generates  # async-only
+# from this file (`make twins`): edit this one, then regenerate.  # async-only
+"""One lifecycle for pgque's long-running services: the Worker, the Ticker, the
+command line's ``tail`` (:mod:`pgque.tail`) and the demo's recorder.
+
+A service connects, works until it is asked to stop, and reconnects with
+capped backoff when the database goes away. ``run()`` blocks (and turns
+SIGTERM/SIGINT into a stop when it runs in the main thread); ``start()`` runs
+the same loop in a background thread; ``stop()`` asks and waits. The module
+has an asyncio twin (for the asyncio worker), and one is generated from the
+other by tools/async_to_sync.py: there every thread is a task of the running
+loop instead, and every wait an ``await``.
+
+Two promises live here so that no service has to remember them:
+
+* **A stop is noticed within** :data:`STOP_LATENCY` in every wait the service
+  makes on its own: backoff, reconnect, and the connection attempt itself,
+  which runs in a helper thread so that a server that drops packets cannot
+  hold a stop for the length of a TCP timeout. Work in progress, such as a
+  handler or a query already sent, is waited for: that is the caller's to
+  bound. A service whose work may be dropped at any point (the tail: an
+  unacked batch just comes again) sets :attr:`Service.abandon_on_stop`, and
+  a call in flight on a watched connection is then cut when a stop comes.
+* **What cannot heal is not retried.** A wrong slot count, an unknown queue,
+  a bad name, missing privileges, a session that a pooler swaps underneath:
+  retrying changes nothing, so the service stops, keeps the exception in
+  :attr:`Service.error`, and ``run()`` raises it. A service may draw that
+  line elsewhere (:meth:`Service.retryable`).
+
+Signal handlers only assign a flag (taking a lock in a handler could deadlock
+with the code it interrupted); every wait here is sliced so the flag is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType, TracebackType
+from typing import Any, TypeVar
+
+import psycopg
+
+from pgque._acompat import (
+    ASpawned,
+    acall_interruptibly,
+    acaller,
+    ahold_if_free,
+    ajoin,
+    apause,
+    arunning,
+    aspawn,
+)
+from pgque.client_async import AsyncConn, open_connection_async
+from pgque.errors import (
+    AccessDenied,
+    ConnectError,
+    ConsumerNotFound,
+    HandlerEndedTransaction,
+    InvalidArgument,
+    InvalidConfig,
+    InvalidName,
+    InvalidSlot,
+    InvalidSlotCount,
+    QueueNotFound,
+    SessionUnstable,
+    SlotCountMismatch,
+)
+
+__all__ = [
+    "STOP_LATENCY",
+    "AsyncCallWatch",
+    "AsyncService",
+    "Stopped",
+    "client_keepalives",
+    "is_fatal",
+    "server_timeouts",
+    "session_ended",
+]
+
+#: The longest a service takes to notice a stop in its own waits, in seconds.
+STOP_LATENCY = 0.2
+
+S = TypeVar("S", bound="AsyncService")
+
+# Errors that retrying cannot fix: configuration, privileges, pgque missing.
+_FATAL = (
+    AccessDenied, HandlerEndedTransaction, SessionUnstable, SlotCountMismatch, InvalidSlotCount,
+    InvalidSlot, InvalidName, QueueNotFound, ConsumerNotFound, InvalidArgument, InvalidConfig,
+    psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedFunction,
+)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error that reconnecting and retrying cannot heal."""
+    if isinstance(exc, ConnectError):
+        return not exc.transient
+    return isinstance(exc, _FATAL)
+
+
+class Stopped(Exception):
+    """Raised inside a service's own waits when a stop was requested."""
+
+
+class AsyncService:
+    """Base class of a long-running service; subclasses implement :meth:`serve`.
+
+    ``serve()`` does the work of one connected session: it returns when a stop
+    is requested and raises when the session is lost (any exception; fatal
+    ones end the service, the others lead to a reconnect after a backoff).
+    """
+
+    #: Logger of the service; subclasses set their own.
+    log = logging.getLogger("pgque")
+
+    #: Whether a stop cuts the calls in flight on the connections the service
+    #: watches (see :meth:`watch`), instead of waiting for their answers.
+    abandon_on_stop = False
+
+    def __init__(self, name: str, *, connect_timeout: float = 30.0,
+                 max_backoff: float = 5.0) -> None:
+        self.name = name
+        self.connect_timeout = connect_timeout
+        self.max_backoff = max_backoff
+        #: The exception that stopped the service for good, or None.
+        self.error: BaseException | None = None
+        self._stop = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._signalled: int | None = None
+        self._signal_count = 0
+        self._thread: ASpawned | None = None
+        self._backoff = 0.1
+        self._watches: set[AsyncCallWatch] = set()
+        self._watches_lock = threading.Lock()
+
+    # -- control -----------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until stop() (or SIGTERM/SIGINT when called in the main thread).
+
+        Raises the error that ended the service when it cannot be retried.
+        """
+        restore = self._install_signal_handlers()
+        try:
+            await self._main()
+        finally:
+            for signum, previous in restore.items():
+                signal.signal(signum, previous)
+        if self.error is not None:
+            raise self.error
+
+    def start(self) -> None:
+        """Serve in a background (daemon) thread; see :attr:`error` for how it ended."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self._thread = aspawn(self._main, name=self.name)
+
+    def request_stop(self) -> None:
+        """Ask the service to stop soon, without waiting for it."""
+        self._stop.set()
+
+    async def stop(self, timeout: float | None = 30.0) -> None:
+        """Ask the service to stop and wait up to ``timeout`` seconds for its thread."""
+        self.request_stop()
+        if self._thread is not None:
+            await ajoin(self._thread, timeout)
+
+    async def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the service has ended; False on timeout."""
+        return await apause(timeout, self._stopped)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread started by start() is still running."""
+        return self._thread is not None and arunning(self._thread)
+
+    @property
+    def signals(self) -> int:
+        """How many SIGTERM/SIGINT run() has caught so far. The first one stops the
+        service; a later one may cut its cleanup short (the tail's unsubscribe)."""
+        return self._signal_count
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was requested (by stop(), or by a signal)."""
+        if self._signalled is not None and not self._stop.is_set():
+            self.log.info("%s: signal %s, stopping", self.name, self._signalled)
+            self._stop.set()
+        return self._stop.is_set()
+
+    async def __aenter__(self: S) -> S:
+        self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
+    # -- for subclasses ------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Do the work of one session (see the class docstring)."""
+        raise NotImplementedError
+
+    async def setup(self) -> None:
+        """Called once when the service starts, before the first serve()."""
+
+    async def cleanup(self) -> None:
+        """Called once when the service ends, whatever the reason. It may set
+        :attr:`error` for run() to raise."""
+
+    def retryable(self, exc: Exception) -> bool:
+        """Whether serve() may be tried again after raising ``exc`` (after a backoff);
+        by default every error but those :func:`is_fatal` names."""
+        return not is_fatal(exc)
+
+    async def sleep(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until a stop is requested; True when stopping."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await apause(min(left, STOP_LATENCY), self._stop)
+        return True
+
+    async def connect(self, dsn: str, **kwargs: Any) -> AsyncConn:
+        """Open an autocommit connection, giving up within STOP_LATENCY of a stop.
+
+        Retries while the server starts (up to ``connect_timeout``); raises
+        :class:`Stopped` when a stop comes first, ConnectError otherwise. A
+        connection that arrives after the caller gave up is closed.
+        """
+        kwargs.setdefault("application_name", self.name[:63])
+        conn = await acall_interruptibly(
+            lambda: open_connection_async(dsn, timeout=self.connect_timeout, stop=self._stop,
+                                          **kwargs),
+            lambda: self.stopping, lambda abandoned: abandoned.close(),
+            poll=STOP_LATENCY, name=f"{self.name}-connect")
+        if conn is None:
+            raise Stopped()
+        self._backoff = 0.1  # connected: the next loss starts from a short backoff
+        return conn
+
+    # -- the loop ------------------------------------------------------------
+
+    def watch(self, conn: AsyncConn, deadline: float) -> AsyncCallWatch:
+        """Start watching the calls on ``conn``: one in flight longer than
+        ``deadline`` seconds gets the connection shut down (see CallWatch).
+        Unwatch it with :meth:`unwatch` when the connection is done."""
+        watch = AsyncCallWatch(conn, deadline)
+        with self._watches_lock:
+            self._watches.add(watch)
+        return watch
+
+    def unwatch(self, watch: AsyncCallWatch) -> None:
+        """Stop watching a connection."""
+        with self._watches_lock:
+            self._watches.discard(watch)
+
+    async def _watchdog(self) -> None:
+        while not await apause(STOP_LATENCY, self._stopped):
+            with self._watches_lock:
+                watches = list(self._watches)
+            abandon = self.abandon_on_stop and self.stopping
+            for watch in watches:
+                if watch.lost:
+                    continue
+                if abandon and watch.busy():
+                    self.log.info("%s: stopping; abandoning the call in flight", self.name)
+                    watch.abort()
+                elif watch.overdue():
+                    self.log.warning("%s: a call got no answer for %.0fs; giving up on the "
+                                     "connection", self.name, watch.deadline)
+                    watch.abort()
+
+    async def _main(self) -> None:
+        aspawn(self._watchdog, name=f"{self.name}-watchdog")
+        try:
+            await self.setup()
+            while not self.stopping:
+                try:
+                    await self.serve()
+                except Stopped:
+                    break
+                except Exception as exc:
+                    if not self.retryable(exc):
+                        self.error = exc
+                        self.log.error("%s: %s; stopping (retrying cannot help)", self.name,
+                                       _describe(exc))
+                        break
+                    if self.stopping:
+                        break
+                    self.log.warning("%s: %s; reconnecting in %.1fs", self.name,
+                                     _describe(exc), self._backoff)
+                    await self.sleep(self._backoff)
+                    self._backoff = min(self._backoff * 2, self.max_backoff)
+        finally:
+            try:
+                await self.cleanup()
+            finally:
+                self._stopped.set()
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            # Plain assignments, no lock: see the module docstring. Only this
+            # handler, always on the main thread, writes either.
+            self._signalled = signum
+            self._signal_count += 1
+
+        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def client_keepalives(network_timeout: float) -> dict[str, Any]:
+    """libpq settings under which the client gives up on a silent server within
+    about half of ``network_timeout``: before the server gives up on it (see
+    :func:`server_timeouts`), so a cut-off worker stops handling before
+    its slots can move to another. Keepalives cover a connection waiting for an
+    answer, ``tcp_user_timeout`` one whose request is not even acknowledged."""
+    idle = max(1, int(network_timeout / 6))
+    interval = max(1, int(network_timeout / 15))
+    return {"keepalives": 1, "keepalives_idle": idle, "keepalives_interval": interval,
+            "keepalives_count": 3, "tcp_user_timeout": int(network_timeout * 500)}
+
+
+def server_timeouts(network_timeout: float, *,
+                    idle_timeout: float | None = None) -> dict[str, str]:
+    """Session settings under which the server ends a session, and so frees its
+    locks (slots, the ticker election), within about ``network_timeout``
+    seconds of its client going silent: TCP keepalives while the session is
+    idle, ``tcp_user_timeout`` while the server is sending, and
+    ``client_connection_check_interval`` while a query runs. With
+    ``idle_timeout`` (PostgreSQL's ``idle_session_timeout``) it also ends a
+    session whose client stopped talking while its network is fine: a frozen
+    process (SIGSTOP, a debugger), or one that gave up behind a pooler that
+    keeps its server session. Keepalives are ignored on Unix sockets.
+
+    Set them with :meth:`Client.pin_session`, in the statement that pins the
+    session, so that they are on whichever server session the locks are.
+    """
+    idle = max(1, int(network_timeout / 3))
+    interval = max(1, int(network_timeout / 6))
+    settings = {
+        "tcp_keepalives_idle": str(idle),
+        "tcp_keepalives_interval": str(interval),
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": str(int(network_timeout * 5000 / 6)),
+        "client_connection_check_interval": str(interval * 1000),
+    }
+    # Without idle_timeout the setting is left as it is, not turned off: behind
+    # a pooler this session may be one that holds another client's locks.
+    if idle_timeout is not None:
+        settings["idle_session_timeout"] = str(int(idle_timeout * 1000))
+    return settings
+
+
+class AsyncCallWatch:
+    """The calls in flight on one connection, with a deadline.
+
+    A network can fail in a way that no TCP timeout sees: a stalled middlebox or
+    pooler that keeps acknowledging packets and never forwards them. A call on
+    such a connection blocks for ever, holding the connection, so neither a
+    stop nor a check between events gets through. A service runs its calls
+    inside :meth:`call`; its watchdog :meth:`abort` s a connection whose oldest
+    call is older than the deadline, which shuts the socket down and makes the
+    blocked call fail at once.
+    """
+
+    def __init__(self, conn: AsyncConn, deadline: float) -> None:
+        self.conn = conn
+        self.deadline = deadline
+        self.lost = False
+        self._started: dict[object, float] = {}  # calls in flight: thread -> start
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[AsyncConn]:
+        """Time one call on the connection; a connection error marks it lost."""
+        me = acaller()
+        with self._lock:
+            self._started[me] = time.monotonic()
+        try:
+            yield self.conn
+        except psycopg.OperationalError:
+            self.lost = True
+            raise
+        finally:
+            with self._lock:
+                self._started.pop(me, None)
+
+    def busy(self) -> bool:
+        """Whether a call is in flight on the connection."""
+        with self._lock:
+            return bool(self._started)
+
+    def overdue(self) -> bool:
+        """Whether a call has been in flight for longer than the deadline."""
+        with self._lock:
+            oldest = min(self._started.values(), default=None)
+        return oldest is not None and time.monotonic() - oldest > self.deadline
+
+    def abort(self) -> None:
+        """Give up on the connection: shut its socket down, so that every call
+        blocked on it fails now."""
+        self.lost = True
+        with contextlib.suppress(OSError, psycopg.Error):
+            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+
+    def gone(self) -> bool:
+        """Whether the session is known to be gone: lost, overdue, or ended by the
+        server (see session_ended). Costs no round trip."""
+        if self.lost:
+            return True
+        if self.overdue():
+            self.abort()
+        elif session_ended(self.conn):
+            self.lost = True
+        return self.lost
+
+
+def session_ended(conn: AsyncConn) -> bool:
+    """Whether the server has ended the session behind an idle connection.
+
+    Costs no round trip: an idle connection has nothing to read unless the
+    server sent something on its own, such as the FATAL message of a
+    terminated session or the end of the stream. Returns False while another
+    thread is using the connection (that call will find out by itself).
+    """
+    if conn.closed or conn.broken:
+        return True
+    with ahold_if_free(conn.lock) as free:
+        if not free:
+            return False
+        try:
+            ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+            if not ready:
+                return False
+            conn.pgconn.consume_input()
+            return conn.pgconn.status != psycopg.pq.ConnStatus.OK
+        except (OSError, psycopg.Error):
+            return True

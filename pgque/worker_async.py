@@ -1,0 +1,815 @@
+# The source of pgque/worker.py, which tools/async_to_sync.py generates  # async-only
+# from this file (`make twins`): edit this one, then regenerate. Lines that  # async-only
+# end like these are left out of the sync code; "sync-only:" comments become  # async-only
+# code there (see tools/async_to_sync.py).  # async-only
+"""The partitioned consumer: a Worker owns some slots of a consumer group and
+handles their events, one event at a time per slot, slots in parallel.
+
+Sessions
+--------
+A Worker talks to the database over a *control* session and up to
+``concurrency`` *lane* sessions. The control session joins the group (so
+workers can count each other), listens for tick notifications and decides
+which slots this worker should own. Each lane is one session and the one
+thread that uses it: it claims the slots the control hands it, and for each of
+them receives, runs the handler and acks, on that session. A slot's lock, its
+receive, its handler's transaction (see *transactional*) and its ack are
+therefore all on one session, and slots on different lanes never wait for
+each other. Lanes are opened as slots are claimed, up to ``concurrency``;
+beyond that, a lane takes turns between its slots. A worker uses at most
+``concurrency + 1`` connections, plus one for its Ticker if it runs one.
+
+How slots are shared
+--------------------
+There is no leader and no assignor. Each worker claims free slots with a
+non-blocking ``pg_try_advisory_lock`` until it owns its fair share: ``N // M``
+for M live workers, plus one for the first ``N % M`` of them by the control
+session's backend pid, so the shares always add up to N. A worker that owns
+more than its share releases the surplus at a batch boundary, and newcomers
+pick those slots up. A lane that dies loses its session and with it its locks:
+its slots are free at once.
+
+Why this is safe
+----------------
+Correctness does not rest on this module. The server refuses receive, ack and
+nack of a slot from a session that does not hold the slot's lock, and the
+receive lock hands a second receiver the same open batch, never another. So
+the worst a bug here can do is spread slots badly or stall; it cannot let two
+workers hold the same slot or ack a batch somebody else owns. A slot is never
+claimed again while a lane that lost it still runs its handler, so one worker
+never runs two handlers of one slot at once.
+
+Failures
+--------
+A handler that raises has its event nacked (the *skip* policy): the event goes
+to the slot's retry queue, the rest of the batch proceeds, and the nacks and
+the ack of the batch commit in one transaction. Delivery is at least once;
+handlers must be idempotent, unless they are *transactional*: then the
+handler gets the lane's connection, inside a transaction that also acks the
+batch, so the handler's writes and the ack commit together or not at all
+(each event in a savepoint: a failed event's writes roll back and it is
+nacked in the same transaction). A lane that lost its session can never
+commit: the transaction went with it. When a lane's session goes away its
+slots are lost with it; in-flight batches are dropped unacked (they will be
+delivered again) and the control claims the slots again, on other lanes. A
+batch stops at the next event as soon as its session is seen gone (a check of
+the idle socket between events, no round trip). Errors that retrying cannot
+heal (a wrong slot count, an unknown queue, a pooler swapping the session)
+stop the worker: ``run()`` raises them and :attr:`Worker.error` keeps them.
+
+Network
+-------
+``network_timeout`` (30 s) bounds how long a worker whose network went silent
+(no FIN: a partition, a dead host) keeps its slots: the server ends its
+sessions within that time (TCP keepalives and ``tcp_user_timeout`` set on each
+session), and the client side gives up at about half of it, so the cut-off
+worker stops handling before its slots can move. A worker frozen with its
+network fine (SIGSTOP, a debugger) is bounded the same way: its sessions fall
+silent, and ``idle_session_timeout`` ends them.
+
+asyncio
+-------
+The worker has an asyncio twin, and one is generated from the other by
+tools/async_to_sync.py, so they behave alike: there the handlers are
+coroutines, the sessions asynchronous psycopg connections, and every thread named
+here a task of the running loop. A handler must not block that loop: a
+blocking call holds every lane of the worker (and its heartbeats) until it
+returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Generic, TypeVar
+
+import psycopg
+from psycopg import sql
+
+from pgque._acompat import (
+    AHandlerResult,
+    ASpawned,
+    acheck_handler,
+    ajoin,
+    apause,
+    arun_blocking,
+    arunning,
+    aspawn,
+)
+from pgque.client_async import AsyncClient, AsyncConn
+from pgque.errors import HandlerEndedTransaction, SlotNotOwned
+from pgque.lifecycle_async import (
+    STOP_LATENCY,
+    AsyncCallWatch,
+    AsyncService,
+    Stopped,
+    client_keepalives,
+    is_fatal,
+    server_timeouts,
+)
+from pgque.ticker import Ticker
+from pgque.types import Batch, Message
+
+__all__ = ["AsyncWorker"]
+
+T = TypeVar("T")
+#: A handler: called with each message.
+Handler = Callable[[Message[T]], AHandlerResult]
+#: A transactional handler: called with each message and the lane's connection,
+#: inside the transaction that acks the batch.
+TransactionalHandler = Callable[[Message[T], AsyncConn], AHandlerResult]
+
+
+class _ConnectionLost(Exception):
+    """A session of the worker ended; the slots it owned are gone with it."""
+
+
+class _Session:
+    """One connected session: the client over it, the watch on its calls (see
+    CallWatch) and when it was last used."""
+
+    def __init__(self, client: AsyncClient, watch: AsyncCallWatch) -> None:
+        self.client = client
+        self.watch = watch
+        self.last_used = time.monotonic()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[AsyncClient]:
+        """A call on the session: timed by the watchdog, refused once it is lost."""
+        if self.watch.lost:
+            raise _ConnectionLost("session gone")
+        try:
+            with self.watch.call():
+                yield self.client
+        finally:
+            self.last_used = time.monotonic()
+
+    def gone(self) -> bool:
+        return self.watch.gone()
+
+
+class AsyncWorker(AsyncService, Generic[T]):
+    """Consume a queue as one member of a partitioned consumer group.
+
+    ``handler`` is called with each :class:`~pgque.Message`; the events of one
+    slot are handled strictly one after another, and up to ``concurrency``
+    slots at the same time, each on a session of its own (see the module
+    docstring). With ``transactional=True`` the handler is called as
+    ``handler(message, conn)``, inside the transaction on ``conn`` that also
+    acks the batch: its writes on ``conn`` commit with the ack, exactly once.
+
+    By default the worker also runs a :class:`~pgque.Ticker` (pass
+    ``ticker=False`` when something else ticks, or a configured Ticker) and
+    listens for tick notifications (``listen``), with ``poll_interval`` as the
+    fallback when a notification is lost.
+
+    ``run()`` blocks until :meth:`stop` (or SIGTERM / SIGINT when run in the
+    main thread) and raises the error that stopped the worker, if any;
+    ``start()`` runs the same loop in a background thread (see ``error``). A
+    Worker is also a context manager: start on enter, stop on exit.
+    """
+
+    log = logging.getLogger("pgque.worker")
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        queue: str,
+        consumer: str,
+        slots: int,
+        handler: Handler[T] | TransactionalHandler[T],
+        transactional: bool = False,
+        concurrency: int | None = None,
+        payload_type: type[T] | None = None,
+        max_events: int = 100,
+        poll_interval: float = 0.2,
+        retry_after: float | timedelta = 5.0,
+        rebalance_interval: float = 1.0,
+        ticker: bool | Ticker = True,
+        listen: bool = True,
+        connect_timeout: float = 30.0,
+        network_timeout: float = 30.0,
+        name: str | None = None,
+    ) -> None:
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if network_timeout < 2:
+            raise ValueError("network_timeout must be at least 2 seconds")
+        if max_events < 1:
+            raise ValueError("max_events must be at least 1")
+        if (retry_after.total_seconds() if isinstance(retry_after, timedelta)
+                else retry_after) < 0:
+            raise ValueError("retry_after must not be negative")
+        acheck_handler(handler)
+        super().__init__(name or f"pgque-worker-{queue}-{consumer}",
+                         connect_timeout=connect_timeout)
+        self.dsn = dsn
+        self.queue = queue
+        self.consumer = consumer
+        self.slots = slots
+        self.handler = handler
+        self.transactional = transactional
+        self.concurrency = concurrency or slots
+        self.payload_type = payload_type
+        self.max_events = max_events
+        self.poll_interval = poll_interval
+        self.retry_after = retry_after
+        self.rebalance_interval = rebalance_interval
+        self.listen = listen
+        self.network_timeout = network_timeout
+        self.ticker: Ticker | None
+        if isinstance(ticker, Ticker):
+            self.ticker = ticker
+        else:
+            self.ticker = Ticker(dsn, name=f"{self.name}-ticker",
+                                 connect_timeout=connect_timeout,
+                                 network_timeout=network_timeout) if ticker else None
+
+        self._lock = threading.Lock()  # lanes, their slots and requests, the counters
+        self._lanes: list[_Lane[T]] = []
+        self._lane_numbers = 0
+        self._fatal: BaseException | None = None  # a lane's error that retrying cannot heal
+        self._lane_failed_at = -float("inf")  # when a lane last failed to connect
+        self._wake = asyncio.Event()  # a lane ended or failed, or stop
+        self.handled = 0  # events whose handler returned
+        self.failed = 0  # events whose handler raised (nacked)
+
+    # -- public control ----------------------------------------------------
+
+    @property
+    def owned_slots(self) -> frozenset[int]:
+        """The slots this worker owns right now."""
+        with self._lock:
+            return frozenset(slot for lane in self._lanes for slot in lane.slots)
+
+    @property
+    def sessions(self) -> int:
+        """How many lane sessions the worker has open now (its control session and
+        its Ticker's not counted)."""
+        with self._lock:
+            return sum(1 for lane in self._lanes if lane.pid is not None and lane.alive)
+
+    def request_stop(self) -> None:
+        """Ask the worker to finish its current batches, release its slots and exit."""
+        super().request_stop()
+        self._wake.set()
+        with self._lock:
+            for lane in self._lanes:
+                lane.wake()
+
+    # -- the service -----------------------------------------------------------
+
+    async def setup(self) -> None:
+        if self.ticker is not None and not self.ticker.alive:
+            self.ticker.start()
+
+    async def serve(self) -> None:
+        conn = await self.connect(self.dsn, **client_keepalives(self.network_timeout))
+        control = _Session(AsyncClient(conn), self.watch(conn, self.network_timeout / 2))
+        try:
+            # The control session is never idle for long (it rebalances every
+            # rebalance_interval), so a long silence means a frozen or lost
+            # client: the server ends the session, and the worker stops counting.
+            settings = server_timeouts(self.network_timeout,
+                                       idle_timeout=max(self.network_timeout * 5 / 6,
+                                                        3 * self.rebalance_interval))
+            with control.call() as client:
+                await client.pin_session(settings)
+                await client.subscribe_slots(self.queue, self.consumer, slots=self.slots)
+                await client.join_group(self.queue, self.consumer)
+                if self.listen:
+                    cur = await conn.execute("select pgque.tick_channel(%s)", (self.queue,))
+                    row = await cur.fetchone()
+                    assert row is not None
+                    await conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))
+            self.log.info("%s: connected (control backend pid %s)", self.name, client.pinned_pid)
+            await self._control_loop(control)
+            await self._finish(control)
+        finally:
+            self.unwatch(control.watch)
+            with contextlib.suppress(Exception):  # closing a dead connection may fail
+                await conn.close()
+
+    async def cleanup(self) -> None:
+        # Also after an error that stopped the worker: the lanes finish and leave.
+        self._stop.set()
+        with self._lock:
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.wake()
+        for lane in lanes:
+            await lane.join()
+        if self.ticker is not None:
+            await arun_blocking(self.ticker.stop, 5.0)
+        self.log.info("%s: stopped (handled %s events, %s failed)", self.name, self.handled,
+                      self.failed)
+
+    # -- the control loop --------------------------------------------------------
+
+    async def _control_loop(self, control: _Session) -> None:
+        next_rebalance = 0.0
+        while not self.stopping:
+            if self._fatal is not None:
+                raise self._fatal
+            now = time.monotonic()
+            if now >= next_rebalance:
+                await self._rebalance(control)
+                next_rebalance = time.monotonic() + self.rebalance_interval
+            left = next_rebalance - time.monotonic()
+            await self._wait(control, max(0.0, min(left, STOP_LATENCY)))
+
+    async def _wait(self, control: _Session, timeout: float) -> None:
+        """Wait up to ``timeout`` for a tick notification (passed on to the lanes),
+        a lane's end, or a stop. A notification carries no information and may be
+        lost (NOTIFY is at most once): the lanes' polls stay."""
+        if not self.listen:
+            await apause(timeout, self._wake)
+            self._wake.clear()
+            return
+        heard = 0
+        try:
+            with control.watch.call() as conn:
+                async for _ in conn.notifies(timeout=timeout, stop_after=1):
+                    heard += 1
+        except psycopg.OperationalError as exc:
+            raise _ConnectionLost(str(exc)) from exc
+        if heard:
+            with self._lock:
+                for lane in self._lanes:
+                    lane.tick()
+
+    async def _rebalance(self, control: _Session) -> None:
+        """Claim free slots up to the fair share; release the surplus. Claims and
+        releases are handed to the lanes, which make them on their sessions at
+        their next batch boundary."""
+        with control.call() as client:
+            status = await client.group_status(self.queue, self.consumer)
+            # Not counted as a member: the group's membership key was renewed (a
+            # session of a role outside the group sat on it), so join again. The
+            # server refuses (ConsumerAccessDenied, which stops the worker) when
+            # this session's role may no longer use the group.
+            if status.my_rank is None and await client.join_group(self.queue, self.consumer):
+                status = await client.group_status(self.queue, self.consumer)
+        share = status.fair_share()
+        with self._lock:
+            self._lanes = [lane for lane in self._lanes if lane.alive]
+            by_pid = {lane.pid: lane for lane in self._lanes if lane.pid is not None}
+            owned = {s.slot: by_pid[s.owner_pid] for s in status.slots
+                     if s.owner_pid in by_pid}
+            claiming = {slot for lane in self._lanes for slot in lane.claims}
+            # A lane that lost its session may still run a handler of its slot:
+            # that slot is not claimed again until the handler has returned.
+            in_hand = {lane.current for lane in self._lanes if lane.current is not None}
+            mine = len(owned) + len(claiming - owned.keys())
+            if mine > share:
+                releasing = {slot for lane in self._lanes for slot in lane.releases}
+                surplus = sorted(set(owned) - releasing, reverse=True)
+                for slot in surplus[: max(0, mine - share - len(releasing))]:
+                    owned[slot].request_release(slot)
+                    self.log.info("%s: releasing slot %s (share %s of %s workers)", self.name,
+                                  slot, share, status.members)
+            elif mine < share:
+                free = [s.slot for s in status.slots if s.owner_pid is None
+                        and s.slot not in claiming and s.slot not in in_hand]
+                random.shuffle(free)
+                for slot in free[: share - mine]:
+                    lane = self._lane_for_claim()
+                    if lane is None:
+                        break
+                    lane.request_claim(slot)
+
+    def _lane_for_claim(self) -> _Lane[T] | None:
+        """The lane a new slot goes to: an idle one, a new one while there are
+        fewer than ``concurrency``, else the connected one with the fewest slots.
+        No new lane for a while after one could not connect (the server's
+        connection limit, say): the slots then take turns on the lanes that did.
+        None when there is no lane to give it to. Holds self._lock."""
+        live = [lane for lane in self._lanes if lane.alive and not lane.lost]
+        idle = [lane for lane in live if not lane.load]
+        if idle:
+            return idle[0]
+        if (len(live) < self.concurrency
+                and time.monotonic() - self._lane_failed_at > self.max_backoff):
+            self._lane_numbers += 1
+            lane = _Lane(self, self._lane_numbers)
+            self._lanes.append(lane)
+            lane.start()
+            return lane
+        connected = [lane for lane in live if lane.pid is not None] or live
+        return min(connected, key=lambda lane: lane.load, default=None)
+
+    async def _finish(self, control: _Session) -> None:
+        """On stop: the lanes finish their batches (they ack) and release their
+        slots. Handlers may take a while: keep the control session talking
+        meanwhile, or its idle_session_timeout would end it."""
+        with self._lock:
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.wake()
+        for lane in lanes:
+            while await lane.join(self.rebalance_interval):
+                try:
+                    with control.call() as client:
+                        await client.conn.execute("select 1")
+                except Exception as exc:
+                    self.log.warning("%s: control session lost while finishing: %s", self.name,
+                                     exc)
+                    await lane.join()
+                    break
+
+    # -- called by the lanes ------------------------------------------------------
+
+    def _lane_ended(self, lane: _Lane[T], exc: BaseException | None) -> None:
+        if exc is not None and is_fatal(exc):  # SessionUnstable among them
+            self._fatal = exc
+        if exc is not None and lane.pid is None:
+            with self._lock:
+                self._lane_failed_at = time.monotonic()
+        self._wake.set()
+
+    def _count(self, handled: int, failed: int) -> None:
+        with self._lock:
+            self.handled += handled
+            self.failed += failed
+
+
+class _Lane(Generic[T]):
+    """One session of a worker and the one thread that uses it.
+
+    The lane claims and releases the slots the control asks it to (between two
+    batches, on its own session) and works its slots in turns: receive a batch
+    piece, run the handler on each event, nack the failures and ack. It ends
+    when its session is lost (its slots went with it) or when the worker
+    stops (after releasing its slots).
+    """
+
+    def __init__(self, worker: AsyncWorker[T], number: int) -> None:
+        self.worker = worker
+        self.name = f"{worker.name}-lane{number}"
+        self.pid: int | None = None
+        self.lost = False
+        # Guarded by worker._lock: read by the control thread.
+        self.slots: set[int] = set()
+        self.claims: set[int] = set()
+        self.releases: set[int] = set()
+        self.current: int | None = None  # the slot whose step runs now
+        self._requests: deque[tuple[str, int]] = deque()
+        self._wake = asyncio.Event()
+        self._ticks = 0  # tick notifications heard (set by the control thread)
+        self._idle_until: dict[int, float] = {}
+        self._turns: deque[int] = deque()  # slots in round-robin order
+        self._ended = asyncio.Event()
+        self._thread: ASpawned | None = None
+
+    # -- from the control thread (under worker._lock) --------------------------
+
+    @property
+    def load(self) -> int:
+        return len(self.slots | self.claims)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is None or arunning(self._thread)
+
+    def start(self) -> None:
+        self._thread = aspawn(self._run, name=self.name)
+
+    async def join(self, timeout: float | None = None) -> bool:
+        """Wait for the lane to end; True while it still runs after ``timeout``."""
+        if self._thread is None:
+            return False
+        await ajoin(self._thread, timeout)
+        return arunning(self._thread)
+
+    def request_claim(self, slot: int) -> None:
+        self.claims.add(slot)
+        self._requests.append(("claim", slot))
+        self._wake.set()
+
+    def request_release(self, slot: int) -> None:
+        self.releases.add(slot)
+        self._requests.append(("release", slot))
+        self._wake.set()
+
+    def tick(self) -> None:
+        self._ticks += 1
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- the lane's thread ---------------------------------------------------------
+
+    async def _run(self) -> None:
+        worker = self.worker
+        error: BaseException | None = None
+        session: _Session | None = None
+        try:
+            conn = await worker.connect(worker.dsn, application_name=self.name[:63],
+                                        **client_keepalives(worker.network_timeout))
+            session = _Session(AsyncClient(conn),
+                               worker.watch(conn, worker.network_timeout / 2))
+            settings = server_timeouts(worker.network_timeout,
+                                       idle_timeout=max(worker.network_timeout * 5 / 6,
+                                                        3 * worker.rebalance_interval))
+            if not worker.transactional:
+                # This session only moves cursors (the handlers use their own
+                # connections): a cursor move lost in a server crash means events
+                # delivered again, which at-least-once allows, so its commits need
+                # not wait for a WAL flush. Transactional handlers' writes do.
+                settings["synchronous_commit"] = "off"
+            with session.call() as client:
+                self.pid = await client.pin_session(settings)
+            worker.log.info("%s: connected (backend pid %s)", self.name, self.pid)
+            aspawn(self._heartbeat, session, name=f"{self.name}-beat")
+            await self._work(session)
+            await self._release_all(session)
+        except Stopped:
+            pass
+        except Exception as exc:
+            error = exc
+            if isinstance(exc, (psycopg.OperationalError, _ConnectionLost)):
+                worker.log.warning("%s: session lost: %s", self.name, exc)
+            else:
+                worker.log.error("%s: %r", self.name, exc)
+        finally:
+            self.lost = True
+            self._ended.set()
+            with worker._lock:
+                self.slots.clear()
+                self.claims.clear()
+                self.releases.clear()
+                self.current = None
+            if session is not None:
+                worker.unwatch(session.watch)
+                with contextlib.suppress(Exception):
+                    await session.client.conn.close()
+            worker._lane_ended(self, error)
+
+    async def _heartbeat(self, session: _Session) -> None:
+        """While a step runs (handlers may take long), keep the session talking:
+        a cheap query whenever it was quiet for a rebalance interval. It keeps
+        idle_session_timeout from ending a session whose handlers are slow, and
+        it is how a network that went silent shows between two events: the
+        query gets no answer, the watchdog gives the session up (within half of
+        network_timeout), and the step stops before its next event. A frozen
+        process freezes this thread too, so its sessions still go silent."""
+        interval = self.worker.rebalance_interval
+        conn = session.client.conn
+        while not await apause(min(interval / 2, STOP_LATENCY), self._ended):
+            if self.current is None or time.monotonic() - session.last_used < interval:
+                continue
+            # A transactional handler's query in flight (say, waiting for a row
+            # lock) keeps the session busy already: never queue behind it, or
+            # the watchdog would take the wait for a dead network.
+            if conn.lock.locked():
+                continue
+            try:
+                with session.call() as client:
+                    await client.conn.execute("select 1")
+            except (psycopg.OperationalError, _ConnectionLost) as exc:
+                # The lane sees it after the handler in hand returns.
+                self.worker.log.warning("%s: session lost (heartbeat): %s", self.name, exc)
+                return
+            except psycopg.Error:
+                pass  # say, inside a failed transaction of a handler: the lane's to sort out
+
+    async def _work(self, session: _Session) -> None:
+        worker = self.worker
+        keepalive = worker.network_timeout / 3
+        last_call = time.monotonic()
+        ticks_seen = self._ticks
+        while not worker.stopping and worker._fatal is None:
+            if await self._serve_requests(session):
+                last_call = time.monotonic()
+            if self._ticks != ticks_seen:
+                ticks_seen = self._ticks
+                self._idle_until.clear()  # a new tick: every slot may have a batch
+            slot = self._next_slot()
+            if slot is None:
+                now = time.monotonic()
+                if now - last_call > keepalive:  # an idle lane keeps its session
+                    with session.call() as client:
+                        await client.conn.execute("select 1")
+                    last_call = now
+                due = min(self._idle_until.values(), default=now + keepalive)
+                await apause(max(0.0, min(due - now, STOP_LATENCY, keepalive)), self._wake)
+                self._wake.clear()
+                continue
+            started_ticks = self._ticks
+            with worker._lock:
+                self.current = slot
+            try:
+                found = await self._step(slot, session)
+            except SlotNotOwned:
+                worker.log.warning("%s: slot %s is no longer ours", self.name, slot)
+                self._drop(slot)
+                found = True
+            finally:
+                with worker._lock:
+                    self.current = None
+            last_call = time.monotonic()
+            if not found and self._ticks == started_ticks:
+                self._idle_until[slot] = time.monotonic() + worker.poll_interval
+
+    async def _serve_requests(self, session: _Session) -> bool:
+        """Make the claims and releases the control asked for; True if any."""
+        worker = self.worker
+        served = False
+        while True:
+            with worker._lock:
+                if not self._requests:
+                    return served
+                op, slot = self._requests.popleft()
+            served = True
+            with session.call() as client:
+                if op == "claim":
+                    claimed = await client.claim_slot(worker.queue, worker.consumer, slot)
+                else:
+                    await client.release_slot(worker.queue, worker.consumer, slot)
+            with worker._lock:
+                if op == "claim":
+                    self.claims.discard(slot)
+                    if claimed:
+                        self.slots.add(slot)
+                        self._turns.append(slot)
+                        self._idle_until.pop(slot, None)
+                elif slot in self.slots:
+                    self.releases.discard(slot)
+                    self._drop_locked(slot)
+            if op == "claim" and claimed:
+                worker.log.info("%s: claimed slot %s", self.name, slot)
+            elif op == "release":
+                worker.log.info("%s: released slot %s", self.name, slot)
+
+    def _next_slot(self) -> int | None:
+        """The next slot in turn that is not waiting out its poll interval."""
+        now = time.monotonic()
+        for _ in range(len(self._turns)):
+            slot = self._turns[0]
+            self._turns.rotate(-1)
+            if self._idle_until.get(slot, 0.0) <= now:
+                return slot
+        return None
+
+    def _drop(self, slot: int) -> None:
+        with self.worker._lock:
+            self._drop_locked(slot)
+
+    def _drop_locked(self, slot: int) -> None:
+        self.slots.discard(slot)
+        self._idle_until.pop(slot, None)
+        with contextlib.suppress(ValueError):
+            self._turns.remove(slot)
+
+    async def _step(self, slot: int, session: _Session) -> bool:
+        """One step of a slot: receive a batch piece, handle its events in order,
+        then nack the failures and ack in one transaction (which, for a
+        transactional handler, also holds the handler's writes). Returns whether
+        a batch was there."""
+        worker = self.worker
+        with session.call() as client:
+            batch = await client.receive_partitioned(
+                worker.queue, worker.consumer, slot=slot, slots=worker.slots,
+                max_events=worker.max_events, payload_type=worker.payload_type)
+        if batch is None:
+            return False
+        if worker.transactional:
+            conn = session.client.conn
+            async with conn.transaction():
+                failures = await self._handle(batch, session, conn)
+                with session.call() as client:
+                    await client.ack(batch, nack=failures, retry_after=worker.retry_after)
+        else:
+            failures = await self._handle(batch, session, None)
+            with session.call() as client:
+                await client.ack(batch, nack=failures, retry_after=worker.retry_after)
+        return True
+
+    async def _handle(self, batch: Batch[T], session: _Session,
+                      conn: AsyncConn | None) -> dict[int, str]:
+        """Run the handler on each event of the batch (for a transactional handler,
+        each in a savepoint of ``conn``'s transaction); returns the failed events'
+        reasons by id. Raises _ConnectionLost when the session was seen gone
+        between events: whoever owns the slot next gets the batch again."""
+        worker = self.worker
+        failures: dict[int, str] = {}
+        handled = 0
+        try:
+            for index, message in enumerate(batch.messages):
+                if index and session.gone():
+                    worker.log.warning("%s: session gone; slot %s stops before event %s",
+                                       self.name, batch.slot, message.id)
+                    raise _ConnectionLost("session gone during a batch")
+                try:
+                    if conn is None:
+                        await worker.handler(message)  # type: ignore[call-arg]
+                    else:
+                        await self._handle_in_savepoint(message, conn, first=index == 0)
+                except (HandlerEndedTransaction, _ConnectionLost):
+                    raise
+                except BaseException as exc:  # also CancelledError & co: the event failed
+                    if conn is not None and conn.broken:
+                        raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
+                    # Expected under the skip policy, hence a warning; the traceback
+                    # is what a developer needs to fix the handler.
+                    worker.log.warning(
+                        "%s: handler failed for event %s (key %r, slot %s, retry %s): %r",
+                        self.name, message.id, message.partition_key, batch.slot,
+                        message.retry_count, exc, exc_info=True)
+                    failures[message.id] = failure_reason(exc)
+                else:
+                    handled += 1
+        finally:
+            worker._count(handled, len(failures))
+        return failures
+
+    async def _handle_in_savepoint(self, message: Message[T], conn: AsyncConn, *,
+                                   first: bool) -> None:
+        """Run a transactional handler in a savepoint of the lane's transaction:
+        on failure only its own writes roll back. A handler that returns with the
+        transaction in error (it caught an SQL error) has failed too. A handler
+        that ended the transaction (COMMIT or ROLLBACK) broke the promise that
+        its writes commit with the ack: HandlerEndedTransaction, and no ack.
+        One round trip per event: the statement that opens the event's savepoint
+        releases the one before it (the commit releases the last)."""
+        await _on_savepoint(conn, "savepoint pgque_event" if first
+                            else "release savepoint pgque_event; savepoint pgque_event")
+        try:
+            await self.worker.handler(message, conn)  # type: ignore[call-arg]
+        except BaseException:
+            await _on_savepoint(conn, "rollback to savepoint pgque_event")
+            raise
+        if await _check_transaction(conn) == psycopg.pq.TransactionStatus.INERROR:
+            await _on_savepoint(conn, "rollback to savepoint pgque_event")
+            raise HandlerFailed("the handler returned with its transaction in error (it "
+                                "caught an SQL error without rolling back to a savepoint)")
+
+    async def _release_all(self, session: _Session) -> None:
+        """On stop: release every slot of the lane, so others may take them at once."""
+        worker = self.worker
+        with worker._lock:
+            slots = sorted(self.slots)
+        try:
+            for slot in slots:
+                with session.call() as client:
+                    await client.release_slot(worker.queue, worker.consumer, slot)
+                self._drop(slot)
+        except (psycopg.Error, _ConnectionLost) as exc:
+            worker.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
+
+
+class HandlerFailed(Exception):
+    """A transactional handler returned, but its event failed anyway."""
+
+
+async def _check_transaction(conn: AsyncConn) -> psycopg.pq.TransactionStatus:
+    """Whether the worker's transaction is still there after a handler: a lost
+    session is _ConnectionLost (the heartbeat may have found out first), a
+    transaction the handler ended is HandlerEndedTransaction."""
+    # Under the connection's lock: the lane's heartbeat may have a query in
+    # flight on it (the status would read ACTIVE meanwhile).
+    async with conn.lock:
+        status = conn.info.transaction_status
+    if conn.broken or conn.closed or status == psycopg.pq.TransactionStatus.UNKNOWN:
+        raise _ConnectionLost("session gone during a handler")
+    if status not in (psycopg.pq.TransactionStatus.INTRANS,
+                      psycopg.pq.TransactionStatus.INERROR):
+        raise HandlerEndedTransaction(
+            f"a transactional handler ended the worker's transaction (COMMIT or ROLLBACK; "
+            f"the transaction status is {status.name}): its batch is not acked; leave the "
+            f"transaction to the worker")
+    return status
+
+
+async def _on_savepoint(conn: AsyncConn, statement: str) -> None:
+    """Run a statement on the worker's savepoint, once the handler is known to
+    have left the transaction to the worker."""
+    await _check_transaction(conn)
+    try:
+        await conn.execute(statement.encode())
+    except psycopg.errors.InvalidSavepointSpecification as exc:  # released by the handler
+        raise HandlerEndedTransaction(
+            f"a transactional handler released the worker's savepoint: {exc}") from exc
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The reason stored with a failed event: the exception's type and message,
+    cut to 1,000 characters and made storable (no NUL, no lone surrogates), so
+    that no exception can stop its event from being nacked."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # a __str__ that raises
+        text = f"{type(exc).__name__}: <unprintable>"
+    text = text.replace("\x00", "\\0")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:1000]

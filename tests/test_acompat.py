@@ -1,0 +1,136 @@
+"""pgque/_acompat.py: each primitive's two flavours behave alike (no database)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from pgque import _acompat
+
+
+def test_pause_sees_a_stop_set_before_it_even_with_no_time_left() -> None:
+    """Waits with nothing left to wait (a deadline just passed) must still see a
+    set stop: the asyncio flavour once gave up without a look, and a worker
+    waiting for its end never saw it."""
+    stop = threading.Event()
+    stop.set()
+    assert _acompat.pause(0, stop) is True
+    assert _acompat.pause(0.0, threading.Event()) is False
+
+    async def flavour() -> tuple[bool, bool]:
+        stop = asyncio.Event()
+        stop.set()
+        return await _acompat.apause(0, stop), await _acompat.apause(0.0, asyncio.Event())
+
+    assert asyncio.run(flavour()) == (True, False)
+
+
+def test_pause_returns_when_the_stop_is_set_meanwhile() -> None:
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    started = time.monotonic()
+    assert _acompat.pause(10, stop) is True
+    assert time.monotonic() - started < 5
+
+    async def flavour() -> bool:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.05, stop.set)
+        return await _acompat.apause(10, stop)
+
+    assert asyncio.run(flavour()) is True
+
+
+def test_spawn_join_and_running() -> None:
+    release = threading.Event()
+    thread = _acompat.spawn(release.wait, name="t")
+    assert _acompat.running(thread)
+    _acompat.join(thread, 0.01)
+    assert _acompat.running(thread)
+    release.set()
+    _acompat.join(thread)
+    assert not _acompat.running(thread)
+
+    async def flavour() -> list[bool]:
+        release = asyncio.Event()
+
+        async def wait() -> None:
+            await release.wait()
+
+        task = _acompat.aspawn(wait, name="t")
+        seen = [_acompat.arunning(task)]
+        await _acompat.ajoin(task, 0.01)
+        seen.append(_acompat.arunning(task))
+        release.set()
+        await _acompat.ajoin(task)
+        seen.append(_acompat.arunning(task))
+        return seen
+
+    assert asyncio.run(flavour()) == [True, True, False]
+
+
+def test_call_interruptibly_gives_up_on_a_stop_and_hands_over_a_late_result() -> None:
+    abandoned: list[Any] = []
+    arrived = threading.Event()
+
+    def slow() -> str:
+        time.sleep(0.3)
+        return "late"
+
+    def abandon(value: Any) -> None:
+        abandoned.append(value)
+        arrived.set()
+
+    assert _acompat.call_interruptibly(slow, lambda: True, abandon, poll=0.01, name="c") is None
+    assert arrived.wait(5) and abandoned == ["late"]
+    assert _acompat.call_interruptibly(lambda: "now", lambda: False, abandon, poll=0.01,
+                                       name="c") == "now"
+
+    async def flavour() -> tuple[Any, Any, list[Any]]:
+        closed: list[Any] = []
+
+        async def aslow() -> str:
+            await asyncio.sleep(0.2)
+            return "late"
+
+        async def close(value: Any) -> None:
+            closed.append(value)
+
+        async def now() -> str:
+            return "now"
+
+        gave_up = await _acompat.acall_interruptibly(aslow, lambda: True, close, poll=0.01,
+                                                     name="c")
+        await asyncio.sleep(0.4)  # the late result arrives; its abandon coroutine runs
+        done = await _acompat.acall_interruptibly(now, lambda: False, close, poll=0.01,
+                                                  name="c")
+        return gave_up, done, closed
+
+    assert asyncio.run(flavour()) == (None, "now", ["late"])
+
+
+def test_handlers_of_the_wrong_flavour_are_refused() -> None:
+    async def coroutine_handler(message: Any) -> None:
+        pass
+
+    def plain_handler(message: Any) -> None:
+        pass
+
+    class AsyncCallable:
+        async def __call__(self, message: Any) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="AsyncWorker"):
+        _acompat.check_handler(coroutine_handler)
+    with pytest.raises(TypeError, match="AsyncWorker"):
+        _acompat.check_handler(AsyncCallable())
+    with pytest.raises(TypeError, match="async def"):
+        _acompat.acheck_handler(plain_handler)
+    with pytest.raises(TypeError, match="callable"):
+        _acompat.acheck_handler(None)
+    _acompat.check_handler(plain_handler)
+    _acompat.acheck_handler(coroutine_handler)
+    _acompat.acheck_handler(AsyncCallable())
