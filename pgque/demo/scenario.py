@@ -17,7 +17,6 @@ import math
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -217,9 +216,10 @@ class Demo:
         with self.console.status(f"waiting for {members} workers to join and share the slots"):
             while True:
                 status = admin.group_status(self.queue, GROUP)
-                owners = Counter(s.owner_pid for s in status.slots)
-                if (status.members == members and None not in owners
-                        and max(owners.values()) <= share):
+                # Shares are per worker: a slot's owner pid is one of its worker's lanes.
+                shares = [len(slots) for slots in self.workers.owned(admin).values()]
+                if (status.members == members and all(s.owner_pid for s in status.slots)
+                        and max(shares, default=0) <= share):
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"workers did not settle within {timeout:.0f} s: "
