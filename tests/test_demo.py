@@ -1,7 +1,8 @@
-"""The demo: a small run against the test server passes every check and leaves
-nothing behind; and the checks themselves (pure, over records) catch what they
-should: an event never handled, a pair out of send order, overlapping handlers
-of one tenant, a retry that never came, a missing dead letter, an idle worker.
+"""The demo: small runs against the test server, transactional and plain, pass
+every check and leave nothing behind; and the checks themselves (pure, over
+records) catch what they should: an event never handled, a pair out of send
+order, overlapping handlers of one tenant, a retry that never came, a missing
+dead letter, an effect applied twice or never, an idle worker.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from helpers import scalar
 
 from pgque.demo import (
     CHECK_DEAD_LETTER,
+    CHECK_EFFECTS,
     CHECK_EXCLUSIVE,
     CHECK_HANDLED,
     CHECK_ORDER,
     CHECK_RETRIES,
     CHECK_SPREAD,
+    CHECK_STOPPED,
     CHECK_TITLES,
     DOOMED_REASON,
+    Effects,
     Handling,
     Letter,
     Sent,
@@ -37,19 +41,23 @@ from pgque.demo import (
 
 def run_demo(dsn: str, *args: str) -> str:
     """Run the demo as a subprocess against ``dsn``; returns its output after
-    asserting that it exited 0 and reported every check as passed."""
+    asserting that it exited 0 and reported every check as passed (the effects'
+    only when transactional)."""
     env = {**os.environ, "COLUMNS": "200", "PYTHONIOENCODING": "utf-8"}
     proc = subprocess.run(
         [sys.executable, "-m", "pgque.demo", "--dsn", dsn, "--timeout", "90", *args],
         capture_output=True, text=True, encoding="utf-8", env=env, timeout=240, check=False)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed:\n{out}\n{proc.stderr}"
-    for title in CHECK_TITLES:
+    titles = [t for t in CHECK_TITLES
+              if t != CHECK_EFFECTS or "--no-transactional" not in args]
+    for title in titles:
         lines = [line for line in out.splitlines() if f" {title} " in line]
         assert lines, f"check {title!r} missing from the report:\n{out}"
         assert all("✔" in line and "✘" not in line for line in lines), lines
+    assert CHECK_EFFECTS in titles or f" {CHECK_EFFECTS} " not in out
     assert "✘" not in out
-    assert f"all {len(CHECK_TITLES)} checks passed" in out
+    assert f"all {len(titles)} checks passed" in out
     return out
 
 
@@ -60,7 +68,10 @@ def roles(conn: psycopg.Connection[Any]) -> list[str]:
 
 @pytest.mark.slow
 def test_demo_passes_every_check_and_leaves_nothing_behind(dsn: str) -> None:
-    run_demo(dsn, "--events", "2000")
+    # The default run: transactional, with the rolling restart and the cut session.
+    out = run_demo(dsn, "--events", "2000")
+    assert "transactional handlers" in out
+    assert "cut the session of demo-worker-" in out or "no session was cut" in out
     with psycopg.connect(dsn, autocommit=True) as conn:
         # pgque was installed before the demo, so it stays; the demo's queue and
         # scratch schema go.
@@ -75,7 +86,8 @@ def test_demo_passes_every_check_and_leaves_nothing_behind(dsn: str) -> None:
 def test_demo_uninstalls_pgque_where_it_installed_it(empty_dsn: str) -> None:
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         before = roles(conn)
-    out = run_demo(empty_dsn, "--events", "1000", "--no-restart")
+    out = run_demo(empty_dsn, "--events", "1000", "--no-restart", "--no-transactional")
+    assert "plain handlers" in out and "cut the session" not in out
     assert "uninstalled pgque" in out
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         assert not scalar(conn, "select to_regnamespace('pgque') is not null")
@@ -97,14 +109,15 @@ DOOMED = (1, 5)  # (producer, seq) of the event that always fails
 def clean_run() -> tuple[list[Sent], list[Handling], list[Letter]]:
     """Two producers, four tenants on two slots, two workers; one event fails once
     and one always. Events are handled one after another in send order (10 ms
-    apart, 5 ms each); the retries come at the end."""
+    apart, 5 ms each); the retries come at the end. Each event's file has a
+    size of its own."""
     sent: list[Sent] = []
     for seq in range(10):
         for producer in (0, 1):
             fate = ("flaky" if (producer, seq) == FLAKY
                     else "doomed" if (producer, seq) == DOOMED else "ok")
             tenant = f"t{(seq + producer) % 4}"
-            sent.append(Sent(100 + len(sent), producer, seq, tenant, fate))
+            sent.append(Sent(100 + len(sent), producer, seq, tenant, fate, 1000 + len(sent)))
     handlings: list[Handling] = []
     clock = T0
 
@@ -129,18 +142,40 @@ def clean_run() -> tuple[list[Sent], list[Handling], list[Letter]]:
     return sent, handlings, letters
 
 
+def clean_effects(sent: list[Sent], letters: list[Letter]) -> tuple[dict[int, int],
+                                                                    dict[str, int]]:
+    """What transactional handlers commit on a clean run: every event's index
+    entry once, and its size metered to its tenant; nothing of the dead letters."""
+    dead = {x.event_id for x in letters}
+    entries = {s.event_id: 1 for s in sent if s.event_id not in dead}
+    metered: dict[str, int] = {}
+    for s in sent:
+        if s.event_id not in dead:
+            metered[s.tenant] = metered.get(s.tenant, 0) + s.size
+    return entries, metered
+
+
 def failing(sent: list[Sent], handlings: list[Handling], letters: list[Letter],
-            workers: tuple[int, ...] = (1, 2), slot_of: dict[str, int] | None = None) -> set[str]:
+            workers: tuple[int, ...] = (1, 2), slot_of: dict[str, int] | None = None,
+            effects: Effects | None = None) -> set[str]:
     """The titles of the checks that fail on these records."""
     checks = verify(sent, handlings, letters, max_retries=2, workers=workers,
-                    slot_of=slot_of or SLOT_OF)
+                    slot_of=slot_of or SLOT_OF, effects=effects)
     return {c.title for c in checks if not c.passed}
 
 
 def test_a_clean_run_passes_every_check() -> None:
-    checks = verify(*clean_run(), max_retries=2, workers=(1, 2), slot_of=SLOT_OF)
-    assert [c.title for c in checks] == [t for t in CHECK_TITLES if t != "workers stopped cleanly"]
+    sent, handlings, letters = clean_run()
+    checks = verify(sent, handlings, letters, max_retries=2, workers=(1, 2), slot_of=SLOT_OF,
+                    effects=Effects(*clean_effects(sent, letters)))
+    assert [c.title for c in checks] == [t for t in CHECK_TITLES if t != CHECK_STOPPED]
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    assert "19 events applied once each, 1 dead letters not at all" in checks[5].detail
+    assert "4 failed calls rolled back, 0 successful calls uncommitted" in checks[5].detail
+    # A plain run (no effects): no effects check.
+    plain = verify(sent, handlings, letters, max_retries=2, workers=(1, 2), slot_of=SLOT_OF)
+    assert [c.title for c in plain] == [t for t in CHECK_TITLES
+                                        if t not in (CHECK_EFFECTS, CHECK_STOPPED)]
 
 
 def test_an_event_never_handled_fails_the_first_check() -> None:
@@ -240,3 +275,63 @@ def test_an_idle_worker_fails_the_spread_check() -> None:
     assert failing(sent, handlings, letters, workers=(1, 2, 3)) == set()
     # Events handled by a worker that is not one of the run's.
     assert failing(sent, handlings, letters, workers=(1,)) == {CHECK_SPREAD}
+
+
+def test_an_effect_applied_twice_fails_the_effects_check() -> None:
+    sent, handlings, letters = clean_run()
+    entries, metered = clean_effects(sent, letters)
+    twice = sent[4]
+    # The index entry and the meter both show it; either alone is caught too.
+    both = Effects({**entries, twice.event_id: 2},
+                   {**metered, twice.tenant: metered[twice.tenant] + twice.size})
+    assert failing(sent, handlings, letters, effects=both) == {CHECK_EFFECTS}
+    checks = verify(sent, handlings, letters, max_retries=2, workers=(1, 2), slot_of=SLOT_OF,
+                    effects=both)
+    assert f"1 applied more than once: #{twice.event_id}" in checks[5].detail
+    assert f"1 tenants metered wrong; e.g. {twice.tenant}" in checks[5].detail
+    entry_only = Effects({**entries, twice.event_id: 2}, metered)
+    assert failing(sent, handlings, letters, effects=entry_only) == {CHECK_EFFECTS}
+    meter_only = Effects(entries, {**metered, twice.tenant: metered[twice.tenant] + twice.size})
+    assert failing(sent, handlings, letters, effects=meter_only) == {CHECK_EFFECTS}
+
+
+def test_an_effect_never_applied_fails_the_effects_check() -> None:
+    sent, handlings, letters = clean_run()
+    entries, metered = clean_effects(sent, letters)
+    # The flaky event's retry was handled, but its effect did not commit.
+    lost = next(s for s in sent if s.fate == "flaky")
+    gone = Effects({e: n for e, n in entries.items() if e != lost.event_id},
+                   {**metered, lost.tenant: metered[lost.tenant] - lost.size})
+    assert failing(sent, handlings, letters, effects=gone) == {CHECK_EFFECTS}
+    checks = verify(sent, handlings, letters, max_retries=2, workers=(1, 2), slot_of=SLOT_OF,
+                    effects=gone)
+    assert f"1 never applied: #{lost.event_id}" in checks[5].detail
+
+
+def test_a_failed_calls_effect_left_behind_fails_the_effects_check() -> None:
+    sent, handlings, letters = clean_run()
+    entries, metered = clean_effects(sent, letters)
+    # The doomed event's writes were not rolled back with its savepoint.
+    doomed = next(s for s in sent if s.fate == "doomed")
+    kept = Effects({**entries, doomed.event_id: 1},
+                   {**metered, doomed.tenant: metered.get(doomed.tenant, 0) + doomed.size})
+    assert failing(sent, handlings, letters, effects=kept) == {CHECK_EFFECTS}
+    # An effect of an event that was never sent.
+    stray = Effects({**entries, 999: 1}, metered)
+    assert failing(sent, handlings, letters, effects=stray) == {CHECK_EFFECTS}
+
+
+def test_a_call_made_again_after_a_lost_session_is_not_a_duplicate_effect() -> None:
+    sent, handlings, letters = clean_run()
+    # An event handled successfully twice (its first transaction was lost with its
+    # session), its effect committed once: a duplicate delivery, not a duplicate effect.
+    again = dataclasses.replace(handlings[-1], event_id=sent[-1].event_id, tenant=sent[-1].tenant,
+                                worker=WORKER_OF_SLOT[SLOT_OF[sent[-1].tenant]], attempt=0,
+                                ok=True, started=T0 + timedelta(seconds=9),
+                                ended=T0 + timedelta(seconds=9) + MS)
+    effects = Effects(*clean_effects(sent, letters))
+    checks = verify(sent, [*handlings, again], letters, max_retries=2, workers=(1, 2),
+                    slot_of=SLOT_OF, effects=effects)
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    assert "1 duplicate deliveries" in checks[0].detail
+    assert "1 successful calls uncommitted (a lost session) and made again" in checks[5].detail

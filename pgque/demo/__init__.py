@@ -2,10 +2,15 @@
 
 A multi-tenant storage service emits file events keyed by tenant, from two
 producers; a consumer group of 8 slots is handled by 4 worker processes, one of
-which is replaced halfway (a rolling restart). Every handler call is recorded,
-and at the end the records are checked: every event handled, per-tenant order
-held, never two handlers of one tenant at once, failed events retried, the
-doomed one dead-lettered, the work spread, the workers stopped cleanly.
+which is replaced halfway (a rolling restart). The handlers are transactional
+(unless ``--no-transactional``): each applies its event's effect, an index
+entry and the file's bytes added to the tenant's meter, in the transaction
+that acks it, and at three quarters a lane's session is cut mid-batch, as a
+crash would. Every handler call is recorded, and at the end the records are
+checked: every event handled, per-tenant order held, never two handlers of one
+tenant at once, failed events retried, the doomed one dead-lettered, every
+effect applied exactly once (none of a failed call, none twice after the cut),
+the work spread, the workers stopped cleanly.
 
 The modules, by role:
 
@@ -18,6 +23,7 @@ The modules, by role:
 
 from pgque.demo.checks import (
     CHECK_DEAD_LETTER,
+    CHECK_EFFECTS,
     CHECK_EXCLUSIVE,
     CHECK_HANDLED,
     CHECK_ORDER,
@@ -28,6 +34,7 @@ from pgque.demo.checks import (
     CHECK_TITLES,
     DOOMED_REASON,
     Check,
+    Effects,
     Handling,
     Letter,
     Sent,
@@ -37,6 +44,7 @@ from pgque.demo.command import main
 
 __all__ = [
     "CHECK_DEAD_LETTER",
+    "CHECK_EFFECTS",
     "CHECK_EXCLUSIVE",
     "CHECK_HANDLED",
     "CHECK_ORDER",
@@ -47,6 +55,7 @@ __all__ = [
     "CHECK_TITLES",
     "DOOMED_REASON",
     "Check",
+    "Effects",
     "Handling",
     "Letter",
     "Sent",

@@ -2,9 +2,17 @@
 
 The workers record every handler call (:class:`Handling`, times from the
 database clock), the producers what they sent (:class:`Sent`), and the queue
-keeps its dead letters (:class:`Letter`). :func:`verify` holds them against the
+keeps its dead letters (:class:`Letter`). In a transactional run the handlers
+also apply each event's effect in the transaction that acks it; what they
+applied is read back as :class:`Effects`. :func:`verify` holds them against the
 guarantees and returns one :class:`Check` per line of the report. It is pure,
 so tests/test_demo.py can feed it records made up to break each guarantee.
+
+The handling records are written over a connection of their own, outside any
+transaction of the Worker's: they tell of handler calls, which are at least
+once, and a transactional handler's call is recorded even when its transaction
+is later lost with its session (its batch comes back and the call is made
+again: a duplicate delivery). Only :class:`Effects` tell what committed.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from datetime import datetime
 
 __all__ = [
     "CHECK_DEAD_LETTER",
+    "CHECK_EFFECTS",
     "CHECK_EXCLUSIVE",
     "CHECK_HANDLED",
     "CHECK_ORDER",
@@ -31,6 +40,7 @@ __all__ = [
     "DOOMED_REASON",
     "HANDLING_COLUMNS",
     "Check",
+    "Effects",
     "Handling",
     "Letter",
     "Sent",
@@ -47,11 +57,12 @@ CHECK_ORDER = "per-tenant order held"
 CHECK_EXCLUSIVE = "one handler per tenant at a time"
 CHECK_RETRIES = "failed events retried and handled"
 CHECK_DEAD_LETTER = "doomed event in dead letters"
+CHECK_EFFECTS = "effects applied exactly once"  # transactional runs only
 CHECK_SPREAD = "slots spread over workers"
 CHECK_THROUGHPUT = "throughput"
 CHECK_STOPPED = "workers stopped cleanly"
 CHECK_TITLES = (CHECK_HANDLED, CHECK_ORDER, CHECK_EXCLUSIVE, CHECK_RETRIES, CHECK_DEAD_LETTER,
-                CHECK_SPREAD, CHECK_THROUGHPUT, CHECK_STOPPED)
+                CHECK_EFFECTS, CHECK_SPREAD, CHECK_THROUGHPUT, CHECK_STOPPED)
 
 
 # -- records -----------------------------------------------------------------------------------
@@ -63,7 +74,8 @@ class Sent:
 
     ``seq`` is its position in its producer's send order; ``fate`` says how the
     handler treats it: ``"ok"``, ``"flaky"`` (fails its first attempt) or
-    ``"doomed"`` (fails every attempt).
+    ``"doomed"`` (fails every attempt); ``size``, the file's size in bytes
+    (what a transactional handler meters).
     """
 
     event_id: int
@@ -71,6 +83,7 @@ class Sent:
     seq: int
     tenant: str
     fate: str = "ok"
+    size: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,17 @@ class Letter:
 
 
 @dataclass(frozen=True)
+class Effects:
+    """What a transactional run's handlers committed: the index entries (one row
+    per application of an event's effect, with no key to refuse a second one),
+    counted by event id, and the bytes metered per tenant (a running sum that a
+    second application would inflate)."""
+
+    entries: Mapping[int, int]
+    metered: Mapping[str, int]
+
+
+@dataclass(frozen=True)
 class Check:
     """One line of the verification report."""
 
@@ -117,9 +141,10 @@ HANDLING_COLUMNS = tuple(f.name for f in dataclasses.fields(Handling))
 
 def verify(sent: Sequence[Sent], handlings: Sequence[Handling], letters: Sequence[Letter], *,
            max_retries: int, workers: Sequence[int], slot_of: Mapping[str, int],
-           planned: int | None = None) -> list[Check]:
+           planned: int | None = None, effects: Effects | None = None) -> list[Check]:
     """Check a run's records against the guarantees; one :class:`Check` per title
-    of :data:`CHECK_TITLES` except the workers' exit codes (the caller knows those).
+    of :data:`CHECK_TITLES` except the workers' exit codes (the caller knows those)
+    and, unless ``effects`` are given (a transactional run), the effects.
 
     ``workers`` are the numbers of the workers that ran (each should have handled
     events); ``slot_of`` maps each tenant to its slot; ``planned``, how many events
@@ -134,6 +159,7 @@ def verify(sent: Sequence[Sent], handlings: Sequence[Handling], letters: Sequenc
         _check_exclusive(handlings),
         _check_retries(sent, by_event),
         _check_dead_letter(sent, by_event, letters, max_retries),
+        *([_check_effects(sent, handlings, letters, effects)] if effects is not None else []),
         _check_spread(handlings, workers, slot_of),
         _check_throughput(by_event),
     ]
@@ -281,6 +307,50 @@ def _check_dead_letter(sent: Sequence[Sent], by_event: Mapping[int, list[Handlin
     return Check(CHECK_DEAD_LETTER, True,
                  f"event #{event.event_id} ({event.tenant}) failed {len(calls)} times "
                  f"(max_retries {max_retries}), dead letter reason: {mine[0].reason!r}")
+
+
+def _check_effects(sent: Sequence[Sent], handlings: Sequence[Handling],
+                   letters: Sequence[Letter], effects: Effects) -> Check:
+    # Expected from what was sent alone: every event's effect once, except the
+    # dead letters' (each of their attempts failed, and its writes rolled back).
+    dead = {x.event_id for x in letters}
+    due = [s for s in sent if s.event_id not in dead]
+    expected: Counter[str] = Counter()
+    for s in due:
+        expected[s.tenant] += s.size
+    entries = effects.entries
+    duplicated = sorted(e for e, n in entries.items() if n > 1)
+    lost = [s.event_id for s in due if not entries.get(s.event_id)]
+    undue = sorted(e for e in entries if e in dead)
+    known = {s.event_id for s in sent}
+    unknown = sorted(e for e in entries if e not in known)
+    off = sorted(t for t in expected.keys() | effects.metered.keys()
+                 if effects.metered.get(t, 0) != expected[t])
+    problems = []
+    if duplicated:
+        problems.append(f"{len(duplicated)} applied more than once: {_ids(duplicated)}")
+    if lost:
+        problems.append(f"{len(lost)} never applied: {_ids(lost)}")
+    if undue:
+        problems.append(f"{len(undue)} dead letters applied: {_ids(undue)}")
+    if unknown:
+        problems.append(f"{len(unknown)} applied but never sent: {_ids(unknown)}")
+    if off:
+        t = off[0]
+        problems.append(f"{len(off)} tenants metered wrong; e.g. {t}: "
+                        f"{effects.metered.get(t, 0):,} bytes, expected {expected[t]:,}")
+    if problems:
+        return Check(CHECK_EFFECTS, False, "; ".join(problems))
+    # Every failed call rolled its effect back (its savepoint); a successful call
+    # beyond an event's first is one whose transaction was lost with its session.
+    failed = sum(1 for h in handlings if not h.ok)
+    successes = Counter(h.event_id for h in handlings if h.ok)
+    repeated = sum(n - 1 for n in successes.values())
+    return Check(CHECK_EFFECTS, True,
+                 f"{len(due):,} events applied once each, {len(dead)} dead letters not at all; "
+                 f"{sum(expected.values()):,} bytes metered over {len(expected)} tenants, as "
+                 f"sent; {failed} failed calls rolled back, {repeated} successful calls "
+                 f"uncommitted (a lost session) and made again")
 
 
 def _check_spread(handlings: Sequence[Handling], workers: Sequence[int],

@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None) -> Options:
     parser.add_argument("--seed", type=int, default=1, help="seed of the workload")
     parser.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
                         help="halfway, replace worker 1 by a new one (a rolling restart)")
+    parser.add_argument("--transactional", action=argparse.BooleanOptionalAction, default=True,
+                        help="transactional handlers: each event's effect commits with the "
+                             "ack; at three quarters a lane's session is cut mid-batch, and "
+                             "every effect is checked to be applied exactly once (without: "
+                             "plain handlers, at least once)")
     args = parser.parse_args(argv)
     if min(args.producers, args.workers, args.tenants) < 1 or args.events < 2 * args.producers:
         parser.error("need a producer, a worker, a tenant and two events per producer")
@@ -55,7 +60,7 @@ def parse_args(argv: list[str] | None) -> Options:
         parser.error("--flaky is a share: at least 0, below 1")
     return Options(args.dsn, args.events, args.tenants, args.producers, args.slots, args.workers,
                    args.flaky, args.work_ms, args.max_retries, args.retry_after, args.timeout,
-                   args.seed, args.restart)
+                   args.seed, args.restart, args.transactional)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

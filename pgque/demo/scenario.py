@@ -1,11 +1,13 @@
 """One run of the demo against a server, from setup to cleanup.
 
 :class:`Demo` installs pgque where it is missing, creates the queue, the
-consumer group and a scratch schema for the records, starts the workers, runs
-the producers under a progress display (with the rolling restart halfway,
-unless ``--no-restart``), stops the workers, verifies the records and prints
-the report. Whatever happens, it drops its queue and schema at the end (and
-uninstalls pgque if it was the one to install it).
+consumer group and a scratch schema for the records (and, in a transactional
+run, for the handlers' effects), starts the workers, runs the producers under a
+progress display (with the rolling restart halfway, unless ``--no-restart``,
+and in a transactional run a lane's session cut mid-batch at three quarters),
+stops the workers, verifies the records and prints the report. Whatever
+happens, it drops its queue and schema at the end (and uninstalls pgque if it
+was the one to install it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import math
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from pgque.demo.checks import (
     CHECK_STOPPED,
     HANDLING_COLUMNS,
     Check,
+    Effects,
     Handling,
     Letter,
     Sent,
@@ -71,6 +73,7 @@ class Options:
     timeout: float
     seed: int
     restart: bool
+    transactional: bool
 
 
 class _Rate(ProgressColumn):
@@ -93,9 +96,9 @@ class Demo:
         self.queue = f"demo-storage-{token}"
         self.schema = f"pgque_demo_{token}"
         self.table = f"{self.schema}.handling"
-        self.workers = Workers(dsn, self.queue, self.table, slots=options.slots,
+        self.workers = Workers(dsn, self.queue, self.schema, slots=options.slots,
                                work=options.work_ms / 1000, retry_after=options.retry_after,
-                               console=console)
+                               transactional=options.transactional, console=console)
 
     def say(self, text: str) -> None:
         """Print a step of the demo."""
@@ -122,8 +125,13 @@ class Demo:
                          f"group [bold]{GROUP}[/] of {opts.slots} slots")
                 admin.create_queue(self.queue, max_retries=opts.max_retries)
                 admin.subscribe_slots(self.queue, GROUP, slots=opts.slots)
-                self._create_table(admin.conn)
+                self._create_tables(admin.conn)
                 self.note(f"handler calls are recorded in {self.table}")
+                if opts.transactional:
+                    self.note(f"transactional handlers: each event's effect (a row of "
+                              f"{self.schema}.indexed, its file's bytes added to its tenant's "
+                              f"total in {self.schema}.metered) commits with the ack, or not "
+                              f"at all")
                 checks = self._play(admin)
                 self._report(checks)
             finally:
@@ -132,21 +140,33 @@ class Demo:
                                roles=[r for r in PGQUE_ROLES if r not in roles])
         return checks
 
-    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
-        conn.execute(sql.SQL("create schema {}").format(sql.Identifier(self.schema)))
+    def _create_tables(self, conn: psycopg.Connection[Any]) -> None:
+        schema = sql.Identifier(self.schema)
+        conn.execute(sql.SQL("create schema {}").format(schema))
         conn.execute(sql.SQL(
             "create table {}.handling (id bigint generated always as identity primary key, "
             "event_id bigint not null, tenant text not null, producer int not null, "
             "seq int not null, worker int not null, pid int not null, attempt int not null, "
             "ok boolean not null, started timestamptz not null, ended timestamptz not null)"
-        ).format(sql.Identifier(self.schema)))
+        ).format(schema))
+        if self.opts.transactional:
+            # The effect's tables (see workers._effect_statement). No key on
+            # indexed: an event applied twice shows as two rows, for the check.
+            conn.execute(sql.SQL(
+                "create table {}.indexed (event_id bigint not null, tenant text not null, "
+                "bytes bigint not null)").format(schema))
+            conn.execute(sql.SQL(
+                "create table {}.metered (tenant text primary key, bytes bigint not null)"
+            ).format(schema))
 
     def _play(self, admin: pgque.Client) -> list[Check]:
         opts = self.opts
         work = plan_workload(opts.events, opts.tenants, opts.producers, opts.flaky, opts.seed)
         flaky = sum(f.count("flaky") for f in work.fates)
         self.say(f"Starting {opts.workers} worker processes (multiprocessing, spawn), each a "
-                 f"pgque.Worker of group {GROUP}")
+                 f"pgque.Worker of group {GROUP}"
+                 + (", transactional" if opts.transactional else ", with plain handlers "
+                    "(at least once)"))
         for number in range(1, opts.workers + 1):
             self.workers.spawn(number)
         self._wait_settled(admin)
@@ -157,6 +177,9 @@ class Demo:
         if opts.restart:
             self.note(f"halfway, a rolling restart: worker {opts.workers + 1} joins, worker 1 "
                       f"leaves on SIGTERM, and its slots change hands while they have a backlog")
+        if opts.transactional:
+            self.note("at three quarters, a lane's session is cut mid-batch, as a crash would: "
+                      "its uncommitted effects roll back and its batch is delivered again")
         started = time.monotonic()
         sent = self._produce_and_wait(admin, work)
         self.note(f"{time.monotonic() - started:.1f} s of producing and handling; slot owners "
@@ -177,7 +200,8 @@ class Demo:
             (opts.slots, tenants)).fetchall())
         checks = verify(sent, handlings, letters, max_retries=opts.max_retries,
                         workers=sorted(self.workers.processes), slot_of=slot_of,
-                        planned=opts.events)
+                        planned=opts.events,
+                        effects=self._effects(admin.conn) if opts.transactional else None)
         clean = bool(codes) and all(c == 0 for c in codes)
         checks.append(Check(CHECK_STOPPED, clean,
                             f"{len(codes)} workers finished their batches, released their slots "
@@ -192,9 +216,10 @@ class Demo:
         with self.console.status(f"waiting for {members} workers to join and share the slots"):
             while True:
                 status = admin.group_status(self.queue, GROUP)
-                owners = Counter(s.owner_pid for s in status.slots)
-                if (status.members == members and None not in owners
-                        and max(owners.values()) <= share):
+                # Shares are per worker: a slot's owner pid is one of its worker's lanes.
+                shares = [len(slots) for slots in self.workers.owned(admin).values()]
+                if (status.members == members and all(s.owner_pid for s in status.slots)
+                        and max(shares, default=0) <= share):
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"workers did not settle within {timeout:.0f} s: "
@@ -232,9 +257,8 @@ class Demo:
 
         threads = [threading.Thread(target=producer, args=(n,), name=f"demo-producer-{n}")
                    for n in range(opts.producers)]
-        count_sql = sql.SQL("select count(distinct event_id) filter (where ok), "
-                            "count(*) filter (where not ok) from {}").format(
-                                sql.Identifier(*self.table.split(".")))
+        count_sql = self._count_sql()
+        cut_at = opts.events * 3 // 4 if opts.transactional else None
         deadline = time.monotonic() + opts.timeout
         next_line = time.monotonic() + 5
         done = 0
@@ -263,6 +287,12 @@ class Demo:
                     if errors or (done >= opts.events
                                   and not any(t.is_alive() for t in threads)):
                         break
+                    if cut_at is not None and done >= cut_at:
+                        lane = self.workers.cut_session(admin)
+                        if lane is not None:  # else none was mid-batch: the next poll tries
+                            cut_at = None
+                            self.note(f"{done:,} events handled: cut the session of {lane}, "
+                                      f"mid-batch")
                     if not self.console.is_terminal and time.monotonic() >= next_line:
                         # No live display on a pipe: a line now and then shows progress.
                         next_line += 5
@@ -280,13 +310,34 @@ class Demo:
         if done < opts.events:
             self.console.print(f"[bold red]gave up waiting after {opts.timeout:.0f} s[/]: "
                                f"{done:,} of {opts.events:,} events handled")
+        elif cut_at is not None:
+            self.note("no lane was found mid-batch after three quarters: no session was cut")
         return [s for part in results for s in part]
+
+    def _count_sql(self) -> sql.Composed:
+        """Progress: the events handled, the handler calls that failed. Transactional
+        handlers' events count once their effect has committed: a call whose
+        transaction went with its session must be made again."""
+        schema = sql.Identifier(self.schema)
+        if self.opts.transactional:
+            return sql.SQL("select (select count(distinct event_id) from {}.indexed), "
+                           "(select count(*) from {}.handling where not ok)").format(
+                               schema, schema)
+        return sql.SQL("select count(distinct event_id) filter (where ok), "
+                       "count(*) filter (where not ok) from {}.handling").format(schema)
 
     def _handlings(self, conn: psycopg.Connection[Any]) -> list[Handling]:
         query = sql.SQL("select {} from {} order by id").format(
             sql.SQL(", ").join(map(sql.Identifier, HANDLING_COLUMNS)),
             sql.Identifier(*self.table.split(".")))
         return [Handling(*row) for row in conn.execute(query).fetchall()]
+
+    def _effects(self, conn: psycopg.Connection[Any]) -> Effects:
+        schema = sql.Identifier(self.schema)
+        entries = conn.execute(sql.SQL(
+            "select event_id, count(*) from {}.indexed group by event_id").format(schema))
+        metered = conn.execute(sql.SQL("select tenant, bytes from {}.metered").format(schema))
+        return Effects(dict(entries.fetchall()), dict(metered.fetchall()))
 
     def _clean_up(self, *, uninstall: bool, roles: Sequence[str]) -> None:
         """Drop the queue and the scratch schema; if the demo installed pgque, uninstall

@@ -2,15 +2,20 @@
 
 In each process (:func:`_worker_main`, started with multiprocessing's spawn) the
 handler records every call it makes, with start and end read from the database
-clock, and fails on purpose when the event's fate says so. A
-:class:`Recorder` beside the Worker copies those records into the handling
-table. Both are :class:`~pgque.lifecycle.Service` s: SIGTERM stops the Worker,
-which finishes its batches and releases its slots, then the recorder flushes
-the rest and the process exits 0, which the demo checks.
+clock, and fails on purpose when the event's fate says so. In a transactional
+run it is a transactional handler: first it applies the event's effect on the
+Worker's connection (an index entry, and the file's bytes added to the
+tenant's meter), which commits with the ack or, should the call fail, rolls
+back with its savepoint. A :class:`Recorder` beside the Worker copies the
+records into the handling table, over a connection of its own (so a failed
+call is recorded too). Both are :class:`~pgque.lifecycle.Service` s: SIGTERM
+stops the Worker, which finishes its batches and releases its slots, then the
+recorder flushes the rest and the process exits 0, which the demo checks.
 
 In the demo's own process, :class:`Workers` starts the processes, tells who
-owns which slot and stops them; :class:`RollingRestart` replaces one of them
-halfway through the run, while its slots have a backlog.
+owns which slot, cuts a lane's session mid-batch (:meth:`Workers.cut_session`)
+and stops them; :class:`RollingRestart` replaces one of them halfway through
+the run, while its slots have a backlog.
 """
 
 from __future__ import annotations
@@ -55,11 +60,12 @@ class WorkerConfig:
 
     dsn: str
     queue: str
-    table: str  # schema-qualified name of the handling table
+    schema: str  # the scratch schema: the handling table, and the effect's tables
     slots: int
     number: int
     work: float  # seconds of simulated work per event
     retry_after: float
+    transactional: bool  # the handler applies the event's effect in the Worker's transaction
 
 
 class Recorder(Service):
@@ -120,6 +126,18 @@ class Recorder(Service):
             raise
 
 
+def _effect_statement(schema: str) -> sql.Composed:
+    """A transactional handler's effect, in one round trip: the event's index entry
+    (a row per application, with no key to refuse a second one) and its bytes added
+    to its tenant's meter. Parameters: event id, tenant, bytes."""
+    return sql.SQL(
+        "with entry as (insert into {schema}.indexed (event_id, tenant, bytes) "
+        "values (%s, %s, %s) returning tenant, bytes) "
+        "insert into {schema}.metered as m (tenant, bytes) select tenant, bytes from entry "
+        "on conflict (tenant) do update set bytes = m.bytes + excluded.bytes"
+    ).format(schema=sql.Identifier(schema))
+
+
 class _QuietSimulatedFailures(logging.Filter):
     """Drop the Worker's tracebacks of failures the demo causes on purpose."""
 
@@ -135,7 +153,8 @@ def _worker_main(config: WorkerConfig) -> None:
     logging.basicConfig(level=logging.WARNING,
                         format=f"  [worker {config.number}, pid {os.getpid()}] %(message)s")
     logging.getLogger("pgque.worker").addFilter(_QuietSimulatedFailures())
-    recorder = Recorder(config.dsn, config.table)
+    recorder = Recorder(config.dsn, f"{config.schema}.handling")
+    effect = _effect_statement(config.schema)
     recorder.start()
     local = threading.local()
     clocks: list[psycopg.Connection[Any]] = []
@@ -143,8 +162,9 @@ def _worker_main(config: WorkerConfig) -> None:
     pid = os.getpid()
 
     def clock() -> datetime:
-        # One connection per handler thread: reading the database clock is the
-        # only round trip a handler makes.
+        # One connection per handler thread, outside the Worker's transaction:
+        # besides the effect, reading the database clock is a handler's only
+        # round trip.
         conn: psycopg.Connection[Any] | None = getattr(local, "conn", None)
         if conn is None or conn.closed:
             conn = psycopg.connect(config.dsn, autocommit=True)
@@ -156,11 +176,18 @@ def _worker_main(config: WorkerConfig) -> None:
         value: datetime = row[0]
         return value
 
-    def handle(message: pgque.Message[Any]) -> None:
+    def handle(message: pgque.Message[Any],
+               conn: psycopg.Connection[Any] | None = None) -> None:
         started = clock()
         payload = message.payload
         fails = payload["fail"] == "always" or (payload["fail"] == "once"
                                                 and message.retry_count == 0)
+        if conn is not None:
+            # Before the failure on purpose, so that a failed call has writes to
+            # roll back. Should the session be gone this raises, and the call is
+            # not recorded: it did nothing, and its batch comes back unacked, to
+            # be made again as the same attempt.
+            conn.execute(effect, (message.id, message.partition_key, payload["size"]))
         if config.work:
             time.sleep(config.work)  # stands for the indexing work
         ended = clock()
@@ -172,7 +199,8 @@ def _worker_main(config: WorkerConfig) -> None:
 
     worker = pgque.Worker(
         config.dsn, queue=config.queue, consumer=GROUP, slots=config.slots, handler=handle,
-        retry_after=config.retry_after, rebalance_interval=0.25, poll_interval=0.1,
+        transactional=config.transactional, retry_after=config.retry_after,
+        rebalance_interval=0.25, poll_interval=0.1,
         # Frequent maintenance brings retries back soon after retry_after.
         ticker=pgque.Ticker(config.dsn, maintenance_interval=0.2,
                             name=f"demo-ticker-{config.number}"),
@@ -190,14 +218,15 @@ class Workers:
     """The worker processes of one run, by number (1, 2, ...): started, watched,
     stopped with SIGTERM, with their exit codes."""
 
-    def __init__(self, dsn: str, queue: str, table: str, *, slots: int, work: float,
-                 retry_after: float, console: Console) -> None:
+    def __init__(self, dsn: str, queue: str, schema: str, *, slots: int, work: float,
+                 retry_after: float, transactional: bool, console: Console) -> None:
         self.dsn = dsn
         self.queue = queue
-        self.table = table
+        self.schema = schema
         self.slots = slots
         self.work = work  # seconds of simulated work per event
         self.retry_after = retry_after
+        self.transactional = transactional
         self.console = console
         self.processes: dict[int, BaseProcess] = {}
         self.exit_codes: dict[int, int | None] = {}
@@ -206,8 +235,8 @@ class Workers:
     def spawn(self, number: int) -> None:
         """Start worker process ``number``."""
         context = multiprocessing.get_context("spawn")
-        config = WorkerConfig(self.dsn, self.queue, self.table, self.slots, number, self.work,
-                              self.retry_after)
+        config = WorkerConfig(self.dsn, self.queue, self.schema, self.slots, number, self.work,
+                              self.retry_after, self.transactional)
         # daemon: should the demo itself die, multiprocessing still ends its workers.
         process = context.Process(target=_worker_main, args=(config,),
                                   name=f"demo-worker-{number}", daemon=True)
@@ -235,6 +264,25 @@ class Workers:
                 process.kill()
                 process.join(10)
             self.exit_codes.setdefault(number, process.exitcode)
+
+    def cut_session(self, admin: pgque.Client) -> str | None:
+        """Terminate the session of a lane in the middle of a batch (idle in
+        transaction: between two events, or in a handler), as a crash would;
+        returns the lane's name, or None when no lane was there.
+
+        The lane's transaction goes with its session, and its batch is delivered
+        again. Its worker lives on (so does its recorder) and claims slots again,
+        as do the others.
+        """
+        # LIMIT in a subquery: one lane, and the terminate evaluated for it alone.
+        row = admin.conn.execute(
+            "select name, pg_terminate_backend(pid) from ("
+            "  select a.application_name as name, a.pid "
+            "  from pgque.group_status(%s, %s) s, unnest(s.owner_pids) o(pid) "
+            "  join pg_stat_activity a on a.pid = o.pid "
+            "  where a.state = 'idle in transaction' limit 1) lane",
+            (self.queue, GROUP)).fetchone()
+        return str(row[0]) if row is not None and row[1] else None
 
     def owned(self, admin: pgque.Client) -> dict[int, list[int]]:
         """The slots each worker owns now."""

@@ -97,6 +97,7 @@ def produce(dsn: str, queue: str, producer: int, work: Workload, chunk: int,
             ids = client.send_batch(queue, events)
             for seq, (event, ev_id) in enumerate(zip(events, ids, strict=True), start):
                 assert event.partition_key is not None
-                sent.append(Sent(ev_id, producer, seq, event.partition_key, fates[seq]))
+                sent.append(Sent(ev_id, producer, seq, event.partition_key, fates[seq],
+                                 event.payload["size"]))
             on_sent(len(events))
     return sent
