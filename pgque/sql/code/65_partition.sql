@@ -266,14 +266,14 @@ $$;
 -- pgque._holds_slot(sub): whether this session holds the slot's lock exclusively.
 create or replace function pgque._holds_slot(p_sub pgque.subscription)
 returns boolean
-language sql stable
+language sql volatile
 set search_path = pg_catalog, pg_temp
 as $$ select pgque._holds_key(p_sub.sub_lock_key, 'ExclusiveLock') $$;
 
 -- pgque._require_owner(sub): PQ024 unless this session holds the slot's lock.
 create or replace function pgque._require_owner(p_sub pgque.subscription)
 returns void
-language plpgsql stable
+language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 begin
