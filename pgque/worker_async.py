@@ -688,6 +688,12 @@ class _Lane(Generic[T]):
             conn = session.client.conn
             async with conn.transaction():
                 failures = await self._handle(batch, session, conn)
+                if batch.messages:
+                    # Releasing the last event's savepoint fails when a handler
+                    # ended the worker's transaction and began another (whose
+                    # status alone looks the same): then HandlerEndedTransaction,
+                    # not an ack in the handler's transaction. One statement a batch.
+                    await _on_savepoint(conn, "release savepoint pgque_event")
                 with session.call() as client:
                     await client.ack(batch, nack=failures, retry_after=worker.retry_after)
         else:

@@ -511,3 +511,38 @@ def test_check_fence_inside_a_transactional_handler(
         wait_for(lambda: _effects(conn) == list(range(6)) and _drained(conn), timeout=30,
                  what="every effect", dsn=dsn)
     assert len(set(epochs)) == 1
+
+
+@pytest.mark.parametrize("statement", ["commit", "rollback"])
+def test_a_handler_that_ends_the_transaction_and_begins_another_stops_the_worker(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any], statement: str) -> None:
+    """A transactional handler that ends the worker's transaction on the batch's
+    last event and BEGINs another leaves the status "in transaction", as if
+    nothing happened: the batch must not be acked in the handler's transaction
+    (with ROLLBACK the earlier events' effects would be gone yet acked). The
+    worker stops with HandlerEndedTransaction and the batch comes back whole.
+    (Found by the AsyncWorker's attack review; failed first on both twins.)"""
+    _setup(client, conn)
+    ids = client.send_batch("q", [("e", n, "k") for n in range(3)])
+    client.tick("q")
+
+    def handle(message: pgque.Message[Any], db: psycopg.Connection[Any]) -> None:
+        db.execute("insert into effects values (%s, %s, pg_backend_pid())",
+                   (message.id, message.payload))
+        if message.id == ids[-1]:
+            db.execute(statement)
+            db.execute("begin")
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=handle,
+                          transactional=True, ticker=False, retry_after=100)
+    worker.start()
+    try:
+        stopped = worker.wait_stopped(15)
+    finally:
+        worker.stop()
+    assert stopped and isinstance(worker.error, pgque.HandlerEndedTransaction), (
+        f"still running or another end: {worker.error!r}, handled {worker.handled}")
+    # Not acked: the whole batch is delivered again.
+    assert client.claim_slot("q", "g", 0)
+    batch = client.receive_partitioned("q", "g", slot=0, slots=1)
+    assert batch is not None and [m.id for m in batch.messages] == ids
