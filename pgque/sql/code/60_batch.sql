@@ -21,19 +21,54 @@ create type pgque.batch_event as (
     epoch     bigint
 );
 
+-- pgque._slot_expr(slots): the routing formula of pgque.slot_of (65_partition.sql)
+-- over an event row's key (ev_extra1), as SQL text with the slot count spelled out as a
+-- literal (an index expression cannot hold a parameter). slots is an
+-- integer, so no caller text reaches the result.
+create or replace function pgque._slot_expr(p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format('(case when ev_extra1 is null then 0'
+                  ' else (hashtextextended(ev_extra1, 0) %% %s + %s) %% %s end)',
+                  p_slots, p_slots, p_slots)
+$$;
+
+-- pgque._batch_where(slot, slots): the condition that picks a batch's events
+-- from an event table e, as SQL text over the parameters $1..$8 that
+-- _batch_events and _batch_has_events pass (see there). The "dual filter":
+-- transactions not visible in prev are those at or above its xmax plus those
+-- in progress when it was taken (its xip list), so the ev_txid index is read
+-- for one range and a short list of ids instead of whole tables. With slots
+-- above 1 the routing formula is spelled out with its count as a literal, so
+-- the planner can use the tables' slot index (62_slot_index.sql) and read
+-- only the slot's rows. Built from integers only: no caller text.
+create or replace function pgque._batch_where(p_slot integer, p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select '((e.ev_txid >= $1 and e.ev_txid < $2) or e.ev_txid = any($3))'
+           ' and pg_visible_in_snapshot(e.ev_txid, $4)'
+           ' and (e.ev_owner is null or e.ev_owner = $5)'
+           ' and e.ev_id > $6'
+           ' and ($7::bigint is null or e.ev_id <= $7)'
+           ' and ($8::bigint[] is null or e.ev_id = any($8))'
+           -- A group of one slot has every event in its one slot: no filter.
+           || case when p_slots is null or p_slots = 1 then ''
+                   else format(' and %s = %s', pgque._slot_expr(p_slots), p_slot) end
+$$;
+
 -- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
 --                     slot, slots):
 -- the events of a batch, in ev_id order: those of transactions visible in
 -- snapshot next but not in snapshot prev, that are not retries meant for
 -- another subscription, with after < ev_id <= upto (upto null: no bound),
 -- at most max of them (null: all), only ids when given, and only the hash
--- class slot of slots when slots is given.
---
--- The "dual filter": transactions not visible in prev are those at or above
--- its xmax plus those in progress when it was taken (its xip list), so the
--- ev_txid index is read for one range and a short list of ids instead of
--- whole tables. Every value reaches the statement as a parameter; the only
--- text spliced in is a table name built from the queue id.
+-- class slot of slots when slots is given (the condition: _batch_where).
+-- Every value reaches the statement as a parameter; the text spliced in is
+-- built from integers only (the table name from the queue id, the condition).
 create or replace function pgque._batch_events(
     p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
     p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
@@ -46,25 +81,38 @@ declare
     v_events pgque.event_template[];
 begin
     execute format(
-        'select array(select row(e.*)::pgque.event_template'
-        '  from pgque.%I e'
-        ' where ((e.ev_txid >= $1 and e.ev_txid < $2) or e.ev_txid = any($3))'
-        '   and pg_visible_in_snapshot(e.ev_txid, $4)'
-        '   and (e.ev_owner is null or e.ev_owner = $5)'
-        '   and e.ev_id > $6'
-        '   and ($7::bigint is null or e.ev_id <= $7)'
-        '   and ($8::bigint[] is null or e.ev_id = any($8))'
-        '   and ($10::integer is null'
-        '        or (case when e.ev_extra1 is null then 0'
-        '                 else (hashtextextended(e.ev_extra1, 0) %% $10 + $10) %% $10 end) = $9)'
-        ' order by e.ev_id'
-        ' limit $11)',
-        pgque._event_table(p_queue_id))
+        'select array(select row(e.*)::pgque.event_template from pgque.%I e'
+        ' where %s order by e.ev_id limit $9)',
+        pgque._event_table(p_queue_id), pgque._batch_where(p_slot, p_slots))
        into v_events
       using pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
             array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, p_after, p_upto,
-            p_ids, p_slot::bigint, p_slots::bigint, p_max;
+            p_ids, p_max;
     return v_events;
+end
+$$;
+
+-- pgque._batch_has_events(queue_id, sub_id, prev, next, slot, slots): whether
+-- the batch between snapshots prev and next holds any event for the
+-- subscription (and slot): _batch_events' condition, asked with exists, so
+-- the scan stops at the first event found instead of sorting the range.
+create or replace function pgque._batch_has_events(
+    p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
+    p_slot integer default null, p_slots integer default null)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_found boolean;
+begin
+    execute format('select exists (select from pgque.%I e where %s)',
+                   pgque._event_table(p_queue_id), pgque._batch_where(p_slot, p_slots))
+       into v_found
+      using pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
+            array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, 0::bigint, null::bigint,
+            null::bigint[];
+    return v_found;
 end
 $$;
 

@@ -102,7 +102,8 @@ $$;
 -- slot and the count, and registers the group, owned by the caller, with its
 -- count and a random membership key unless it exists; returns the group row
 -- (PQ020 if it exists with another count, PQ014 if it belongs to a role the
--- caller may not act for).
+-- caller may not act for). A new group gives the queue's event tables their
+-- index for its slot count, if no other group had one (62_slot_index.sql).
 create or replace function pgque._ensure_group(
     p_queue pgque.queue, p_consumer text, p_slot integer, p_slots integer)
 returns pgque.consumer_group
@@ -113,10 +114,19 @@ begin
     perform pgque._check_name('consumer', p_consumer);
     perform pgque._check_slot(p_slot, p_slots);
     perform pgque._require_queue(p_queue, 'consume');
-    insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots, cg_owner, cg_lock_key)
-    values (p_queue.queue_id, p_consumer, p_slots, pgque._role_id(pgque._caller()),
-            pgque._random_key())
-    on conflict (cg_queue, cg_consumer) do nothing;
+    if not exists (select 1 from pgque.consumer_group
+                    where cg_queue = p_queue.queue_id and cg_consumer = p_consumer) then
+        -- The maintenance lock before the group row, the order drop_queue
+        -- takes them in; it keeps index syncs of one queue one at a time.
+        perform pgque._lock_queue(p_queue.queue_id, 'maint', true);
+        insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots, cg_owner, cg_lock_key)
+        values (p_queue.queue_id, p_consumer, p_slots, pgque._role_id(pgque._caller()),
+                pgque._random_key())
+        on conflict (cg_queue, cg_consumer) do nothing;
+        if found then
+            perform pgque._sync_slot_indexes(p_queue.queue_id, null, '50ms');
+        end if;
+    end if;
     return pgque._group(p_queue, p_consumer, p_slots);
 end
 $$;
@@ -169,7 +179,8 @@ $$;
 -- pgque.unsubscribe_slots(queue, consumer): removes a consumer group with all
 -- its slot subscriptions (their cursors, open batches and retries); the
 -- group may then be subscribed again with another slot count. Returns how
--- many slot subscriptions were removed.
+-- many slot subscriptions were removed. The group's slot index is dropped
+-- when no other group of the queue has its slot count.
 create or replace function pgque.unsubscribe_slots(p_queue text, p_consumer text)
 returns integer
 language plpgsql
@@ -181,11 +192,15 @@ declare
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v_count integer;
 begin
+    perform pgque._lock_queue(v_queue.queue_id, 'maint', true);  -- see _ensure_group
     v_count := pgque._unsubscribe(
         v_queue.queue_id,
         array(select pgque._slot_name(p_consumer, k, v_group.cg_slots)
                 from generate_series(0, v_group.cg_slots - 1) k));
     delete from pgque.consumer_group where cg_id = v_group.cg_id;
+    -- The slot count's index goes with its last group (or, on a busy table,
+    -- at the table's next truncate).
+    perform pgque._sync_slot_indexes(v_queue.queue_id, null, '50ms');
     return v_count;
 end
 $$;
@@ -329,6 +344,50 @@ begin
 end
 $$;
 
+-- pgque._slot_has_nothing(queue, sub, cur, slot, slots): true when the slot's
+-- cursor, with no open batch, has no event of its hash class between its last
+-- tick and the queue's newest, and that newest tick is less than
+-- _slot_cursor_lag() after the last one. receive_partitioned then returns
+-- without locking or writing anything, instead of consuming those empty
+-- batches: with N slots, most slots find nothing in most ticks at low rates,
+-- and a cursor write with its commit per slot per tick was most of what a
+-- group cost. The events in a range between two existing ticks never change,
+-- so the answer needs no lock. Read-only; the slot index makes it one probe.
+create or replace function pgque._slot_has_nothing(
+    p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor,
+    p_slot integer, p_slots integer)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_last pgque.tick;
+    v_newest pgque.tick := pgque._last_tick(p_queue.queue_id);
+begin
+    if p_cur.cur_batch is not null then
+        return false;
+    end if;
+    select * into v_last from pgque.tick
+     where tick_queue = p_queue.queue_id and tick_id = p_cur.cur_last_tick;
+    if v_last.tick_id is null or v_newest.tick_id is null
+       or v_newest.tick_time - v_last.tick_time >= pgque._slot_cursor_lag() then
+        return false;
+    end if;
+    return not pgque._batch_has_events(p_queue.queue_id, p_sub.sub_id, v_last.tick_snapshot,
+                                       v_newest.tick_snapshot, p_slot, p_slots);
+end
+$$;
+
+-- pgque._slot_cursor_lag(): how far (in tick time) a slot's cursor may stay
+-- behind the queue's newest tick while no event of the slot came in, before
+-- receive_partitioned moves it (writing it). Bounds the ticks and event
+-- tables kept for idle slots, and the lag that monitoring shows for them.
+create or replace function pgque._slot_cursor_lag()
+returns interval
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select interval '1 second' $$;
+
 -- pgque.receive_partitioned(queue, consumer, slot, slots, max_events): like
 -- receive(), for slot slot of slots of a consumer group: opens the slot's
 -- batch under the receive lock and returns only the events whose key routes
@@ -351,7 +410,8 @@ begin
     perform pgque._check_max_events(p_max_events);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, false);
     perform pgque._require_owner(v.sub);
-    if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
+    if not pgque._has_next_tick((v.queue).queue_id, v.cur)
+       or pgque._slot_has_nothing(v.queue, v.sub, v.cur, p_slot, p_slots) then
         return;  -- idle: no lock taken, nothing written
     end if;
     -- Before the receive lock. Null while a transaction fenced by the previous

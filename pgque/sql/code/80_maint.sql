@@ -63,6 +63,9 @@ begin
             execute format('select max(ev_txid) from pgque.%I', v_table) into v_max;
             if v_max is null or v_max < v_floor then
                 execute format('truncate pgque.%I', v_table);
+                -- Empty and locked: the cheapest moment to bring its slot
+                -- indexes in line with the queue's groups.
+                perform pgque._sync_slot_indexes(p_queue.queue_id, n, null);
                 v_done := v_done + 1;
             end if;
         exception when lock_not_available then

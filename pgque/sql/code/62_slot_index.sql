@@ -1,0 +1,135 @@
+-- pgque: slot indexes, so that a slot reads only its own events.
+--
+-- A slot's batch is the queue's batch filtered by the routing formula
+-- (pgque.slot_of). Without help, every slot of a group of N reads the whole
+-- batch to keep one event in N. So each event table gets, for every slot
+-- count N > 1 that a group of the queue uses, an index on
+-- (the routing formula with N written out, ev_txid): a slot's read then
+-- fetches only the rows of its hash class. The index is an access path and
+-- nothing more: a table without it (busy when the group subscribed) gives the
+-- same events, read the slower way, until maintenance next truncates the
+-- table and adds it there.
+--
+-- The formula must match, character for character, the filter that
+-- _batch_where writes, or the planner will not use the index: both take it
+-- from pgque._slot_expr (60_batch.sql).
+
+
+-- pgque._slot_index_name(queue_id, n, slots): the name of event table n's
+-- index for groups of slots slots. Built from integers only.
+create or replace function pgque._slot_index_name(p_queue_id integer, p_n integer,
+                                                  p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pgque._event_table(p_queue_id, p_n) || '_slots' || p_slots::text
+$$;
+
+-- pgque._slot_index_build_limit(): the most rows an event table may hold for
+-- a group's subscribe to build its slot index there (a few milliseconds).
+create or replace function pgque._slot_index_build_limit()
+returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 10000 $$;
+
+-- pgque._sync_slot_indexes(queue_id, n, busy_wait): makes event table n of the
+-- queue (null: every event table) have exactly one slot index per slot count
+-- above 1 that a consumer group of the queue uses: creates the missing ones
+-- and drops those no group needs. busy_wait bounds the wait for a table's
+-- lock (a lock_timeout value such as '50ms'); a table still busy then is left
+-- as it is and gets its indexes when maintenance next truncates it. Null
+-- waits as long as it takes (for a caller that holds the table's lock).
+-- A caller that does not hold the lock (busy_wait given) builds no index on
+-- a table of more than _slot_index_build_limit() rows either: the build would
+-- hold the table's producers for as long as it takes; that table, too, gets
+-- its index at its next truncate. Returns how many indexes were created or
+-- dropped.
+--
+-- The caller holds the queue's maintenance lock (pgque._lock_queue), so two
+-- syncs of one queue never race to create the same index, and a truncate
+-- never runs in the middle of one.
+create or replace function pgque._sync_slot_indexes(p_queue_id integer, p_n integer,
+                                                    p_busy_wait text)
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_wanted integer[] := array(select distinct g.cg_slots from pgque.consumer_group g
+                                 where g.cg_queue = p_queue_id and g.cg_slots > 1);
+    v_lock_timeout text := current_setting('lock_timeout');
+    v_ntables integer;
+    v_table text;
+    v_have integer[];
+    v_build integer[];
+    v_slots integer;
+    v_changed integer := 0;
+    v_here integer;
+    v_rows bigint;
+    n integer;
+begin
+    select q.queue_ntables into v_ntables from pgque.queue q where q.queue_id = p_queue_id;
+    if not found then
+        return 0;  -- dropped meanwhile
+    end if;
+    for n in 0 .. v_ntables - 1 loop
+        continue when p_n is not null and n <> p_n;
+        v_table := pgque._event_table(p_queue_id, n);
+        select coalesce(array_agg(substring(c.relname from '_slots([0-9]+)$')::integer), '{}')
+          into v_have
+          from pg_index i join pg_class c on c.oid = i.indexrelid
+         where i.indrelid = format('pgque.%I', v_table)::regclass
+           and c.relname ~ ('^' || v_table || '_slots[0-9]+$');
+        continue when v_have @> v_wanted and v_wanted @> v_have;
+        v_here := 0;
+        v_build := v_wanted;
+        if p_busy_wait is not null and not v_wanted <@ v_have then
+            execute format('select count(*) from (select from pgque.%I limit %s) s',
+                           v_table, pgque._slot_index_build_limit() + 1) into v_rows;
+            if v_rows > pgque._slot_index_build_limit() then
+                v_build := '{}';  -- too big to index now: only drop, on this table
+            end if;
+        end if;
+        begin
+            if p_busy_wait is not null then
+                perform set_config('lock_timeout', p_busy_wait, true);
+            end if;
+            foreach v_slots in array v_build loop
+                continue when v_slots = any(v_have);
+                execute format('create index %I on pgque.%I (%s, ev_txid)',
+                               pgque._slot_index_name(p_queue_id, n, v_slots), v_table,
+                               pgque._slot_expr(v_slots));
+                v_here := v_here + 1;
+            end loop;
+            foreach v_slots in array v_have loop
+                continue when v_slots = any(v_wanted);
+                execute format('drop index pgque.%I', pgque._slot_index_name(p_queue_id, n, v_slots));
+                v_here := v_here + 1;
+            end loop;
+            perform set_config('lock_timeout', v_lock_timeout, true);
+            v_changed := v_changed + v_here;
+        exception when lock_not_available then
+            -- Busy (a long insert into the current table, say): this table's
+            -- slots read the slower way until its next truncate.
+            perform set_config('lock_timeout', v_lock_timeout, true);
+        end;
+    end loop;
+    return v_changed;
+end
+$$;
+
+-- Queues made before slot indexes existed get theirs on upgrade (nothing to
+-- do on a fresh install, and nothing on a second run of the same install).
+do $sync$
+declare
+    v_queue integer;
+begin
+    for v_queue in select q.queue_id from pgque.queue q order by q.queue_id loop
+        if pgque._lock_queue(v_queue, 'maint', true) then
+            perform pgque._sync_slot_indexes(v_queue, null, '50ms');
+        end if;
+    end loop;
+end
+$sync$;

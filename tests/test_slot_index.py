@@ -1,0 +1,196 @@
+"""Slot indexes (pgque/sql/code/62_slot_index.sql): a slot of a group reads only
+its own events, through an index on the routing formula that exists exactly
+while a group of that slot count does, and that never changes which events
+a slot gets (G1 stays pgque.slot_of)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import scalar
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pgque
+
+
+def slot_indexes(conn: psycopg.Connection[Any], queue_id: int) -> dict[str, list[str]]:
+    """Each event table of the queue with the names of its slot indexes."""
+    rows = conn.execute(
+        "select t.relname, coalesce(array_agg(i.relname order by i.relname)"
+        "                           filter (where i.relname ~ '_slots[0-9]+$'), '{}')"
+        "  from pg_class t join pg_namespace n on n.oid = t.relnamespace"
+        "  left join pg_index x on x.indrelid = t.oid"
+        "  left join pg_class i on i.oid = x.indexrelid"
+        " where n.nspname = 'pgque' and t.relname ~ %s and t.relkind = 'r'"
+        " group by t.relname order by t.relname",
+        (f"^event_{queue_id}_[0-9]+$",)).fetchall()
+    return {table: list(names) for table, names in rows}
+
+
+def scanned(conn: psycopg.Connection[Any], queue_id: int) -> int:
+    """Rows read from the queue's event tables so far (sequential and by index)."""
+    conn.execute("select pg_stat_force_next_flush()")
+    return int(scalar(conn, "select coalesce(sum(seq_tup_read + coalesce(idx_tup_fetch, 0)), 0)"
+                            "  from pg_stat_user_tables where schemaname = 'pgque'"
+                            "   and relname ~ %s", (f"^event_{queue_id}_[0-9]+$",)))
+
+
+def test_the_index_formula_is_the_routing_formula(conn: psycopg.Connection[Any]) -> None:
+    # The index expression is SQL text of its own; it must route every key
+    # exactly as pgque.slot_of does, NULL included.
+    keys = [None, "", "tenant-1", "acme", "ünïcode", "x" * 500, "\t", "a'b\"c"]
+    for slots in (2, 3, 8, 16, 1024):
+        expr = scalar(conn, "select pgque._slot_expr(%s)", (slots,)).replace("%", "%%")
+        rows = conn.execute(
+            f"select k.ev_extra1, {expr}, pgque.slot_of(k.ev_extra1, %s)"
+            "  from unnest(%s::text[]) k(ev_extra1)", (slots, keys)).fetchall()
+        assert [(key, a) for key, a, _ in rows] == [(key, b) for key, _, b in rows]
+
+
+@given(keys=st.lists(st.text(st.characters(blacklist_categories=["Cs"],
+                                           blacklist_characters="\x00"),
+                             max_size=40), min_size=1, max_size=40),
+       slots=st.integers(2, 64))
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_index_formula_routes_any_key_like_slot_of(conn: psycopg.Connection[Any],
+                                                       keys: list[str], slots: int) -> None:
+    expr = scalar(conn, "select pgque._slot_expr(%s)", (slots,)).replace("%", "%%")
+    differ = scalar(conn, f"select count(*) from unnest(%s::text[]) k(ev_extra1)"
+                          f" where {expr} <> pgque.slot_of(k.ev_extra1, %s)", (keys, slots))
+    assert differ == 0
+
+
+def test_a_group_gives_every_event_table_an_index_for_its_slot_count(
+        client: pgque.Client) -> None:
+    queue_id = client.create_queue("q")
+    tables = slot_indexes(client.conn, queue_id)
+    assert tables and all(names == [] for names in tables.values())
+    client.subscribe_slots("q", "one", slots=1)  # one slot: no filter, no index
+    assert all(names == [] for names in slot_indexes(client.conn, queue_id).values())
+    client.subscribe_slots("q", "a", slots=4)
+    client.subscribe_slots("q", "b", slots=4)  # the same count: the same index
+    client.subscribe_slots("q", "c", slots=16)
+    assert slot_indexes(client.conn, queue_id) == {
+        table: [f"{table}_slots16", f"{table}_slots4"] for table in tables}
+    client.unsubscribe_slots("q", "a")  # b still counts 4
+    assert all(len(names) == 2 for names in slot_indexes(client.conn, queue_id).values())
+    client.unsubscribe_slots("q", "b")
+    assert slot_indexes(client.conn, queue_id) == {
+        table: [f"{table}_slots16"] for table in tables}
+    client.unsubscribe_slots("q", "c")
+    assert all(names == [] for names in slot_indexes(client.conn, queue_id).values())
+    # Installing again changes nothing about them.
+    client.subscribe_slots("q", "c", slots=16)
+    client.install()
+    assert slot_indexes(client.conn, queue_id) == {
+        table: [f"{table}_slots16"] for table in tables}
+
+
+@pytest.mark.parametrize("slots", [4, 16])
+def test_a_slot_reads_only_its_own_events(client: pgque.Client, slots: int) -> None:
+    queue_id = client.create_queue("q", ticker_max_count=500)
+    client.subscribe_slots("q", "g", slots=slots)
+    for _ in range(4):
+        client.send_batch("q", [("e", {"n": n}, f"key-{n}") for n in range(500)])
+        client.tick("q")
+    before = scanned(client.conn, queue_id)
+    delivered = 0
+    for slot in range(slots):
+        assert client.claim_slot("q", "g", slot)
+        while (batch := client.receive_partitioned("q", "g", slot=slot, slots=slots)):
+            delivered += len(batch)
+            client.ack(batch)
+    assert delivered == 2_000
+    # Without the index every slot would read all 2,000 (slots times as many).
+    assert (scanned(client.conn, queue_id) - before) / delivered <= 1.5
+
+
+def test_a_busy_table_gets_its_index_at_its_next_truncate_and_reads_the_same(
+        client: pgque.Client, dsn: str) -> None:
+    """A table that a long transaction holds is not waited for: the group
+    subscribes at once, its slots read that table without the index (the same
+    events), and maintenance adds the index once it truncates the table."""
+    queue_id = client.create_queue("q", rotation_period=0)
+    client.subscribe("q", "plain")
+    current = scalar(client.conn, "select queue_cur_table from pgque.queue where queue_id = %s",
+                     (queue_id,))
+    with psycopg.connect(dsn) as holder:  # not autocommit: the lock stays
+        holder.execute(f"lock table pgque.event_{queue_id}_{current} in row exclusive mode")
+        subscribed = threading.Event()
+
+        def subscribe() -> None:
+            with pgque.connect(dsn) as other:
+                other.subscribe_slots("q", "g", slots=4)
+            subscribed.set()
+
+        thread = threading.Thread(target=subscribe)
+        thread.start()
+        assert subscribed.wait(10), "subscribe_slots waited for the busy table"
+        thread.join()
+        indexes = slot_indexes(client.conn, queue_id)
+        busy = f"event_{queue_id}_{current}"
+        assert indexes[busy] == []
+        assert all(names == [f"{t}_slots4"] for t, names in indexes.items() if t != busy)
+        holder.rollback()
+    sent = client.send_batch("q", [("e", n, f"k{n}") for n in range(40)])
+    client.tick("q")
+    got: list[int] = []
+    for slot in range(4):
+        assert client.claim_slot("q", "g", slot)
+        while (batch := client.receive_partitioned("q", "g", slot=slot, slots=4)):
+            assert all(scalar(client.conn, "select pgque.slot_of(%s, 4)",
+                              (m.partition_key,)) == slot for m in batch)
+            got.extend(m.id for m in batch)
+            client.ack(batch)
+    assert sorted(got) == sorted(sent)
+    # Consume everything, rotate away from the table, and let maintenance
+    # truncate it: it comes back with its index.
+    while (batch := client.receive("q", "plain")):
+        client.ack(batch)
+    for _ in range(5):
+        client.tick("q")
+        client.maintenance()
+        if slot_indexes(client.conn, queue_id)[busy]:
+            break
+        client.conn.execute("update pgque.queue set queue_switch_time = now() - interval '1 day'"
+                            " where queue_id = %s", (queue_id,))
+    assert slot_indexes(client.conn, queue_id)[busy] == [f"{busy}_slots4"]
+
+
+def test_an_index_made_by_hand_with_the_same_name_pattern_is_not_ours_to_keep(
+        client: pgque.Client) -> None:
+    """The sync drops a slot index of a count no group uses, as found on the table."""
+    queue_id = client.create_queue("q")
+    table = f"event_{queue_id}_0"
+    client.conn.execute(f"create index {table}_slots7 on pgque.{table} (ev_id)")
+    client.subscribe_slots("q", "g", slots=3)
+    assert slot_indexes(client.conn, queue_id)[table] == [f"{table}_slots3"]
+
+
+def test_a_group_does_not_index_a_big_table_while_producers_wait(client: pgque.Client) -> None:
+    """Building an index holds the table's inserts: subscribe builds none on a
+    table of more than _slot_index_build_limit() rows (that table is indexed
+    at its next truncate), and its slots still get exactly their events."""
+    queue_id = client.create_queue("q")
+    limit = scalar(client.conn, "select pgque._slot_index_build_limit()")
+    sent = client.send_batch("q", [("e", None, f"k{n}") for n in range(limit + 1)])
+    client.subscribe_slots("q", "g", slots=2)
+    current = scalar(client.conn, "select queue_cur_table from pgque.queue where queue_id = %s",
+                     (queue_id,))
+    indexes = slot_indexes(client.conn, queue_id)
+    big = f"event_{queue_id}_{current}"
+    assert indexes[big] == []
+    assert all(names == [f"{t}_slots2"] for t, names in indexes.items() if t != big)
+    client.tick("q")
+    counts = []
+    for slot in range(2):
+        assert client.claim_slot("q", "g", slot)
+        batch = client.receive_partitioned("q", "g", slot=slot, slots=2)
+        assert batch is not None
+        counts.append(len(batch))
+        client.ack(batch)
+    assert sum(counts) == len(sent)
