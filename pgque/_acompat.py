@@ -19,6 +19,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeAlias, TypeVar
 
+from pgque.errors import HandlerReturnedAwaitable
+
 R = TypeVar("R")
 
 
@@ -61,8 +63,8 @@ async def apause(delay: float | None, stop: asyncio.Event | None) -> bool:
 
 # -- the services' concurrency: a thread each in sync code, a task each under asyncio
 
-#: What a handler returns: anything, which the worker ignores (under asyncio,
-#: an awaitable of anything).
+#: What a handler returns: anything but an awaitable, which the worker ignores
+#: (under asyncio, an awaitable of anything; see handler_result).
 HandlerResult: TypeAlias = object
 AHandlerResult: TypeAlias = Awaitable[object]
 
@@ -187,6 +189,31 @@ def ahold_if_free(lock: asyncio.Lock) -> Iterator[bool]:
     in flight). Nothing to take: the ``with`` block has no await, so no other
     task runs before it ends."""
     yield not lock.locked()
+
+
+def handler_result(result: object) -> None:
+    """Check what a Worker's handler returned: anything but an awaitable. A plain
+    function that returns a coroutine (``lambda m: work(m)``, ``work`` an async
+    def) passes check_handler, but nobody would await its work: the coroutine
+    is closed (so no "never awaited" warning) and HandlerReturnedAwaitable,
+    which stops the worker before it acks the batch."""
+    if not inspect.isawaitable(result):
+        return
+    if inspect.iscoroutine(result):
+        name = getattr(result, "__qualname__", type(result).__name__)
+        result.close()
+        what = f"a coroutine ({name})"
+    else:
+        what = f"an awaitable ({type(result).__name__})"
+    raise HandlerReturnedAwaitable(
+        f"the handler returned {what} instead of handling the event: pgque.Worker calls its "
+        f"handler without awaiting, so that work would never run; the batch is not acked. "
+        f"Use pgque.AsyncWorker with an async def handler")
+
+
+async def ahandler_result(result: Awaitable[object]) -> None:
+    """Await what an AsyncWorker's handler returned: the handling itself."""
+    await result
 
 
 def _is_coroutine_function(handler: object) -> bool:

@@ -23,6 +23,7 @@ __all__ = [
     "DependentObjects",
     "EventNotInBatch",
     "HandlerEndedTransaction",
+    "HandlerReturnedAwaitable",
     "InvalidArgument",
     "InvalidConfig",
     "InvalidGrant",
@@ -267,6 +268,19 @@ class HandlerEndedTransaction(PgqueError):
     of its event, no longer holds for that batch: the Worker acks nothing and
     stops with this error (:attr:`Worker.error`). Writes the handler committed
     itself may be applied again when the batch is delivered again.
+    """
+
+
+class HandlerReturnedAwaitable(PgqueError, TypeError):
+    """A :class:`~pgque.Worker`'s handler returned a coroutine (or another
+    awaitable) instead of doing its work: a plain function such as
+    ``lambda message: handle(message)`` with ``handle`` an ``async def``.
+
+    The Worker calls its handler without awaiting, so the work would never
+    run. It closes the coroutine, acks nothing of the batch (its events come
+    again, to a fixed worker) and stops with this error
+    (:attr:`Worker.error`): retrying cannot heal it. Run such a handler with
+    :class:`~pgque.AsyncWorker`.
     """
 
 

@@ -64,6 +64,7 @@ from pgque.errors import (
     ConnectError,
     ConsumerNotFound,
     HandlerEndedTransaction,
+    HandlerReturnedAwaitable,
     InvalidArgument,
     InvalidConfig,
     InvalidName,
@@ -92,8 +93,9 @@ S = TypeVar("S", bound="AsyncService")
 
 # Errors that retrying cannot fix: configuration, privileges, pgque missing.
 _FATAL = (
-    AccessDenied, HandlerEndedTransaction, SessionUnstable, SlotCountMismatch, InvalidSlotCount,
-    InvalidSlot, InvalidName, QueueNotFound, ConsumerNotFound, InvalidArgument, InvalidConfig,
+    AccessDenied, HandlerEndedTransaction, HandlerReturnedAwaitable, SessionUnstable,
+    SlotCountMismatch, InvalidSlotCount, InvalidSlot, InvalidName, QueueNotFound,
+    ConsumerNotFound, InvalidArgument, InvalidConfig,
     psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName,
     psycopg.errors.UndefinedFunction,
 )

@@ -80,6 +80,7 @@ RENAMES = {
     "ahold_if_free": "hold_if_free",
     "ASpawned": "Spawned",
     "acheck_handler": "check_handler",
+    "ahandler_result": "handler_result",
     "AHandlerResult": "HandlerResult",
     # psycopg and psycopg_pool
     "AsyncConnection": "Connection",
