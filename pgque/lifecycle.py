@@ -30,6 +30,8 @@ Two promises live here so that no service has to remember them:
 
 Signal handlers only assign a flag (taking a lock in a handler could deadlock
 with the code it interrupted); every wait here is sliced so the flag is seen.
+One handler serves every ``run()`` of the process (pgque/_signals.py): a
+SIGTERM stops them all, however many run at once, in either flavour.
 """
 
 from __future__ import annotations
@@ -38,16 +40,16 @@ import contextlib
 import logging
 import os
 import select
-import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, TypeVar
 
 import psycopg
 
+from pgque import _signals
 from pgque._acompat import (
     Spawned,
     call_interruptibly,
@@ -150,12 +152,12 @@ class Service:
 
         Raises the error that ended the service when it cannot be retried.
         """
-        restore = self._install_signal_handlers()
+        registered = _signals.register(self)
         try:
             self._main()
         finally:
-            for signum, previous in restore.items():
-                signal.signal(signum, previous)
+            if registered:
+                _signals.unregister(self)
         if self.error is not None:
             raise self.error
 
@@ -311,17 +313,12 @@ class Service:
             finally:
                 self._stopped.set()
 
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            # Plain assignments, no lock: see the module docstring. Only this
-            # handler, always on the main thread, writes either.
-            self._signalled = signum
-            self._signal_count += 1
-
-        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def _on_signal(self, signum: int) -> None:
+        # Called by the process's signal handler (pgque/_signals.py) while run()
+        # runs: plain assignments, no lock (see the module docstring). Only that
+        # handler, always on the main thread, writes either.
+        self._signalled = signum
+        self._signal_count += 1
 
 
 def _describe(exc: BaseException) -> str:

@@ -5,11 +5,16 @@ flavours and their service loop. Each test failed on the reviewed code (commit
 from __future__ import annotations
 
 import inspect
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from helpers import wait_for
 
 import pgque
 
@@ -80,3 +85,110 @@ def test_a_plain_handler_that_returns_a_coroutine_stops_the_worker_unacked(
     batch = client.receive_partitioned("q", "g", slot=0, slots=1)
     assert batch is not None and [m.id for m in batch.messages] == ids
     assert [m.retry_count for m in batch.messages] == [0, 0, 0]
+
+
+# -- 2. SIGTERM with several run()s in one process ---------------------------------
+
+_TWO_RUNS = textwrap.dedent("""
+    import asyncio, sys, time
+    import pgque
+
+    dsn, variant = sys.argv[1], sys.argv[2]
+
+    async def handler(message):
+        pass
+
+    async def main():
+        workers = [pgque.AsyncWorker(dsn, queue="q", consumer=f"g{i}", slots=1,
+                                     handler=handler, ticker=False, name=f"w{i}")
+                   for i in range(2)]
+        runs = [asyncio.create_task(w.run()) for w in workers]
+        deadline = time.monotonic() + 30
+        while not all(w.owned_slots for w in workers):
+            assert time.monotonic() < deadline, "the workers never got their slots"
+            await asyncio.sleep(0.02)
+        if variant == "one-first":
+            workers[0].request_stop()
+            await runs[0]
+            print("first stopped", flush=True)
+        print("ready", flush=True)
+        await asyncio.gather(*runs)
+        print("stopped", [w.error for w in workers], flush=True)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("variant", ["together", "one-first"])
+def test_one_sigterm_stops_every_run_of_the_process(client: pgque.Client, dsn: str,
+                                                    variant: str) -> None:
+    """Defect 2: each AsyncService.run() installed a SIGTERM handler of its own, so
+    with two AsyncWorkers run under one asyncio.run one SIGTERM stopped only the
+    last one installed (the other ran on), and the first run() to return put
+    back the default handler: a SIGTERM then killed the process instead of
+    stopping the other worker. Now one handler, installed by the first run(),
+    flags every running service, and the last one to leave restores the
+    original: both stop cleanly and the process exits 0."""
+    client.create_queue("q")
+    proc = subprocess.Popen([sys.executable, "-c", _TWO_RUNS, dsn, variant],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        if variant == "one-first":
+            assert proc.stdout.readline().strip() == "first stopped"
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("a worker went on running after SIGTERM")
+        assert proc.returncode == 0, f"ended by signal {-proc.returncode}"
+        assert out.strip() == "stopped [None, None]"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_signal_registry_flags_every_service_and_restores_the_original() -> None:
+    """Defect 2, the registry both flavours share (pgque/_signals.py): a signal
+    flags every registered service, the handler stays while one is left, the
+    original comes back after the last, and a thread other than the main one
+    registers nothing (only the main thread may set a handler)."""
+    from pgque import _signals
+
+    class Service:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def _on_signal(self, signum: int) -> None:
+            self.seen.append(signum)
+
+    def deliver(signum: int, *services: Service) -> None:
+        counts = [len(s.seen) for s in services]
+        signal.raise_signal(signum)
+        wait_for(lambda: all(len(s.seen) > n for s, n in zip(services, counts, strict=True)),
+                 timeout=5, what="the signal to be noted")
+
+    original_calls: list[int] = []
+    original = signal.signal(signal.SIGTERM, lambda signum, frame: original_calls.append(signum))
+    mine = signal.getsignal(signal.SIGTERM)
+    try:
+        first, second = Service(), Service()
+        assert _signals.register(first) and _signals.register(second)
+        deliver(signal.SIGTERM, first, second)
+        _signals.unregister(first)
+        deliver(signal.SIGTERM, second)
+        assert first.seen == [signal.SIGTERM] and second.seen == [signal.SIGTERM] * 2
+        assert signal.getsignal(signal.SIGTERM) is not mine
+        _signals.unregister(second)
+        assert signal.getsignal(signal.SIGTERM) is mine
+        signal.raise_signal(signal.SIGTERM)
+        wait_for(lambda: original_calls, timeout=5, what="the original handler to run")
+        registered: list[bool] = []
+        elsewhere = threading.Thread(target=lambda: registered.append(
+            _signals.register(Service())))
+        elsewhere.start()
+        elsewhere.join()
+        assert registered == [False] and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, original)
