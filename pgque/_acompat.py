@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -81,7 +82,42 @@ def spawn(target: Callable[..., None], *args: Any, name: str) -> threading.Threa
 
 def aspawn(target: Callable[..., Awaitable[None]], *args: Any, name: str) -> asyncio.Task[None]:
     """Run ``target(*args)`` in a task of the running loop."""
-    return asyncio.get_running_loop().create_task(_none(target(*args)), name=name)
+    loop = asyncio.get_running_loop()
+    if sys.version_info >= (3, 11):
+        return loop.create_task(_none(target(*args)), name=name)
+    return _CancelNoted(_none(target(*args)), loop=loop, name=name)
+
+
+class _CancelNoted(asyncio.Task):  # type: ignore[type-arg]
+    """Before Python 3.11 (no Task.cancelling()), a task of aspawn notes that it
+    was asked to cancel, for acancelled."""
+
+    cancel_requested = False
+
+    def cancel(self, *args: Any, **kwargs: Any) -> bool:
+        self.cancel_requested = True
+        return super().cancel(*args, **kwargs)
+
+
+def cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` means that the calling thread is being cancelled: never
+    (threads are not cancelled)."""
+    return False
+
+
+def acancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` means that the calling task is being cancelled, rather than
+    a CancelledError the awaited code raised on its own (say that of an inner
+    timeout it let escape), which is just its failure."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    if task is None:
+        return False
+    if sys.version_info >= (3, 11):
+        return task.cancelling() > 0
+    # Python 3.10: only a task of aspawn knows (a lane's, the worker's own).
+    return bool(getattr(task, "cancel_requested", False))
 
 
 async def _none(awaitable: Awaitable[None]) -> None:

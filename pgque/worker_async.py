@@ -97,6 +97,7 @@ from psycopg import sql
 from pgque._acompat import (
     AHandlerResult,
     ASpawned,
+    acancelled,
     acheck_handler,
     ahandler_result,
     ajoin,
@@ -727,6 +728,11 @@ class _Lane(Generic[T]):
                 except (HandlerEndedTransaction, HandlerReturnedAwaitable, _ConnectionLost):
                     raise  # no ack: they end the lane (the first two the worker)
                 except BaseException as exc:  # also CancelledError & co: the event failed
+                    if acancelled(exc):
+                        # Not the handler's failure: this lane (under asyncio, its
+                        # task) is cancelled. Nothing nacked, nothing acked: the
+                        # batch comes again, whole, to the slot's next owner.
+                        raise
                     if conn is not None and conn.broken:
                         raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
                     # Expected under the skip policy, hence a warning; the traceback

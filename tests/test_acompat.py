@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -134,3 +135,38 @@ def test_handlers_of_the_wrong_flavour_are_refused() -> None:
     _acompat.check_handler(plain_handler)
     _acompat.acheck_handler(coroutine_handler)
     _acompat.acheck_handler(AsyncCallable())
+
+
+def test_cancelled_tells_a_cancelled_task_from_a_handler_s_own_cancelled_error() -> None:
+    """Review of the AsyncWorker, defect 3's primitive: under asyncio, a
+    CancelledError means the task is being cancelled only when it is (a handler
+    may raise one of its own, say an inner timeout's it let escape); in threads
+    nothing is ever cancelled."""
+    assert _acompat.cancelled(asyncio.CancelledError()) is False
+
+    async def flavour() -> tuple[bool, bool, list[bool]]:
+        own = False
+        try:
+            raise asyncio.CancelledError()
+        except asyncio.CancelledError as exc:
+            own = _acompat.acancelled(exc)
+        other = _acompat.acancelled(ValueError())
+        seen: list[bool] = []
+        waiting = asyncio.Event()
+
+        async def victim() -> None:
+            try:
+                waiting.set()
+                await asyncio.Event().wait()
+            except asyncio.CancelledError as exc:
+                seen.append(_acompat.acancelled(exc))
+                raise
+
+        task = _acompat.aspawn(victim, name="victim")
+        await waiting.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return own, other, seen
+
+    assert asyncio.run(flavour()) == (False, False, [True])

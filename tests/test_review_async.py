@@ -4,17 +4,20 @@ flavours and their service loop. Each test failed on the reviewed code (commit
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any
 
+import psycopg
 import pytest
-from helpers import wait_for
+from helpers import scalar, wait_for
 
 import pgque
 
@@ -192,3 +195,48 @@ def test_the_signal_registry_flags_every_service_and_restores_the_original() -> 
         assert registered == [False] and signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, original)
+
+
+# -- 3. a cancelled lane task (AsyncWorker) ------------------------------------------
+
+
+def test_a_cancelled_lane_nacks_nothing_and_acks_nothing(client: pgque.Client,
+                                                         dsn: str) -> None:
+    """Defect 3: the AsyncWorker's lane took the CancelledError raised into its
+    handler when the lane task itself was cancelled for a failure of the event:
+    it nacked the event (charging a retry) and went on with the batch, acking
+    it. Now the lane re-raises: nothing is nacked or acked, the lane ends, and
+    the slot's next lane gets the whole batch again, retry counts 0."""
+    ids = _queue(client)
+
+    async def main() -> tuple[list[tuple[int, int]], int, int]:
+        calls: list[tuple[int, int]] = []
+        in_handler = asyncio.Event()
+
+        async def handler(message: pgque.Message[Any]) -> None:
+            calls.append((message.id, message.retry_count))
+            if len(calls) == 1:
+                in_handler.set()
+                await asyncio.Event().wait()  # until cancelled
+
+        worker: pgque.AsyncWorker[Any] = pgque.AsyncWorker(
+            dsn, queue="q", consumer="g", slots=1, handler=handler, ticker=False,
+            retry_after=100, rebalance_interval=0.1, name="cancel-test")
+        async with worker:
+            await asyncio.wait_for(in_handler.wait(), 20)
+            lane = next(t for t in asyncio.all_tasks() if t.get_name() == "cancel-test-lane1")
+            lane.cancel()
+            await asyncio.wait({lane}, timeout=10)
+            assert lane.done()
+            failed_at_cancel = worker.failed
+            deadline = time.monotonic() + 20
+            while len(calls) < 1 + len(ids) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        return calls, failed_at_cancel, worker.failed
+
+    calls, failed_at_cancel, failed = asyncio.run(main())
+    assert failed_at_cancel == 0 and failed == 0
+    # The first try cut short; then the whole batch again, none of it a retry.
+    assert calls == [(ids[0], 0), *((i, 0) for i in ids)]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert scalar(conn, "select sum(retries_waiting) from pgque.partition_slot_status") == 0

@@ -81,6 +81,7 @@ RENAMES = {
     "ASpawned": "Spawned",
     "acheck_handler": "check_handler",
     "ahandler_result": "handler_result",
+    "acancelled": "cancelled",
     "AHandlerResult": "HandlerResult",
     # psycopg and psycopg_pool
     "AsyncConnection": "Connection",
