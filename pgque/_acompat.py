@@ -159,7 +159,9 @@ async def arun_blocking(target: Callable[..., R], *args: Any) -> R:
 def call_interruptibly(attempt: Callable[[], R], stopping: Callable[[], bool],
                        abandon: Callable[[R], object], *, poll: float, name: str) -> R | None:
     """``attempt()`` in a helper thread, polled every ``poll`` seconds: its result,
-    or None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``)."""
+    or None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``).
+    Interrupted meanwhile (KeyboardInterrupt), it hands the result over the same
+    way, then lets the interruption through."""
     outcome: Future[R] = Future()
 
     def run() -> None:
@@ -168,15 +170,22 @@ def call_interruptibly(attempt: Callable[[], R], stopping: Callable[[], bool],
         except BaseException as exc:
             outcome.set_exception(exc)
 
+    def hand_over() -> None:
+        outcome.add_done_callback(
+            lambda done: done.exception() is None and abandon(done.result()))
+
     threading.Thread(target=run, name=name, daemon=True).start()
-    while True:
-        try:
-            return outcome.result(timeout=poll)
-        except FutureTimeout:
-            if stopping():
-                outcome.add_done_callback(
-                    lambda done: done.exception() is None and abandon(done.result()))
-                return None
+    try:
+        while True:
+            try:
+                return outcome.result(timeout=poll)
+            except FutureTimeout:
+                if stopping():
+                    hand_over()
+                    return None
+    except BaseException:  # the attempt's own error, for which hand_over does nothing
+        hand_over()
+        raise
 
 
 async def acall_interruptibly(attempt: Callable[[], Awaitable[R]], stopping: Callable[[], bool],
@@ -184,15 +193,22 @@ async def acall_interruptibly(attempt: Callable[[], Awaitable[R]], stopping: Cal
                               name: str) -> R | None:
     """``await attempt()`` in a task, polled every ``poll`` seconds: its result, or
     None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``,
-    whose coroutine, if it returns one, is run in a task of its own)."""
+    whose coroutine, if it returns one, is run in a task of its own). Cancelled
+    meanwhile, it cancels the attempt too, hands over what the attempt returns
+    anyway (it may have been done already) the same way, and re-raises."""
     task = asyncio.get_running_loop().create_task(_value(attempt()), name=name)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=poll)
-        if done:
-            return task.result()
-        if stopping():
-            task.add_done_callback(lambda finished: _abandon(finished, abandon))
-            return None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if stopping():
+                task.add_done_callback(lambda finished: _abandon(finished, abandon))
+                return None
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(lambda finished: _abandon(finished, abandon))
+        raise
 
 
 async def _value(awaitable: Awaitable[R]) -> R:

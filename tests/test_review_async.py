@@ -20,6 +20,7 @@ import pytest
 from helpers import scalar, wait_for
 
 import pgque
+from pgque import lifecycle_async
 
 
 def _queue(client: pgque.Client, events: int = 3) -> list[int]:
@@ -240,3 +241,50 @@ def test_a_cancelled_lane_nacks_nothing_and_acks_nothing(client: pgque.Client,
     assert calls == [(ids[0], 0), *((i, 0) for i in ids)]
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert scalar(conn, "select sum(retries_waiting) from pgque.partition_slot_status") == 0
+
+
+# -- 4. a connection attempt orphaned by a cancelled run() ----------------------------
+
+
+def test_a_cancelled_connect_closes_the_connection_it_was_opening(
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 4 (a real connection): AsyncService.connect cancelled (not stopped)
+    while its attempt ran left the attempt going, and the connection it made
+    was never closed. Now the attempt is cancelled and, should it complete
+    anyway, its connection goes to the abandon callback, which closes it."""
+    opened: list[psycopg.AsyncConnection[Any]] = []
+    over = threading.Event()  # the attempt ended: connected, failed or cancelled
+    real = lifecycle_async.open_connection_async
+
+    async def recording(*args: Any, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
+        try:
+            conn = await real(*args, **kwargs)
+        finally:
+            over.set()
+        opened.append(conn)  # kept, so that only a close() can end its session
+        return conn
+
+    monkeypatch.setattr(lifecycle_async, "open_connection_async", recording)
+    app = "pgque-cancelled-connect"
+
+    async def main() -> None:
+        service = lifecycle_async.AsyncService(app)
+        task = asyncio.get_running_loop().create_task(service.connect(dsn))
+        await asyncio.sleep(0)  # the attempt task is made and started
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 10
+        while not (over.is_set() and all(c.closed for c in opened)):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    assert over.is_set()
+    assert all(c.closed for c in opened), "the connection made after the cancel stays open"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        wait_for(lambda: not scalar(conn, "select count(*) from pg_stat_activity "
+                                          "where application_name = %s", (app,)),
+                 what="the abandoned session to end", dsn=dsn)
