@@ -62,8 +62,13 @@ class ConnectError(PgqueError):
     """The database could not be reached (bad DSN, or not up within the timeout).
 
     ``transient`` tells whether trying again later may help (the server is
-    down or starting) or not (a malformed DSN, bad credentials, no such
-    database): long-running services retry the first and stop on the second.
+    down or starting, or libpq gave no SQLSTATE) or not (a malformed DSN, a
+    server error with an SQLSTATE that retrying cannot change). libpq reports
+    every failure to connect without an SQLSTATE, a missing database or role
+    and bad credentials too, and pgque never matches message text: those are
+    transient. Long-running services stop on an error that is not transient;
+    on a transient one they retry for ever once they have connected, and stop
+    when they have not connected at all within ``connect_timeout`` of starting.
     """
 
     transient: bool = True

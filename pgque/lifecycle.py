@@ -27,6 +27,13 @@ Two promises live here so that no service has to remember them:
   retrying changes nothing, so the service stops, keeps the exception in
   :attr:`Service.error`, and ``run()`` raises it. A service may draw that
   line elsewhere (:meth:`Service.retryable`).
+* **A service that never connected gives up.** libpq reports every failure
+  to connect without an SQLSTATE (a missing database or role, bad
+  credentials, a server that is down alike), and pgque never maps errors by
+  message text: so a service that has not connected once since it started
+  stops with the ConnectError once ``connect_timeout`` has passed (a DSN that
+  never worked is most likely wrong), while one that has connected retries
+  an outage for ever, with backoff.
 
 Signal handlers only assign a flag (taking a lock in a handler could deadlock
 with the code it interrupted); every wait here is sliced so the flag is seen.
@@ -142,6 +149,7 @@ class Service:
         self._signal_count = 0
         self._thread: Spawned | None = None
         self._backoff = 0.1
+        self._ever_connected = False  # since the service started (see _main)
         self._watches: set[CallWatch] = set()
         self._watches_lock = threading.Lock()
 
@@ -239,9 +247,11 @@ class Service:
     def connect(self, dsn: str, **kwargs: Any) -> Conn:
         """Open an autocommit connection, giving up within STOP_LATENCY of a stop.
 
-        Retries while the server starts (up to ``connect_timeout``); raises
-        :class:`Stopped` when a stop comes first, ConnectError otherwise. A
-        connection that arrives after the caller gave up is closed.
+        Retries while the server starts or cannot be reached (up to
+        ``connect_timeout``); raises :class:`Stopped` when a stop comes first,
+        ConnectError otherwise (which stops the service when it has never
+        connected; see the module docstring). A connection that arrives after
+        the caller gave up is closed.
         """
         kwargs.setdefault("application_name", self.name[:63])
         conn = call_interruptibly(
@@ -252,6 +262,7 @@ class Service:
         if conn is None:
             raise Stopped()
         self._backoff = 0.1  # connected: the next loss starts from a short backoff
+        self._ever_connected = True
         return conn
 
     # -- the loop ------------------------------------------------------------
@@ -296,6 +307,14 @@ class Service:
                 except Stopped:
                     break
                 except Exception as exc:
+                    if self._never_connected(exc):
+                        self.error = exc
+                        self.log.error(
+                            "%s: %s; stopping: no connection within connect_timeout (%gs) "
+                            "since it started (libpq gives connection failures no SQLSTATE, so "
+                            "a missing database cannot be told from a server that is down)",
+                            self.name, _describe(exc), self.connect_timeout)
+                        break
                     if not self.retryable(exc):
                         self.error = exc
                         self.log.error("%s: %s; stopping (retrying cannot help)", self.name,
@@ -312,6 +331,13 @@ class Service:
                 self.cleanup()
             finally:
                 self._stopped.set()
+
+    def _never_connected(self, exc: Exception) -> bool:
+        """Whether ``exc`` is a failure to connect of a service that has never
+        connected since it started: its connect() retried for connect_timeout
+        (a ConnectError that is not transient stops the service anyway)."""
+        return (isinstance(exc, ConnectError) and exc.transient and not self._ever_connected
+                and not self.stopping)
 
     def _on_signal(self, signum: int) -> None:
         # Called by the process's signal handler (pgque/_signals.py) while run()

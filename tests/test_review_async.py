@@ -15,9 +15,11 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import faults
 import psycopg
 import pytest
 from helpers import scalar, wait_for
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 from pgque import lifecycle_async
@@ -288,3 +290,80 @@ def test_a_cancelled_connect_closes_the_connection_it_was_opening(
         wait_for(lambda: not scalar(conn, "select count(*) from pg_stat_activity "
                                           "where application_name = %s", (app,)),
                  what="the abandoned session to end", dsn=dsn)
+
+
+# -- 5. a missing database, retried for ever ---------------------------------------------
+
+
+@pytest.mark.both_workers
+@pytest.mark.parametrize("missing", ["dbname", "user"])
+def test_a_worker_that_never_connects_stops_after_connect_timeout(
+        dsn: str, missing: str) -> None:
+    """Defect 5: libpq reports every connection failure without an SQLSTATE (a
+    missing database or role alike), so the service loop took them for an
+    outage and retried for ever. Now a service that has never connected since
+    it started gives up once connect_timeout has passed without a first
+    connection: run() raises the ConnectError (worker.error keeps it)."""
+    params = conninfo_to_dict(dsn)
+    params[missing] = "pgque_no_such_" + missing
+    worker = pgque.Worker(make_conninfo(**params), queue="q", consumer="g", slots=1,
+                          handler=lambda message: None, connect_timeout=2)
+    started = time.monotonic()
+    runner, raised = _run_in_thread(worker)
+    runner.join(15)
+    took = time.monotonic() - started
+    if runner.is_alive():
+        worker.stop()
+    assert not runner.is_alive(), "still retrying after 15 s"
+    assert [type(e) for e in raised] == [pgque.ConnectError]
+    assert worker.error is raised[0]
+    assert 2 <= took < 12
+
+
+def test_a_ticker_that_never_connects_stops_after_connect_timeout(dsn: str) -> None:
+    """Defect 5, for the Ticker (a service of its own): it retried a missing
+    database for ever too; now its run() raises the ConnectError."""
+    ticker = pgque.Ticker(make_conninfo(dsn, dbname="pgque_no_such_dbname"),
+                          connect_timeout=2)
+    runner, raised = _run_in_thread(ticker)
+    runner.join(15)
+    if runner.is_alive():
+        ticker.stop()
+    assert not runner.is_alive(), "still retrying after 15 s"
+    assert [type(e) for e in raised] == [pgque.ConnectError]
+    assert ticker.error is raised[0]
+
+
+@pytest.mark.both_workers
+def test_a_worker_that_connected_retries_an_outage_longer_than_connect_timeout(
+        client: pgque.Client, dsn: str) -> None:
+    """Defect 5, the other half: once a service has connected, an outage is retried
+    for ever (with backoff), however long it lasts: here three times
+    connect_timeout, with every connection attempt held unanswered."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=1)
+    handled: list[int] = []
+    params = conninfo_to_dict(dsn)
+    proxy = faults.TcpProxy(str(params.get("host") or "127.0.0.1"),
+                            int(params.get("port") or 5432))
+    try:
+        worker = pgque.Worker(proxy.dsn(dsn), queue="q", consumer="g", slots=1,
+                              handler=lambda message: handled.append(message.id),
+                              ticker=False, connect_timeout=2, network_timeout=2,
+                              poll_interval=0.05, rebalance_interval=0.2)
+        with worker:
+            wait_for(lambda: worker.owned_slots, timeout=20, what="the slot claimed", dsn=dsn)
+            proxy.blackhole()
+            proxy.cut()
+            down = time.monotonic()
+            while time.monotonic() - down < 6:
+                assert worker.alive and worker.error is None
+                time.sleep(0.1)
+            proxy.heal()
+            ids = client.send_batch("q", [("e", 1, "k")])
+            client.tick("q")
+            wait_for(lambda: ids[0] in handled, timeout=30, what="handling after the outage",
+                     dsn=dsn)
+        assert worker.error is None
+    finally:
+        proxy.stop()
