@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeAlias, TypeVar
+
+from pgque.errors import HandlerReturnedAwaitable
 
 R = TypeVar("R")
 
@@ -61,8 +64,8 @@ async def apause(delay: float | None, stop: asyncio.Event | None) -> bool:
 
 # -- the services' concurrency: a thread each in sync code, a task each under asyncio
 
-#: What a handler returns: anything, which the worker ignores (under asyncio,
-#: an awaitable of anything).
+#: What a handler returns: anything but an awaitable, which the worker ignores
+#: (under asyncio, an awaitable of anything; see handler_result).
 HandlerResult: TypeAlias = object
 AHandlerResult: TypeAlias = Awaitable[object]
 
@@ -79,7 +82,42 @@ def spawn(target: Callable[..., None], *args: Any, name: str) -> threading.Threa
 
 def aspawn(target: Callable[..., Awaitable[None]], *args: Any, name: str) -> asyncio.Task[None]:
     """Run ``target(*args)`` in a task of the running loop."""
-    return asyncio.get_running_loop().create_task(_none(target(*args)), name=name)
+    loop = asyncio.get_running_loop()
+    if sys.version_info >= (3, 11):
+        return loop.create_task(_none(target(*args)), name=name)
+    return _CancelNoted(_none(target(*args)), loop=loop, name=name)
+
+
+class _CancelNoted(asyncio.Task):  # type: ignore[type-arg]
+    """Before Python 3.11 (no Task.cancelling()), a task of aspawn notes that it
+    was asked to cancel, for acancelled."""
+
+    cancel_requested = False
+
+    def cancel(self, *args: Any, **kwargs: Any) -> bool:
+        self.cancel_requested = True
+        return super().cancel(*args, **kwargs)
+
+
+def cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` means that the calling thread is being cancelled: never
+    (threads are not cancelled)."""
+    return False
+
+
+def acancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` means that the calling task is being cancelled, rather than
+    a CancelledError the awaited code raised on its own (say that of an inner
+    timeout it let escape), which is just its failure."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    if task is None:
+        return False
+    if sys.version_info >= (3, 11):
+        return task.cancelling() > 0
+    # Python 3.10: only a task of aspawn knows (a lane's, the worker's own).
+    return bool(getattr(task, "cancel_requested", False))
 
 
 async def _none(awaitable: Awaitable[None]) -> None:
@@ -121,7 +159,9 @@ async def arun_blocking(target: Callable[..., R], *args: Any) -> R:
 def call_interruptibly(attempt: Callable[[], R], stopping: Callable[[], bool],
                        abandon: Callable[[R], object], *, poll: float, name: str) -> R | None:
     """``attempt()`` in a helper thread, polled every ``poll`` seconds: its result,
-    or None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``)."""
+    or None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``).
+    Interrupted meanwhile (KeyboardInterrupt), it hands the result over the same
+    way, then lets the interruption through."""
     outcome: Future[R] = Future()
 
     def run() -> None:
@@ -130,15 +170,22 @@ def call_interruptibly(attempt: Callable[[], R], stopping: Callable[[], bool],
         except BaseException as exc:
             outcome.set_exception(exc)
 
+    def hand_over() -> None:
+        outcome.add_done_callback(
+            lambda done: done.exception() is None and abandon(done.result()))
+
     threading.Thread(target=run, name=name, daemon=True).start()
-    while True:
-        try:
-            return outcome.result(timeout=poll)
-        except FutureTimeout:
-            if stopping():
-                outcome.add_done_callback(
-                    lambda done: done.exception() is None and abandon(done.result()))
-                return None
+    try:
+        while True:
+            try:
+                return outcome.result(timeout=poll)
+            except FutureTimeout:
+                if stopping():
+                    hand_over()
+                    return None
+    except BaseException:  # the attempt's own error, for which hand_over does nothing
+        hand_over()
+        raise
 
 
 async def acall_interruptibly(attempt: Callable[[], Awaitable[R]], stopping: Callable[[], bool],
@@ -146,15 +193,22 @@ async def acall_interruptibly(attempt: Callable[[], Awaitable[R]], stopping: Cal
                               name: str) -> R | None:
     """``await attempt()`` in a task, polled every ``poll`` seconds: its result, or
     None as soon as ``stopping()`` (the result, when it comes, goes to ``abandon``,
-    whose coroutine, if it returns one, is run in a task of its own)."""
+    whose coroutine, if it returns one, is run in a task of its own). Cancelled
+    meanwhile, it cancels the attempt too, hands over what the attempt returns
+    anyway (it may have been done already) the same way, and re-raises."""
     task = asyncio.get_running_loop().create_task(_value(attempt()), name=name)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=poll)
-        if done:
-            return task.result()
-        if stopping():
-            task.add_done_callback(lambda finished: _abandon(finished, abandon))
-            return None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if stopping():
+                task.add_done_callback(lambda finished: _abandon(finished, abandon))
+                return None
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(lambda finished: _abandon(finished, abandon))
+        raise
 
 
 async def _value(awaitable: Awaitable[R]) -> R:
@@ -187,6 +241,31 @@ def ahold_if_free(lock: asyncio.Lock) -> Iterator[bool]:
     in flight). Nothing to take: the ``with`` block has no await, so no other
     task runs before it ends."""
     yield not lock.locked()
+
+
+def handler_result(result: object) -> None:
+    """Check what a Worker's handler returned: anything but an awaitable. A plain
+    function that returns a coroutine (``lambda m: work(m)``, ``work`` an async
+    def) passes check_handler, but nobody would await its work: the coroutine
+    is closed (so no "never awaited" warning) and HandlerReturnedAwaitable,
+    which stops the worker before it acks the batch."""
+    if not inspect.isawaitable(result):
+        return
+    if inspect.iscoroutine(result):
+        name = getattr(result, "__qualname__", type(result).__name__)
+        result.close()
+        what = f"a coroutine ({name})"
+    else:
+        what = f"an awaitable ({type(result).__name__})"
+    raise HandlerReturnedAwaitable(
+        f"the handler returned {what} instead of handling the event: pgque.Worker calls its "
+        f"handler without awaiting, so that work would never run; the batch is not acked. "
+        f"Use pgque.AsyncWorker with an async def handler")
+
+
+async def ahandler_result(result: Awaitable[object]) -> None:
+    """Await what an AsyncWorker's handler returned: the handling itself."""
+    await result
 
 
 def _is_coroutine_function(handler: object) -> bool:

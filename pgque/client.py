@@ -66,11 +66,16 @@ def open_connection(dsn: str, *, timeout: float = 30.0,
     """Open an autocommit psycopg connection, retrying while the server starts.
 
     Retries with capped exponential backoff for up to ``timeout`` seconds when
-    the server refuses connections or says it is starting; fails at once on a
-    malformed DSN, bad credentials or a missing database. A set ``stop`` event
-    ends the retries early. Raises ConnectError (``transient`` tells which kind).
-    Each attempt is bounded (libpq ``connect_timeout``, from ``timeout`` unless
-    given), so a server that drops packets cannot hold it for minutes.
+    the server refuses connections, says it is starting, or the connection
+    fails without an SQLSTATE; fails at once on a malformed DSN. libpq reports
+    every failure to connect without an SQLSTATE, a missing database or role
+    and bad credentials too, and pgque maps errors by SQLSTATE, never by
+    message text: so those are retried until ``timeout`` like a server that is
+    down (a long-running service stops on them, see :class:`~pgque.Worker`). A
+    set ``stop`` event ends the retries early. Raises ConnectError
+    (``transient`` tells which kind). Each attempt is bounded (libpq
+    ``connect_timeout``, from ``timeout`` unless given), so a server that drops
+    packets cannot hold it for minutes.
     """
     deadline = time.monotonic() + timeout
     delay = 0.05
@@ -87,11 +92,12 @@ def open_connection(dsn: str, *, timeout: float = 30.0,
             raise error from None
         except psycopg.OperationalError as exc:
             transient = exc.sqlstate in TRANSIENT_STATES
-            if not transient or time.monotonic() + delay > deadline:
+            left = deadline - time.monotonic()
+            if not transient or left <= 0:
                 error = ConnectError(redact(f"cannot connect to PostgreSQL: {exc}".strip(), dsn))
                 error.transient = transient
                 raise error from None
-            if pause(delay, stop):
+            if pause(min(delay, left), stop):  # a last attempt at the deadline
                 error = ConnectError("stopped while connecting")
                 raise error from None
             delay = min(delay * 2, 1.0)

@@ -23,6 +23,7 @@ __all__ = [
     "DependentObjects",
     "EventNotInBatch",
     "HandlerEndedTransaction",
+    "HandlerReturnedAwaitable",
     "InvalidArgument",
     "InvalidConfig",
     "InvalidGrant",
@@ -61,8 +62,13 @@ class ConnectError(PgqueError):
     """The database could not be reached (bad DSN, or not up within the timeout).
 
     ``transient`` tells whether trying again later may help (the server is
-    down or starting) or not (a malformed DSN, bad credentials, no such
-    database): long-running services retry the first and stop on the second.
+    down or starting, or libpq gave no SQLSTATE) or not (a malformed DSN, a
+    server error with an SQLSTATE that retrying cannot change). libpq reports
+    every failure to connect without an SQLSTATE, a missing database or role
+    and bad credentials too, and pgque never matches message text: those are
+    transient. Long-running services stop on an error that is not transient;
+    on a transient one they retry for ever once they have connected, and stop
+    when they have not connected at all within ``connect_timeout`` of starting.
     """
 
     transient: bool = True
@@ -267,6 +273,19 @@ class HandlerEndedTransaction(PgqueError):
     of its event, no longer holds for that batch: the Worker acks nothing and
     stops with this error (:attr:`Worker.error`). Writes the handler committed
     itself may be applied again when the batch is delivered again.
+    """
+
+
+class HandlerReturnedAwaitable(PgqueError, TypeError):
+    """A :class:`~pgque.Worker`'s handler returned a coroutine (or another
+    awaitable) instead of doing its work: a plain function such as
+    ``lambda message: handle(message)`` with ``handle`` an ``async def``.
+
+    The Worker calls its handler without awaiting, so the work would never
+    run. It closes the coroutine, acks nothing of the batch (its events come
+    again, to a fixed worker) and stops with this error
+    (:attr:`Worker.error`): retrying cannot heal it. Run such a handler with
+    :class:`~pgque.AsyncWorker`.
     """
 
 

@@ -26,9 +26,18 @@ Two promises live here so that no service has to remember them:
   retrying changes nothing, so the service stops, keeps the exception in
   :attr:`Service.error`, and ``run()`` raises it. A service may draw that
   line elsewhere (:meth:`Service.retryable`).
+* **A service that never connected gives up.** libpq reports every failure
+  to connect without an SQLSTATE (a missing database or role, bad
+  credentials, a server that is down alike), and pgque never maps errors by
+  message text: so a service that has not connected once since it started
+  stops with the ConnectError once ``connect_timeout`` has passed (a DSN that
+  never worked is most likely wrong), while one that has connected retries
+  an outage for ever, with backoff.
 
 Signal handlers only assign a flag (taking a lock in a handler could deadlock
 with the code it interrupted); every wait here is sliced so the flag is seen.
+One handler serves every ``run()`` of the process (pgque/_signals.py): a
+SIGTERM stops them all, however many run at once, in either flavour.
 """
 
 from __future__ import annotations
@@ -38,16 +47,16 @@ import contextlib
 import logging
 import os
 import select
-import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, TypeVar
 
 import psycopg
 
+from pgque import _signals
 from pgque._acompat import (
     ASpawned,
     acall_interruptibly,
@@ -64,6 +73,7 @@ from pgque.errors import (
     ConnectError,
     ConsumerNotFound,
     HandlerEndedTransaction,
+    HandlerReturnedAwaitable,
     InvalidArgument,
     InvalidConfig,
     InvalidName,
@@ -92,8 +102,9 @@ S = TypeVar("S", bound="AsyncService")
 
 # Errors that retrying cannot fix: configuration, privileges, pgque missing.
 _FATAL = (
-    AccessDenied, HandlerEndedTransaction, SessionUnstable, SlotCountMismatch, InvalidSlotCount,
-    InvalidSlot, InvalidName, QueueNotFound, ConsumerNotFound, InvalidArgument, InvalidConfig,
+    AccessDenied, HandlerEndedTransaction, HandlerReturnedAwaitable, SessionUnstable,
+    SlotCountMismatch, InvalidSlotCount, InvalidSlot, InvalidName, QueueNotFound,
+    ConsumerNotFound, InvalidArgument, InvalidConfig,
     psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName,
     psycopg.errors.UndefinedFunction,
 )
@@ -138,6 +149,7 @@ class AsyncService:
         self._signal_count = 0
         self._thread: ASpawned | None = None
         self._backoff = 0.1
+        self._ever_connected = False  # since the service started (see _main)
         self._watches: set[AsyncCallWatch] = set()
         self._watches_lock = threading.Lock()
 
@@ -148,12 +160,12 @@ class AsyncService:
 
         Raises the error that ended the service when it cannot be retried.
         """
-        restore = self._install_signal_handlers()
+        registered = _signals.register(self)
         try:
             await self._main()
         finally:
-            for signum, previous in restore.items():
-                signal.signal(signum, previous)
+            if registered:
+                _signals.unregister(self)
         if self.error is not None:
             raise self.error
 
@@ -235,9 +247,11 @@ class AsyncService:
     async def connect(self, dsn: str, **kwargs: Any) -> AsyncConn:
         """Open an autocommit connection, giving up within STOP_LATENCY of a stop.
 
-        Retries while the server starts (up to ``connect_timeout``); raises
-        :class:`Stopped` when a stop comes first, ConnectError otherwise. A
-        connection that arrives after the caller gave up is closed.
+        Retries while the server starts or cannot be reached (up to
+        ``connect_timeout``); raises :class:`Stopped` when a stop comes first,
+        ConnectError otherwise (which stops the service when it has never
+        connected; see the module docstring). A connection that arrives after
+        the caller gave up is closed.
         """
         kwargs.setdefault("application_name", self.name[:63])
         conn = await acall_interruptibly(
@@ -248,6 +262,7 @@ class AsyncService:
         if conn is None:
             raise Stopped()
         self._backoff = 0.1  # connected: the next loss starts from a short backoff
+        self._ever_connected = True
         return conn
 
     # -- the loop ------------------------------------------------------------
@@ -292,6 +307,14 @@ class AsyncService:
                 except Stopped:
                     break
                 except Exception as exc:
+                    if self._never_connected(exc):
+                        self.error = exc
+                        self.log.error(
+                            "%s: %s; stopping: no connection within connect_timeout (%gs) "
+                            "since it started (libpq gives connection failures no SQLSTATE, so "
+                            "a missing database cannot be told from a server that is down)",
+                            self.name, _describe(exc), self.connect_timeout)
+                        break
                     if not self.retryable(exc):
                         self.error = exc
                         self.log.error("%s: %s; stopping (retrying cannot help)", self.name,
@@ -309,17 +332,19 @@ class AsyncService:
             finally:
                 self._stopped.set()
 
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
+    def _never_connected(self, exc: Exception) -> bool:
+        """Whether ``exc`` is a failure to connect of a service that has never
+        connected since it started: its connect() retried for connect_timeout
+        (a ConnectError that is not transient stops the service anyway)."""
+        return (isinstance(exc, ConnectError) and exc.transient and not self._ever_connected
+                and not self.stopping)
 
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            # Plain assignments, no lock: see the module docstring. Only this
-            # handler, always on the main thread, writes either.
-            self._signalled = signum
-            self._signal_count += 1
-
-        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def _on_signal(self, signum: int) -> None:
+        # Called by the process's signal handler (pgque/_signals.py) while run()
+        # runs: plain assignments, no lock (see the module docstring). Only that
+        # handler, always on the main thread, writes either.
+        self._signalled = signum
+        self._signal_count += 1
 
 
 def _describe(exc: BaseException) -> str:

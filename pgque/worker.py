@@ -53,7 +53,8 @@ slots are lost with it; in-flight batches are dropped unacked (they will be
 delivered again) and the control claims the slots again, on other lanes. A
 batch stops at the next event as soon as its session is seen gone (a check of
 the idle socket between events, no round trip). Errors that retrying cannot
-heal (a wrong slot count, an unknown queue, a pooler swapping the session)
+heal (a wrong slot count, an unknown queue, a pooler swapping the session, a
+threaded worker's handler that returns a coroutine instead of handling)
 stop the worker: ``run()`` raises them and :attr:`Worker.error` keeps them.
 
 Network
@@ -94,7 +95,9 @@ from psycopg import sql
 from pgque._acompat import (
     HandlerResult,
     Spawned,
+    cancelled,
     check_handler,
+    handler_result,
     join,
     pause,
     run_blocking,
@@ -102,7 +105,7 @@ from pgque._acompat import (
     spawn,
 )
 from pgque.client import Client, Conn
-from pgque.errors import HandlerEndedTransaction, SlotNotOwned
+from pgque.errors import HandlerEndedTransaction, HandlerReturnedAwaitable, SlotNotOwned
 from pgque.lifecycle import (
     STOP_LATENCY,
     CallWatch,
@@ -717,12 +720,17 @@ class _Lane(Generic[T]):
                     raise _ConnectionLost("session gone during a batch")
                 try:
                     if conn is None:
-                        worker.handler(message)  # type: ignore[call-arg]
+                        handler_result(worker.handler(message))  # type: ignore[call-arg]
                     else:
                         self._handle_in_savepoint(message, conn, first=index == 0)
-                except (HandlerEndedTransaction, _ConnectionLost):
-                    raise
+                except (HandlerEndedTransaction, HandlerReturnedAwaitable, _ConnectionLost):
+                    raise  # no ack: they end the lane (the first two the worker)
                 except BaseException as exc:  # also CancelledError & co: the event failed
+                    if cancelled(exc):
+                        # Not the handler's failure: this lane (under asyncio, its
+                        # task) is cancelled. Nothing nacked, nothing acked: the
+                        # batch comes again, whole, to the slot's next owner.
+                        raise
                     if conn is not None and conn.broken:
                         raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
                     # Expected under the skip policy, hence a warning; the traceback
@@ -750,7 +758,7 @@ class _Lane(Generic[T]):
         _on_savepoint(conn, "savepoint pgque_event" if first
                       else "release savepoint pgque_event; savepoint pgque_event")
         try:
-            self.worker.handler(message, conn)  # type: ignore[call-arg]
+            handler_result(self.worker.handler(message, conn))  # type: ignore[call-arg]
         except BaseException:
             _on_savepoint(conn, "rollback to savepoint pgque_event")
             raise

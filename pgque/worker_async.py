@@ -54,7 +54,8 @@ slots are lost with it; in-flight batches are dropped unacked (they will be
 delivered again) and the control claims the slots again, on other lanes. A
 batch stops at the next event as soon as its session is seen gone (a check of
 the idle socket between events, no round trip). Errors that retrying cannot
-heal (a wrong slot count, an unknown queue, a pooler swapping the session)
+heal (a wrong slot count, an unknown queue, a pooler swapping the session, a
+threaded worker's handler that returns a coroutine instead of handling)
 stop the worker: ``run()`` raises them and :attr:`Worker.error` keeps them.
 
 Network
@@ -96,7 +97,9 @@ from psycopg import sql
 from pgque._acompat import (
     AHandlerResult,
     ASpawned,
+    acancelled,
     acheck_handler,
+    ahandler_result,
     ajoin,
     apause,
     arun_blocking,
@@ -104,7 +107,7 @@ from pgque._acompat import (
     aspawn,
 )
 from pgque.client_async import AsyncClient, AsyncConn
-from pgque.errors import HandlerEndedTransaction, SlotNotOwned
+from pgque.errors import HandlerEndedTransaction, HandlerReturnedAwaitable, SlotNotOwned
 from pgque.lifecycle_async import (
     STOP_LATENCY,
     AsyncCallWatch,
@@ -719,12 +722,17 @@ class _Lane(Generic[T]):
                     raise _ConnectionLost("session gone during a batch")
                 try:
                     if conn is None:
-                        await worker.handler(message)  # type: ignore[call-arg]
+                        await ahandler_result(worker.handler(message))  # type: ignore[call-arg]
                     else:
                         await self._handle_in_savepoint(message, conn, first=index == 0)
-                except (HandlerEndedTransaction, _ConnectionLost):
-                    raise
+                except (HandlerEndedTransaction, HandlerReturnedAwaitable, _ConnectionLost):
+                    raise  # no ack: they end the lane (the first two the worker)
                 except BaseException as exc:  # also CancelledError & co: the event failed
+                    if acancelled(exc):
+                        # Not the handler's failure: this lane (under asyncio, its
+                        # task) is cancelled. Nothing nacked, nothing acked: the
+                        # batch comes again, whole, to the slot's next owner.
+                        raise
                     if conn is not None and conn.broken:
                         raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
                     # Expected under the skip policy, hence a warning; the traceback
@@ -752,7 +760,7 @@ class _Lane(Generic[T]):
         await _on_savepoint(conn, "savepoint pgque_event" if first
                             else "release savepoint pgque_event; savepoint pgque_event")
         try:
-            await self.worker.handler(message, conn)  # type: ignore[call-arg]
+            await ahandler_result(self.worker.handler(message, conn))  # type: ignore[call-arg]
         except BaseException:
             await _on_savepoint(conn, "rollback to savepoint pgque_event")
             raise

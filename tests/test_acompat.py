@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -134,3 +135,103 @@ def test_handlers_of_the_wrong_flavour_are_refused() -> None:
     _acompat.check_handler(plain_handler)
     _acompat.acheck_handler(coroutine_handler)
     _acompat.acheck_handler(AsyncCallable())
+
+
+def test_call_interruptibly_hands_over_the_attempt_when_the_caller_is_cancelled() -> None:
+    """Review of the AsyncWorker, defect 4: a caller cancelled (not stopped) while
+    the attempt ran left the attempt's task going, and what it made (a
+    connection) never reached ``abandon``: nobody closed it. Now the attempt is
+    cancelled, and what it returns anyway goes to ``abandon``. The sync flavour
+    hands it over the same way when the wait is interrupted (KeyboardInterrupt)."""
+
+    async def flavour() -> tuple[list[Any], list[str]]:
+        abandoned: list[Any] = []
+        handed = asyncio.Event()
+        events: list[str] = []
+
+        def abandon(value: Any) -> None:
+            abandoned.append(value)
+            handed.set()
+
+        async def stubborn() -> str:  # completes although cancelled, as a connect may
+            events.append("started")
+            try:
+                await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                events.append("cancelled")
+            await asyncio.sleep(0.05)
+            return "late"
+
+        async def cancellable() -> str:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                events.append("gave up")
+                raise
+            return "never"
+
+        for attempt in (stubborn, cancellable):
+            caller = asyncio.get_running_loop().create_task(_acompat.acall_interruptibly(
+                attempt, lambda: False, abandon, poll=0.01, name="c"))
+            await asyncio.sleep(0.05)  # the attempt runs
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+        await asyncio.wait_for(handed.wait(), 5)
+        await asyncio.sleep(0.1)  # nothing more comes
+        return abandoned, events
+
+    assert asyncio.run(flavour()) == (["late"], ["started", "cancelled", "gave up"])
+
+    abandoned: list[Any] = []
+    arrived = threading.Event()
+
+    def slow() -> str:
+        time.sleep(0.3)
+        return "late"
+
+    def abandon(value: Any) -> None:
+        abandoned.append(value)
+        arrived.set()
+
+    def interrupted() -> bool:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _acompat.call_interruptibly(slow, interrupted, abandon, poll=0.01, name="c")
+    assert arrived.wait(5) and abandoned == ["late"]
+
+
+def test_cancelled_tells_a_cancelled_task_from_a_handler_s_own_cancelled_error() -> None:
+    """Review of the AsyncWorker, defect 3's primitive: under asyncio, a
+    CancelledError means the task is being cancelled only when it is (a handler
+    may raise one of its own, say an inner timeout's it let escape); in threads
+    nothing is ever cancelled."""
+    assert _acompat.cancelled(asyncio.CancelledError()) is False
+
+    async def flavour() -> tuple[bool, bool, list[bool]]:
+        own = False
+        try:
+            raise asyncio.CancelledError()
+        except asyncio.CancelledError as exc:
+            own = _acompat.acancelled(exc)
+        other = _acompat.acancelled(ValueError())
+        seen: list[bool] = []
+        waiting = asyncio.Event()
+
+        async def victim() -> None:
+            try:
+                waiting.set()
+                await asyncio.Event().wait()
+            except asyncio.CancelledError as exc:
+                seen.append(_acompat.acancelled(exc))
+                raise
+
+        task = _acompat.aspawn(victim, name="victim")
+        await waiting.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return own, other, seen
+
+    assert asyncio.run(flavour()) == (False, False, [True])

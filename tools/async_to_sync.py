@@ -80,6 +80,8 @@ RENAMES = {
     "ahold_if_free": "hold_if_free",
     "ASpawned": "Spawned",
     "acheck_handler": "check_handler",
+    "ahandler_result": "handler_result",
+    "acancelled": "cancelled",
     "AHandlerResult": "HandlerResult",
     # psycopg and psycopg_pool
     "AsyncConnection": "Connection",
