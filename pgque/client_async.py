@@ -561,6 +561,15 @@ class AsyncClient:
                                   (*params, consumer), by_name=True)
         return group_status_from_row(row)
 
+    async def pending_slots(self, queue: str, consumer: str) -> frozenset[int]:
+        """The slots of the group whose receive may return a batch now (an open
+        batch, or events since their last tick): a hint for waking slot owners,
+        one read-only round trip. A slot left out is found by its next poll."""
+        check, params = self._checked(queue)
+        slots: list[int] = await self._value(f"select pgque.pending_slots({check}, %s)",
+                                             (*params, consumer))
+        return frozenset(slots)
+
     @overload
     async def receive_partitioned(self, queue: str, consumer: str, *, slot: int, slots: int,
                                   max_events: int | None = None,

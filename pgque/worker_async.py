@@ -88,6 +88,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from datetime import timedelta
 from typing import Generic, TypeVar
 
@@ -332,9 +333,12 @@ class AsyncWorker(AsyncService, Generic[T]):
             await self._wait(control, max(0.0, min(left, STOP_LATENCY)))
 
     async def _wait(self, control: _Session, timeout: float) -> None:
-        """Wait up to ``timeout`` for a tick notification (passed on to the lanes),
-        a lane's end, or a stop. A notification carries no information and may be
-        lost (NOTIFY is at most once): the lanes' polls stay."""
+        """Wait up to ``timeout`` for a tick notification, a lane's end, or a stop.
+        A notification carries no information and may be lost (NOTIFY is at most
+        once): the lanes' polls stay. On one, the control asks which slots have
+        something to receive (one read-only query) and wakes only the lanes
+        that own them: with N slots, most ticks hold events of few, and N
+        receives that find nothing would compete with the one that does."""
         if not self.listen:
             await apause(timeout, self._wake)
             self._wake.clear()
@@ -347,9 +351,12 @@ class AsyncWorker(AsyncService, Generic[T]):
         except psycopg.OperationalError as exc:
             raise _ConnectionLost(str(exc)) from exc
         if heard:
+            with control.call() as client:
+                pending = await client.pending_slots(self.queue, self.consumer)
             with self._lock:
                 for lane in self._lanes:
-                    lane.tick()
+                    if lane.slots & pending:
+                        lane.tick(lane.slots & pending)
 
     async def _rebalance(self, control: _Session) -> None:
         """Claim free slots up to the fair share; release the surplus. Claims and
@@ -468,7 +475,7 @@ class _Lane(Generic[T]):
         self.current: int | None = None  # the slot whose step runs now
         self._requests: deque[tuple[str, int]] = deque()
         self._wake = asyncio.Event()
-        self._ticks = 0  # tick notifications heard (set by the control thread)
+        self._pending: set[int] = set()  # slots the control found work for
         self._idle_until: dict[int, float] = {}
         self._turns: deque[int] = deque()  # slots in round-robin order
         self._ended = asyncio.Event()
@@ -504,8 +511,9 @@ class _Lane(Generic[T]):
         self._requests.append(("release", slot))
         self._wake.set()
 
-    def tick(self) -> None:
-        self._ticks += 1
+    def tick(self, slots: AbstractSet[int]) -> None:
+        """The control found work for these slots of the lane: receive now."""
+        self._pending |= slots
         self._wake.set()
 
     def wake(self) -> None:
@@ -591,13 +599,13 @@ class _Lane(Generic[T]):
         worker = self.worker
         keepalive = worker.network_timeout / 3
         last_call = time.monotonic()
-        ticks_seen = self._ticks
         while not worker.stopping and worker._fatal is None:
             if await self._serve_requests(session):
                 last_call = time.monotonic()
-            if self._ticks != ticks_seen:
-                ticks_seen = self._ticks
-                self._idle_until.clear()  # a new tick: every slot may have a batch
+            with worker._lock:
+                pending, self._pending = self._pending, set()
+            for ready in pending:  # a new tick with work for them: no waiting out a poll
+                self._idle_until.pop(ready, None)
             slot = self._next_slot()
             if slot is None:
                 now = time.monotonic()
@@ -609,7 +617,6 @@ class _Lane(Generic[T]):
                 await apause(max(0.0, min(due - now, STOP_LATENCY, keepalive)), self._wake)
                 self._wake.clear()
                 continue
-            started_ticks = self._ticks
             with worker._lock:
                 self.current = slot
             try:
@@ -622,7 +629,9 @@ class _Lane(Generic[T]):
                 with worker._lock:
                     self.current = None
             last_call = time.monotonic()
-            if not found and self._ticks == started_ticks:
+            with worker._lock:
+                waits = not found and slot not in self._pending  # no work came meanwhile
+            if waits:
                 self._idle_until[slot] = time.monotonic() + worker.poll_interval
 
     async def _serve_requests(self, session: _Session) -> bool:

@@ -387,7 +387,12 @@ def test_stop_while_a_lane_is_connecting(
     try:
         wait_for(lambda: worker.sessions == 1 and len(worker.owned_slots) == 1,
                  what="one lane connected", dsn=dsn)
-        client.send("q", "e", 1)  # so the owned slot takes an epoch
+        # An event of the owned slot, so that it takes an epoch (a slot with
+        # nothing in its ticks returns before taking one).
+        (owned,) = worker.owned_slots
+        key = next(k for k in (f"k{n}" for n in range(100))
+                   if scalar(conn, "select pgque.slot_of(%s, 2)", (k,)) == owned)
+        client.send("q", "e", 1, partition_key=key)
         client.tick("q")
         wait_for(lambda: scalar(conn, "select count(*) from pgque.slot_claim "
                                       "where sc_pid is not null"),

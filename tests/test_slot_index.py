@@ -194,3 +194,62 @@ def test_a_group_does_not_index_a_big_table_while_producers_wait(client: pgque.C
         counts.append(len(batch))
         client.ack(batch)
     assert sum(counts) == len(sent)
+
+
+def receivable(client: pgque.Client, slots: int) -> frozenset[int]:
+    """The slots whose receive_partitioned returns a batch now (each batch is
+    left open, so receiving changes nothing that pending_slots looks at)."""
+    found = set()
+    for slot in range(slots):
+        if client.receive_partitioned("q", "g", slot=slot, slots=slots) is not None:
+            found.add(slot)
+    return frozenset(found)
+
+
+@given(keys=st.lists(st.sampled_from([None, "a", "b", "c", "d", "e", "f", "g", "h"]),
+                     max_size=12),
+       acked=st.sets(st.integers(0, 7)), later=st.lists(st.sampled_from(["a", "x"]),
+                                                         max_size=3),
+       slots=st.sampled_from([1, 2, 8]))
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=15)
+def test_pending_slots_names_exactly_the_slots_that_receive_a_batch(
+        dsn: str, keys: list[str | None], acked: set[int], later: list[str],
+        slots: int) -> None:
+    with pgque.connect(dsn) as client:
+        client.create_queue("q", exist_ok=True)
+        client.subscribe_slots("q", "g", slots=slots)
+        try:
+            for slot in range(slots):
+                assert client.claim_slot("q", "g", slot)
+            client.send_batch("q", [("e", None, key) for key in keys])
+            client.tick("q")
+            # Some slots consume their batch; events sent after the tick are in
+            # no batch yet; then a second tick covers them for some slots only.
+            for slot in acked & set(range(slots)):
+                while (batch := client.receive_partitioned("q", "g", slot=slot,
+                                                           slots=slots)):
+                    client.ack(batch)
+            for key in later:
+                client.send("q", "e", None, partition_key=key)
+            assert client.pending_slots("q", "g") == receivable(client, slots)
+            client.tick("q")
+            assert client.pending_slots("q", "g") == receivable(client, slots)
+        finally:
+            client.unsubscribe_slots("q", "g")
+
+
+def test_pending_slots_is_refused_to_a_role_that_may_not_use_the_group(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    conn.execute("drop role if exists pgque_test_stranger")
+    conn.execute("create role pgque_test_stranger login")
+    conn.execute("grant pgque_reader to pgque_test_stranger")
+    try:
+        stranger_dsn = psycopg.conninfo.make_conninfo(dsn, user="pgque_test_stranger")
+        with pgque.connect(stranger_dsn) as stranger, pytest.raises(pgque.PgqueError) as caught:
+            stranger.pending_slots("q", "g")
+        assert caught.value.sqlstate == "PQ014"
+    finally:
+        conn.execute("drop owned by pgque_test_stranger")
+        conn.execute("drop role pgque_test_stranger")

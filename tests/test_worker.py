@@ -236,3 +236,53 @@ def test_a_payload_too_deep_to_decode_is_retried_then_dead_lettered(
     assert "PayloadError" in (letter.reason or "")
     assert sorted(handled) == ids  # the slot went on past it
     assert worker.failed == 2
+
+
+def test_a_tick_wakes_only_the_lanes_whose_slots_it_has_events_for(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """With N slots, a tick that holds events of one slot makes one lane
+    receive, not N: the control asks pending_slots and wakes that slot's lane
+    only. Polls are 30 s apart and keepalives 20 s here, so within the test
+    only a wakeup makes a lane send anything, and only the notification path
+    can deliver the events in time."""
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=8)
+    handled: list[int] = []
+    lock = threading.Lock()
+
+    def handler(message: pgque.Message[Any]) -> None:
+        with lock:
+            handled.append(message.id)
+
+    def lanes() -> dict[int, tuple[str, Any]]:
+        """Each lane's backend pid: its state and when its last statement began."""
+        rows = conn.execute("select pid, state, query, query_start from pg_stat_activity"
+                            " where application_name ~ '-lane[0-9]+$'"
+                            "   and datname = current_database()").fetchall()
+        return {pid: (f"{state}: {query}", start) for pid, state, query, start in rows}
+
+    def settled() -> dict[int, tuple[str, Any]] | None:
+        now = lanes()
+        done = len(now) == 8 and all(state.startswith("idle: ") and "receive_partitioned" in state
+                                     for state, _ in now.values())
+        return now if done else None
+
+    key = "tenant-1"
+    slot = scalar(conn, "select pgque.slot_of(%s, 8)", (key,))
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=8, handler=handler,
+                          ticker=False, poll_interval=30.0, network_timeout=60.0)
+    with worker:
+        wait_for(lambda: len(worker.owned_slots) == 8, timeout=20, what="all 8 slots", dsn=dsn)
+        before = wait_for(settled, timeout=20, what="each slot's first receive", dsn=dsn)
+        owner = scalar(conn, "select owner_pid from pgque.partition_slot_status"
+                             " where queue_name = 'q' and slot = %s", (slot,))
+        sent = []
+        for n in range(5):
+            sent.append(client.send("q", "e", {"n": n}, partition_key=key))
+            client.tick("q")
+            wait_for(lambda: len(handled) == n + 1, timeout=10, what=f"event {n}", dsn=dsn)
+        after = lanes()
+    assert handled == sent
+    assert after[owner][1] > before[owner][1]
+    woken = sorted(pid for pid in before if pid != owner and after[pid] != before[pid])
+    assert woken == [], f"lanes of other slots than {slot} made calls: {woken}"

@@ -53,7 +53,8 @@ declare
         'ack_partitioned(text,text,integer,integer,bigint)',
         'ack_partitioned(text,text,integer,integer,bigint,bigint[],text[],interval)',
         'nack_partitioned(text,text,integer,integer,bigint,bigint[],interval,text)',
-        'join_group(text,text)', 'group_status(text,text)', 'slot_of(text,integer)',
+        'join_group(text,text)', 'group_status(text,text)', 'pending_slots(text,text)',
+        'slot_of(text,integer)',
         'max_slots()', 'tick_channel(text)',
         'grant_consumer(text,text,text)', 'revoke_consumer(text,text,text)',
         'queue_grants(text)', 'check_fence(text,text,integer,bigint)'];
