@@ -280,7 +280,7 @@ def test_a_tick_wakes_only_the_lanes_whose_slots_it_has_events_for(
         for n in range(5):
             sent.append(client.send("q", "e", {"n": n}, partition_key=key))
             client.tick("q")
-            wait_for(lambda: len(handled) == n + 1, timeout=10, what=f"event {n}", dsn=dsn)
+            wait_for(lambda n=n: len(handled) == n + 1, timeout=10, what=f"event {n}", dsn=dsn)
         after = lanes()
     assert handled == sent
     assert after[owner][1] > before[owner][1]
