@@ -6,6 +6,9 @@ Measured on one server, in one database, from one connection per side:
   table shaped like pgque's event tables;
 * ``send_batch``: 1,000 events per call and transaction, against a plain
   multi-row INSERT ... SELECT FROM unnest() of the same rows;
+* both again into a queue with a consumer group of 8 slots (``*.slot_index``),
+  whose event tables carry the group's slot index, against the plain ``send``
+  and ``send_batch``: what the index costs producers;
 * drain: receive + ack over a pre-filled queue (a tick every 1,000 events),
   whole batches and pieces of ``max_events=100``; every event is counted.
 """
@@ -28,6 +31,7 @@ __all__ = ["SUITE"]
 
 EVENT_TYPE = "e"
 CONSUMER = "bench"
+SLOTS = 8  # the consumer group of the *.slot_index cases
 POOL_SIZE = 10_000  # distinct events cycled through; a multiple of every batch size
 
 # Shaped like pgque.event_template with the defaults create_queue() gives an
@@ -193,8 +197,13 @@ def run(ctx: SuiteContext) -> SuiteResult:
         for table in ("plain_send", "plain_batch"):
             plain.execute(f"create sequence {table}_seq")
             plain.execute(_PLAIN_TABLE_DDL.format(table=table))
-        for queue in ("send", "batch"):
+        for queue in ("send", "batch", "send_indexed", "batch_indexed"):
             client.create_queue(queue)
+        # What a consumer group's slot index costs producers: the same sends
+        # into a queue with a group of SLOTS slots (its event tables then have
+        # an index on the routing formula besides the ev_txid one).
+        for queue in ("send_indexed", "batch_indexed"):
+            client.subscribe_slots(queue, CONSUMER, slots=SLOTS)
         producers = _Producers(client, plain, rows)
         drain = _Drain(client, rows, sizes.tick_every)
         batch_warmup = _warmup(sizes.batch_total, sizes.batch_size)
@@ -203,13 +212,20 @@ def run(ctx: SuiteContext) -> SuiteResult:
             [Case("send", "pgque send, 1 event/tx", sizes.send, producers.send("send"),
                   warmup=_warmup(sizes.send, 1), baseline="send.plain"),
              Case("send.plain", "plain INSERT, 1 row/tx", sizes.send,
-                  producers.plain_insert("plain_send"), warmup=_warmup(sizes.send, 1))],
+                  producers.plain_insert("plain_send"), warmup=_warmup(sizes.send, 1)),
+             Case("send.slot_index", f"pgque send, 1 event/tx, a group of {SLOTS} slots",
+                  sizes.send, producers.send("send_indexed"), warmup=_warmup(sizes.send, 1),
+                  baseline="send")],
             [Case("send_batch", f"pgque send_batch, {sizes.batch_size}/tx", sizes.batch_total,
                   producers.send_batch("batch", sizes.batch_size), warmup=batch_warmup,
                   baseline="send_batch.plain"),
              Case("send_batch.plain", f"plain INSERT unnest, {sizes.batch_size}/tx",
                   sizes.batch_total, producers.plain_insert_many("plain_batch", sizes.batch_size),
-                  warmup=batch_warmup)],
+                  warmup=batch_warmup),
+             Case("send_batch.slot_index",
+                  f"pgque send_batch, {sizes.batch_size}/tx, a group of {SLOTS} slots",
+                  sizes.batch_total, producers.send_batch("batch_indexed", sizes.batch_size),
+                  warmup=batch_warmup, baseline="send_batch")],
             [Case("drain", "receive+ack, whole batches", sizes.drain_total,
                   drain.receive_all(None), warmup=drain_warmup, prepare=drain.prepare),
              Case(f"drain.max_events_{sizes.piece}", f"receive+ack, max_events={sizes.piece}",
@@ -227,6 +243,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
             "repeats": ctx.repeats,
             "payload_example": payload(17),
             "partition_key": "payload's tenant (64 tenants)",
+            "slot_index_group_slots": SLOTS,
         },
         measurements=measurements,
     )

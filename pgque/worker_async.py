@@ -351,8 +351,12 @@ class AsyncWorker(AsyncService, Generic[T]):
         except psycopg.OperationalError as exc:
             raise _ConnectionLost(str(exc)) from exc
         if heard:
-            with control.call() as client:
-                pending = await client.pending_slots(self.queue, self.consumer)
+            owned = self.owned_slots
+            if len(owned) > 1:
+                with control.call() as client:
+                    pending = await client.pending_slots(self.queue, self.consumer)
+            else:  # the answer could only be the one slot: no round trip for it
+                pending = owned
             with self._lock:
                 for lane in self._lanes:
                     if lane.slots & pending:
