@@ -15,14 +15,16 @@ import inspect
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Any, TypeAlias, TypeVar
 
 from pgque.errors import HandlerReturnedAwaitable
 
 R = TypeVar("R")
+M = TypeVar("M")
 
 
 def caller() -> object:
@@ -292,3 +294,117 @@ def acheck_handler(handler: object) -> None:
     if not _is_coroutine_function(handler):
         raise TypeError("the handler of pgque.AsyncWorker must be an async function "
                         "(async def); use pgque.Worker for a plain function")
+
+
+# -- keys in parallel inside a batch (Worker(key_concurrency=k))
+
+
+def _groups(items: Sequence[M], key: Callable[[M], Hashable]) -> list[list[int]]:
+    """The positions of ``items`` grouped by key, each group in order, the
+    groups in the order of their first item."""
+    groups: dict[Hashable, list[int]] = {}
+    for index, item in enumerate(items):
+        groups.setdefault(key(item), []).append(index)
+    return list(groups.values())
+
+
+class KeyRunner:
+    """Runs the items of a batch with up to ``limit`` keys at once and never two
+    items of one key at once: each key's items one after another, in order, on
+    one of the lane's ``limit`` threads (kept for the lane's life, so that a
+    handler's thread-local state lasts). The first exception stops every key
+    at its next item and is raised once the running items have returned."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit = limit
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, items: Sequence[M], key: Callable[[M], Hashable],
+            handle: Callable[[int, M], None]) -> None:
+        """``handle(position, item)`` for every item, keys in parallel."""
+        groups = _groups(items, key)
+        if self.limit == 1 or len(groups) == 1:
+            for index, item in enumerate(items):
+                handle(index, item)
+            return
+        stop = threading.Event()
+
+        def run_group(indexes: list[int]) -> None:
+            for index in indexes:
+                if stop.is_set():
+                    return
+                try:
+                    handle(index, items[index])
+                except BaseException:
+                    stop.set()
+                    raise
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix=self.name)
+        futures = [self._pool.submit(run_group, group) for group in groups]
+        wait_futures(futures)
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise error
+
+    def close(self) -> None:
+        """Let the threads go (after the items in hand)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class AKeyRunner:
+    """Runs the items of a batch with up to ``limit`` keys at once and never two
+    items of one key at once: each key's items one after another, in order, in
+    a task of its own. The first exception stops every key at its next item
+    and is raised once the running items have returned; a cancel of the
+    caller cancels them all."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit = limit
+        self.name = name
+
+    async def run(self, items: Sequence[M], key: Callable[[M], Hashable],
+                  handle: Callable[[int, M], Awaitable[None]]) -> None:
+        """``await handle(position, item)`` for every item, keys in parallel."""
+        groups = _groups(items, key)
+        if self.limit == 1 or len(groups) == 1:
+            for index, item in enumerate(items):
+                await handle(index, item)
+            return
+        turns = asyncio.Semaphore(self.limit)
+        stop = asyncio.Event()
+
+        async def run_group(indexes: list[int]) -> None:
+            async with turns:
+                for index in indexes:
+                    if stop.is_set():
+                        return
+                    try:
+                        await handle(index, items[index])
+                    except BaseException:
+                        stop.set()
+                        raise
+
+        # Through aspawn, so that acancelled tells a cancel of these tasks apart.
+        tasks = [aspawn(run_group, group, name=f"{self.name}-key{n}")
+                 for n, group in enumerate(groups)]
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            raise
+        for task in tasks:
+            if task.cancelled():  # by nobody but us: never take its items as handled
+                raise RuntimeError(f"{task.get_name()} was cancelled")
+            error = task.exception()
+            if error is not None:
+                raise error
+
+    async def close(self) -> None:
+        """Nothing to let go: the tasks end with their batch."""

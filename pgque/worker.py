@@ -95,6 +95,7 @@ from psycopg import sql
 
 from pgque._acompat import (
     HandlerResult,
+    KeyRunner,
     Spawned,
     cancelled,
     check_handler,
@@ -190,6 +191,7 @@ class Worker(Service, Generic[T]):
         handler: Handler[T] | TransactionalHandler[T],
         transactional: bool = False,
         concurrency: int | None = None,
+        key_concurrency: int = 1,
         payload_type: type[T] | None = None,
         max_events: int = 100,
         poll_interval: float = 0.2,
@@ -205,6 +207,11 @@ class Worker(Service, Generic[T]):
             raise ValueError("slots must be at least 1")
         if concurrency is not None and concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if key_concurrency < 1:
+            raise ValueError("key_concurrency must be at least 1")
+        if transactional and key_concurrency > 1:
+            raise ValueError("key_concurrency must be 1 with transactional=True: the handlers "
+                             "of a slot share its session's one transaction")
         if network_timeout < 2:
             raise ValueError("network_timeout must be at least 2 seconds")
         if max_events < 1:
@@ -222,6 +229,7 @@ class Worker(Service, Generic[T]):
         self.handler = handler
         self.transactional = transactional
         self.concurrency = concurrency or slots
+        self.key_concurrency = key_concurrency
         self.payload_type = payload_type
         self.max_events = max_events
         self.poll_interval = poll_interval
@@ -482,6 +490,7 @@ class _Lane(Generic[T]):
         self._turns: deque[int] = deque()  # slots in round-robin order
         self._ended = threading.Event()
         self._thread: Spawned | None = None
+        self._keys = KeyRunner(worker.key_concurrency, name=f"{self.name}-keys")
 
     # -- from the control thread (under worker._lock) --------------------------
 
@@ -558,6 +567,7 @@ class _Lane(Generic[T]):
         finally:
             self.lost = True
             self._ended.set()
+            self._keys.close()
             with worker._lock:
                 self.slots.clear()
                 self.claims.clear()
@@ -724,39 +734,42 @@ class _Lane(Generic[T]):
         between events: whoever owns the slot next gets the batch again."""
         worker = self.worker
         failures: dict[int, str] = {}
-        handled = 0
-        try:
-            for index, message in enumerate(batch.messages):
-                if index and session.gone():
-                    worker.log.warning("%s: session gone; slot %s stops before event %s",
-                                       self.name, batch.slot, message.id)
-                    raise _ConnectionLost("session gone during a batch")
-                try:
-                    if conn is None:
-                        handler_result(worker.handler(message))  # type: ignore[call-arg]
-                    else:
-                        self._handle_in_savepoint(message, conn, first=index == 0)
-                except (HandlerEndedTransaction, HandlerReturnedAwaitable, _ConnectionLost):
-                    raise  # no ack: they end the lane (the first two the worker)
-                except BaseException as exc:  # also CancelledError & co: the event failed
-                    if cancelled(exc):
-                        # Not the handler's failure: this lane (under asyncio, its
-                        # task) is cancelled. Nothing nacked, nothing acked: the
-                        # batch comes again, whole, to the slot's next owner.
-                        raise
-                    if conn is not None and conn.broken:
-                        raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
-                    # Expected under the skip policy, hence a warning; the traceback
-                    # is what a developer needs to fix the handler.
-                    worker.log.warning(
-                        "%s: handler failed for event %s (key %r, slot %s, retry %s): %r",
-                        self.name, message.id, message.partition_key, batch.slot,
-                        message.retry_count, exc, exc_info=True)
-                    failures[message.id] = failure_reason(exc)
+
+        def handle(index: int, message: Message[T]) -> None:
+            if index and session.gone():
+                worker.log.warning("%s: session gone; slot %s stops before event %s",
+                                   self.name, batch.slot, message.id)
+                raise _ConnectionLost("session gone during a batch")
+            try:
+                if conn is None:
+                    handler_result(worker.handler(message))  # type: ignore[call-arg]
                 else:
-                    handled += 1
-        finally:
-            worker._count(handled, len(failures))
+                    self._handle_in_savepoint(message, conn, first=index == 0)
+            except (HandlerEndedTransaction, HandlerReturnedAwaitable, _ConnectionLost):
+                raise  # no ack: they end the lane (the first two the worker)
+            except BaseException as exc:  # also CancelledError & co: the event failed
+                if cancelled(exc):
+                    # Not the handler's failure: this lane (under asyncio, its
+                    # task) is cancelled. Nothing nacked, nothing acked: the
+                    # batch comes again, whole, to the slot's next owner.
+                    raise
+                if conn is not None and conn.broken:
+                    raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
+                # Expected under the skip policy, hence a warning; the traceback
+                # is what a developer needs to fix the handler.
+                worker.log.warning(
+                    "%s: handler failed for event %s (key %r, slot %s, retry %s): %r",
+                    self.name, message.id, message.partition_key, batch.slot,
+                    message.retry_count, exc, exc_info=True)
+                failures[message.id] = failure_reason(exc)
+                worker._count(0, 1)
+            else:
+                worker._count(1, 0)
+
+        # One event at a time, or with key_concurrency up to that many keys at
+        # once (never two events of one key): the runner stops every key at its
+        # next event when one raises, and raises that once the others return.
+        self._keys.run(batch.messages, _partition_key, handle)
         return failures
 
     def _handle_in_savepoint(self, message: Message[T], conn: Conn, *,
@@ -826,6 +839,10 @@ def _on_savepoint(conn: Conn, statement: str) -> None:
     except psycopg.errors.InvalidSavepointSpecification as exc:  # released by the handler
         raise HandlerEndedTransaction(
             f"a transactional handler released the worker's savepoint: {exc}") from exc
+
+
+def _partition_key(message: Message[T]) -> str | None:
+    return message.partition_key
 
 
 def failure_reason(exc: BaseException) -> str:

@@ -11,6 +11,7 @@ see worker_process.py.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import signal
 import subprocess
@@ -38,8 +39,10 @@ _example = itertools.count()
 class WorkerPool:
     """Worker processes that can be killed and replaced."""
 
-    def __init__(self, dsn: str, queue: str, slots: int, count: int, seed: int) -> None:
+    def __init__(self, dsn: str, queue: str, slots: int, count: int, seed: int,
+                 key_concurrency: int = 1) -> None:
         self.args = [dsn, queue, "g", str(slots), "4"]
+        self.env = {**os.environ, "PGQUE_TEST_KEY_CONCURRENCY": str(key_concurrency)}
         self.queue = queue
         self.seed = seed
         self.monitor = pgque.connect(dsn)
@@ -48,7 +51,8 @@ class WorkerPool:
 
     def _spawn(self) -> subprocess.Popen[str]:
         self.seed += 1
-        return subprocess.Popen([sys.executable, WORKER_SCRIPT, *self.args, str(self.seed)])
+        return subprocess.Popen([sys.executable, WORKER_SCRIPT, *self.args, str(self.seed)],
+                                env=self.env)
 
     def wait_members(self) -> None:
         """Wait until every live process has joined the group."""
@@ -92,10 +96,12 @@ class WorkerPool:
        keys=st.integers(1, 10),
        per_producer=st.integers(10, 80),
        kills=st.lists(st.tuples(st.floats(0.05, 0.6), st.integers(0, 5)), max_size=2),
-       seed=st.integers(0, 10_000))
+       seed=st.integers(0, 10_000),
+       key_concurrency=st.sampled_from([1, 3]))
 def test_per_key_order_and_single_processor(
         dsn: str, conn: psycopg.Connection[Any], slots: int, worker_delta: int, producers: int,
-        keys: int, per_producer: int, kills: list[tuple[float, int]], seed: int) -> None:
+        keys: int, per_producer: int, kills: list[tuple[float, int]], seed: int,
+        key_concurrency: int) -> None:
     queue = f"order{next(_example)}"
     conn.execute("create table if not exists handled (id bigserial primary key, ev_id bigint, "
                  "key text, producer int, seq int, pid int, retry int, started timestamptz, "
@@ -104,7 +110,7 @@ def test_per_key_order_and_single_processor(
     with pgque.connect(dsn) as admin:
         admin.create_queue(queue, ticker_max_lag=0, ticker_max_count=100)
         admin.subscribe_slots(queue, "g", slots=slots)
-    pool = WorkerPool(dsn, queue, slots, max(1, slots + worker_delta), seed)
+    pool = WorkerPool(dsn, queue, slots, max(1, slots + worker_delta), seed, key_concurrency)
 
     sent: dict[tuple[int, str], list[int]] = defaultdict(list)
     errors: list[BaseException] = []

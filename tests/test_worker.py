@@ -286,3 +286,73 @@ def test_a_tick_wakes_only_the_lanes_whose_slots_it_has_events_for(
     assert after[owner][1] > before[owner][1]
     woken = sorted(pid for pid in before if pid != owner and after[pid] != before[pid])
     assert woken == [], f"lanes of other slots than {slot} made calls: {woken}"
+
+
+def test_key_concurrency_runs_keys_of_a_slot_at_once_never_one_key_twice(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """key_concurrency=4 on one slot: events of different keys overlap (up to 4
+    at once), events of one key never do and come in send order; a failed
+    event is nacked and retried like any other, every event handled."""
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=1)
+    keys = [f"tenant-{n}" for n in range(6)]
+    sent: dict[str, list[int]] = {key: [] for key in keys}
+    for n in range(60):
+        key = keys[n % len(keys)]
+        sent[key].append(client.send("q", "e", {"n": n}, partition_key=key))
+    poison = sent["tenant-2"][3]
+    lock = threading.Lock()
+    running: dict[str, int] = defaultdict(int)
+    busy = [0, 0]  # now, most at once
+    first_seen: dict[str, list[int]] = defaultdict(list)
+    seen: set[int] = set()
+    overlaps: list[str] = []
+    done = threading.Event()
+    gate = threading.Barrier(2, timeout=10)  # two keys meet: they do run at once
+
+    def handler(message: pgque.Message[Any]) -> None:
+        key = message.partition_key
+        assert key is not None
+        with lock:
+            running[key] += 1
+            if running[key] > 1:
+                overlaps.append(key)
+            busy[0] += 1
+            busy[1] = max(busy)
+            if message.id not in seen:
+                seen.add(message.id)
+                first_seen[key].append(message.id)
+            meet = message.id in (sent["tenant-0"][0], sent["tenant-1"][0])
+        try:
+            if meet:
+                gate.wait()
+            threading.Event().wait(0.005)
+            if message.id == poison and message.retry_count == 0:
+                raise RuntimeError("fails once")
+        finally:
+            with lock:
+                running[key] -= 1
+                busy[0] -= 1
+                if len(seen) == 60 and message.retry_count == 1:
+                    done.set()
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=handler,
+                          key_concurrency=4, retry_after=0, poll_interval=0.05,
+                          ticker=pgque.Ticker(dsn, maintenance_interval=0.1))
+    with worker:
+        assert done.wait(30), f"handled {len(seen)} of 60"
+    assert overlaps == []
+    assert 2 <= busy[1] <= 4
+    assert dict(first_seen) == sent
+    assert worker.failed == 1 and worker.handled == 60
+    no_batch_open_no_lock(conn)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"key_concurrency": 0}, "key_concurrency must be at least 1"),
+    ({"key_concurrency": 2, "transactional": True}, "key_concurrency must be 1"),
+])
+def test_key_concurrency_is_checked(dsn: str, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=lambda m, *rest: None,
+                     ticker=False, **options)

@@ -29,17 +29,26 @@ import pgque
 
 def main() -> int:
     dsn, queue, consumer, slots, max_delay_ms, seed = sys.argv[1:7]
+    # The Worker's key_concurrency (PGQUE_TEST_KEY_CONCURRENCY, default 1).
+    key_concurrency = int(os.environ.get("PGQUE_TEST_KEY_CONCURRENCY", "1"))
     rng = random.Random(int(seed))
-    local = threading.local()
-
-    def recorder() -> psycopg.Connection[Any]:
-        if not hasattr(local, "conn") or local.conn.closed:
-            local.conn = psycopg.connect(dsn, autocommit=True)
-        conn: psycopg.Connection[Any] = local.conn
-        return conn
+    # Recording connections, one per handler running at once (a free list:
+    # with key_concurrency the handlers of a lane run on several threads or tasks).
+    free: list[psycopg.Connection[Any]] = []
+    free_lock = threading.Lock()
 
     def handler(message: pgque.Message[Any]) -> None:
-        conn = recorder()
+        with free_lock:
+            conn = free.pop() if free else None
+        if conn is None or conn.closed:
+            conn = psycopg.connect(dsn, autocommit=True)
+        try:
+            record(conn, message)
+        finally:
+            with free_lock:
+                free.append(conn)
+
+    def record(conn: psycopg.Connection[Any], message: pgque.Message[Any]) -> None:
         row = conn.execute(
             "insert into handled (ev_id, key, producer, seq, pid, retry, started) "
             "values (%s, %s, %s, %s, %s, %s, clock_timestamp()) returning id",
@@ -49,13 +58,19 @@ def main() -> int:
         threading.Event().wait(rng.uniform(0, int(max_delay_ms)) / 1000)
         conn.execute("update handled set ended = clock_timestamp() where id = %s", (row[0],))
 
-    conns: dict[object, psycopg.AsyncConnection[Any]] = {}  # one per lane's task
+    async_free: list[psycopg.AsyncConnection[Any]] = []
 
     async def async_handler(message: pgque.Message[Any]) -> None:
-        lane = asyncio.current_task()
-        if lane not in conns or conns[lane].closed:
-            conns[lane] = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-        conn = conns[lane]
+        conn = async_free.pop() if async_free else None
+        if conn is None or conn.closed:
+            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        try:
+            await async_record(conn, message)
+        finally:
+            async_free.append(conn)
+
+    async def async_record(conn: psycopg.AsyncConnection[Any],
+                           message: pgque.Message[Any]) -> None:
         cur = await conn.execute(
             "insert into handled (ev_id, key, producer, seq, pid, retry, started) "
             "values (%s, %s, %s, %s, %s, %s, clock_timestamp()) returning id",
@@ -71,6 +86,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format=f"[worker {os.getpid()}] %(message)s")
     options: dict[str, Any] = {"queue": queue, "consumer": consumer, "slots": int(slots),
                                "max_events": 20, "poll_interval": 0.05,
+                               "key_concurrency": key_concurrency,
                                "rebalance_interval": 0.2}
     # Returns after SIGTERM, having released everything.
     if os.environ.get("PGQUE_TEST_WORKER") == "async":  # the AsyncWorker (conftest.py)

@@ -82,6 +82,7 @@ RENAMES = {
     "acheck_handler": "check_handler",
     "ahandler_result": "handler_result",
     "acancelled": "cancelled",
+    "AKeyRunner": "KeyRunner",
     "AHandlerResult": "HandlerResult",
     # psycopg and psycopg_pool
     "AsyncConnection": "Connection",
