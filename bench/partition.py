@@ -67,6 +67,10 @@ HANDLERS = (
     # process, as a Kafka consumer handling its partitions in one poll loop.
     Handler("sleep_1ms.concurrency_1", "1 ms handler, concurrency=1 (one event at a time)",
             ("--handler", "sleep", "--sleep-ms", str(SLEEP_MS), "--concurrency", "1"), 8_000),
+    # Keys in parallel inside each slot: up to 8 events of different keys at once.
+    Handler("sleep_1ms.key_concurrency_8", "1 ms handler, key_concurrency=8",
+            ("--handler", "sleep", "--sleep-ms", str(SLEEP_MS), "--key-concurrency", "8"),
+            40_000),
 )
 
 

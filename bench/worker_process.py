@@ -1,7 +1,8 @@
 """One benchmark worker process: ``pgque.Worker`` with a chosen handler, run until SIGTERM.
 
     python -m bench.worker_process DSN QUEUE CONSUMER OUT [--slots N] [--handler KIND]
-        [--sleep-ms MS] [--max-events N] [--concurrency N] [--no-ticker]
+        [--sleep-ms MS] [--max-events N] [--concurrency N]
+        [--key-concurrency N] [--no-ticker]
 
 Started by the ``partition`` and ``latency`` suites, so every worker is a real
 OS process with its own interpreter (no GIL shared with the producer or with
@@ -50,6 +51,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sleep-ms", type=float, default=1.0)
     parser.add_argument("--max-events", type=int, help="default: the Worker's")
     parser.add_argument("--concurrency", type=int, help="default: the Worker's (= slots)")
+    parser.add_argument("--key-concurrency", type=int, help="default: the Worker's (1)")
     parser.add_argument("--no-ticker", action="store_true",
                         help="run no Ticker: the suite makes the ticks itself")
     return parser.parse_args(argv)
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         options["max_events"] = args.max_events
     if args.concurrency is not None:
         options["concurrency"] = args.concurrency
+    if args.key_concurrency is not None:
+        options["key_concurrency"] = args.key_concurrency
     if args.no_ticker:
         options["ticker"] = False
 

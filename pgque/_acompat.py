@@ -312,8 +312,9 @@ class KeyRunner:
     """Runs the items of a batch with up to ``limit`` keys at once and never two
     items of one key at once: each key's items one after another, in order, on
     one of the lane's ``limit`` threads (kept for the lane's life, so that a
-    handler's thread-local state lasts). The first exception stops every key
-    at its next item and is raised once the running items have returned."""
+    handler's thread-local state lasts), which take the keys in turn. The
+    first exception stops every key at its next item and is raised once the
+    running items have returned."""
 
     def __init__(self, limit: int, name: str) -> None:
         self.limit = limit
@@ -329,20 +330,29 @@ class KeyRunner:
                 handle(index, item)
             return
         stop = threading.Event()
+        turns = iter(groups)  # next() under the GIL: each group goes to one thread
+        take = threading.Lock()
 
-        def run_group(indexes: list[int]) -> None:
-            for index in indexes:
-                if stop.is_set():
+        def run_groups() -> None:
+            # One call per thread, taking groups until none is left: a future per
+            # thread and batch, not per event.
+            while not stop.is_set():
+                with take:
+                    indexes = next(turns, None)
+                if indexes is None:
                     return
-                try:
-                    handle(index, items[index])
-                except BaseException:
-                    stop.set()
-                    raise
+                for index in indexes:
+                    if stop.is_set():
+                        return
+                    try:
+                        handle(index, items[index])
+                    except BaseException:
+                        stop.set()
+                        raise
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix=self.name)
-        futures = [self._pool.submit(run_group, group) for group in groups]
+        futures = [self._pool.submit(run_groups) for _ in range(min(self.limit, len(groups)))]
         wait_futures(futures)
         for future in futures:
             error = future.exception()
@@ -359,9 +369,9 @@ class KeyRunner:
 class AKeyRunner:
     """Runs the items of a batch with up to ``limit`` keys at once and never two
     items of one key at once: each key's items one after another, in order, in
-    a task of its own. The first exception stops every key at its next item
-    and is raised once the running items have returned; a cancel of the
-    caller cancels them all."""
+    one of ``limit`` tasks that take the keys in turn. The first exception
+    stops every key at its next item and is raised once the running items
+    have returned; a cancel of the caller cancels them all."""
 
     def __init__(self, limit: int, name: str) -> None:
         self.limit = limit
@@ -375,11 +385,13 @@ class AKeyRunner:
             for index, item in enumerate(items):
                 await handle(index, item)
             return
-        turns = asyncio.Semaphore(self.limit)
         stop = asyncio.Event()
+        turns = iter(groups)
 
-        async def run_group(indexes: list[int]) -> None:
-            async with turns:
+        async def run_groups() -> None:
+            # limit tasks, each taking groups until none is left: a task per
+            # key at once, not per event.
+            for indexes in turns:
                 for index in indexes:
                     if stop.is_set():
                         return
@@ -390,8 +402,8 @@ class AKeyRunner:
                         raise
 
         # Through aspawn, so that acancelled tells a cancel of these tasks apart.
-        tasks = [aspawn(run_group, group, name=f"{self.name}-key{n}")
-                 for n, group in enumerate(groups)]
+        tasks = [aspawn(run_groups, name=f"{self.name}{n}")
+                 for n in range(min(self.limit, len(groups)))]
         try:
             await asyncio.wait(tasks)
         except asyncio.CancelledError:

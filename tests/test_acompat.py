@@ -235,3 +235,126 @@ def test_cancelled_tells_a_cancelled_task_from_a_handler_s_own_cancelled_error()
         return own, other, seen
 
     assert asyncio.run(flavour()) == (False, False, [True])
+
+
+ITEMS = [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1), ("a", 2), ("d", 0), ("c", 1)]
+
+
+def _key(item: tuple[str, int]) -> str:
+    return item[0]
+
+
+class _Trace:
+    """What a KeyRunner did: each key's items in the order run, overlaps of one
+    key, and the most items running at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.order: dict[str, list[int]] = {}
+        self.running: dict[str, int] = {}
+        self.overlaps = 0
+        self.now = 0
+        self.most = 0
+
+    def enter(self, item: tuple[str, int]) -> None:
+        with self.lock:
+            self.order.setdefault(item[0], []).append(item[1])
+            self.running[item[0]] = self.running.get(item[0], 0) + 1
+            self.overlaps += self.running[item[0]] > 1
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def leave(self, item: tuple[str, int]) -> None:
+        with self.lock:
+            self.running[item[0]] -= 1
+            self.now -= 1
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_key_runner_runs_keys_in_parallel_each_key_in_order(limit: int) -> None:
+    trace, atrace = _Trace(), _Trace()
+    runner = _acompat.KeyRunner(limit, "t")
+
+    def handle(index: int, item: tuple[str, int]) -> None:
+        assert ITEMS[index] == item
+        trace.enter(item)
+        time.sleep(0.01)
+        trace.leave(item)
+
+    try:
+        runner.run(ITEMS, _key, handle)
+    finally:
+        runner.close()
+
+    async def flavour() -> None:
+        arunner = _acompat.AKeyRunner(limit, "t")
+
+        async def ahandle(index: int, item: tuple[str, int]) -> None:
+            assert ITEMS[index] == item
+            atrace.enter(item)
+            await asyncio.sleep(0.01)
+            atrace.leave(item)
+
+        await arunner.run(ITEMS, _key, ahandle)
+        await arunner.close()
+
+    asyncio.run(flavour())
+    for t in (trace, atrace):
+        assert t.order == {"a": [0, 1, 2], "b": [0, 1], "c": [0, 1], "d": [0]}
+        assert t.overlaps == 0
+        assert t.most == limit  # four keys: as many at once as allowed
+
+
+def test_key_runner_stops_every_key_at_the_first_error_and_raises_it() -> None:
+    ran: list[tuple[str, int]] = []
+
+    def handle(index: int, item: tuple[str, int]) -> None:
+        ran.append(item)
+        if item == ("a", 0):
+            raise KeyError("boom")
+        time.sleep(0.02)
+
+    runner = _acompat.KeyRunner(2, "t")
+    with pytest.raises(KeyError, match="boom"):
+        runner.run(ITEMS, _key, handle)
+    runner.close()
+    assert ("a", 1) not in ran and len(ran) < len(ITEMS)
+
+    aran: list[tuple[str, int]] = []
+
+    async def flavour() -> None:
+        async def ahandle(index: int, item: tuple[str, int]) -> None:
+            aran.append(item)
+            if item == ("a", 0):
+                raise KeyError("boom")
+            await asyncio.sleep(0.02)
+
+        with pytest.raises(KeyError, match="boom"):
+            await _acompat.AKeyRunner(2, "t").run(ITEMS, _key, ahandle)
+
+    asyncio.run(flavour())
+    assert ("a", 1) not in aran and len(aran) < len(ITEMS)
+
+
+def test_a_cancelled_key_runner_cancels_its_keys() -> None:
+    cancelled: list[str] = []
+
+    async def flavour() -> None:
+        going = asyncio.Event()
+
+        async def ahandle(index: int, item: tuple[str, int]) -> None:
+            going.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(item[0])
+                raise
+
+        task = asyncio.ensure_future(_acompat.AKeyRunner(3, "t").run(ITEMS, _key, ahandle))
+        await going.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(flavour(), 10))
+    assert sorted(cancelled) == ["a", "b", "c"]
