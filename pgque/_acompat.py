@@ -251,23 +251,33 @@ def handler_result(result: object) -> None:
     def) passes check_handler, but nobody would await its work: the coroutine
     is closed (so no "never awaited" warning) and HandlerReturnedAwaitable,
     which stops the worker before it acks the batch."""
-    if not inspect.isawaitable(result):
-        return
+    if inspect.isawaitable(result):
+        _refuse_awaitable(result, "pgque.Worker calls its handler without awaiting, so that "
+                                  "work would never run; the batch is not acked. Use "
+                                  "pgque.AsyncWorker with an async def handler")
+
+
+async def ahandler_result(result: Awaitable[object]) -> None:
+    """Await what an AsyncWorker's handler returned: the handling itself. What
+    that gives back must not be awaitable either: ``return work(m)`` in an
+    async def, an ``await`` forgotten, would leave the work undone."""
+    value = await result
+    if inspect.isawaitable(value):
+        _refuse_awaitable(value, "the handler returned it un-awaited (a missing await), so "
+                                 "that work would never run; the batch is not acked")
+
+
+def _refuse_awaitable(result: Awaitable[object], why: str) -> None:
+    """Close a coroutine a handler left behind (no "never awaited" warning) and
+    raise HandlerReturnedAwaitable, which stops the worker before its ack."""
     if inspect.iscoroutine(result):
         name = getattr(result, "__qualname__", type(result).__name__)
         result.close()
         what = f"a coroutine ({name})"
     else:
         what = f"an awaitable ({type(result).__name__})"
-    raise HandlerReturnedAwaitable(
-        f"the handler returned {what} instead of handling the event: pgque.Worker calls its "
-        f"handler without awaiting, so that work would never run; the batch is not acked. "
-        f"Use pgque.AsyncWorker with an async def handler")
-
-
-async def ahandler_result(result: Awaitable[object]) -> None:
-    """Await what an AsyncWorker's handler returned: the handling itself."""
-    await result
+    raise HandlerReturnedAwaitable(f"the handler returned {what} instead of handling the "
+                                   f"event: {why}")
 
 
 def _is_coroutine_function(handler: object) -> bool:

@@ -310,6 +310,13 @@ class Worker(Service, Generic[T]):
             with contextlib.suppress(Exception):  # closing a dead connection may fail
                 conn.close()
 
+    def retryable(self, exc: Exception) -> bool:
+        # The worker's own Ticker gave up (it never connected, say): with no
+        # ticks nothing would ever be delivered, so the worker stops with it.
+        if self.ticker is not None and exc is self.ticker.error:
+            return False
+        return super().retryable(exc)
+
     def cleanup(self) -> None:
         # Also after an error that stopped the worker: the lanes finish and leave.
         self._stop.set()
@@ -331,6 +338,9 @@ class Worker(Service, Generic[T]):
         while not self.stopping:
             if self._fatal is not None:
                 raise self._fatal
+            if self.ticker is not None and self.ticker.error is not None:
+                self.log.error("%s: its Ticker stopped: %r", self.name, self.ticker.error)
+                raise self.ticker.error
             now = time.monotonic()
             if now >= next_rebalance:
                 self._rebalance(control)

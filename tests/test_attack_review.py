@@ -2,9 +2,9 @@
 idle-slot probe (_slot_has_nothing), pending_slots and the Worker's targeted
 wakeups, and the issue-11 fixes.
 
-Tests marked ``xfail(strict=True)`` show a defect found in review (they fail on
-the reviewed code, commit 17522a7, and should pass once it is fixed); those
-whose docstring starts with "Held:" are attacks that did not work, kept as
+The tests without "Held:" showed a defect found in review: each failed on the
+reviewed code (commit 17522a7) and passes since its fix. Those whose
+docstring starts with "Held:" are attacks that did not work, kept as
 regression tests."""
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ def _drain_slot(client: pgque.Client, slot: int, slots: int) -> list[int]:
 # -- 1. slot indexes -------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="receive_partitioned with slots NULL applies no "
-                   "routing filter: the owner of slot 0 receives every slot's events")
 def test_receive_partitioned_with_a_null_slot_count_gets_only_its_slot(
         client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
     """DESIGN 3: receive_partitioned "returns only its hash class, filtered
@@ -139,9 +137,6 @@ def test_idle_probe_finds_an_event_committed_after_a_tick_that_saw_it_in_progres
     assert _drain_slot(client, 1, slots) == [ev]
 
 
-@pytest.mark.xfail(strict=True, reason="the slot index build's SHARE lock (and the drop's "
-                   "ACCESS EXCLUSIVE) is held until the subscriber's transaction ends: "
-                   "producers of the queue wait for the whole transaction")
 @pytest.mark.parametrize("call", ["subscribe_slots", "unsubscribe_slots"])
 def test_subscribing_in_a_transaction_does_not_hold_the_producers(
         client: pgque.Client, dsn: str, call: str) -> None:
@@ -171,8 +166,6 @@ def test_subscribing_in_a_transaction_does_not_hold_the_producers(
 # -- 4. issue-11 fixes -------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a Worker whose own Ticker gave up (never connected "
-                   "within connect_timeout) keeps running without ticks and without an error")
 def test_a_worker_whose_ticker_never_connected_does_not_run_on_silently(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
     """0.2.0: "a Worker, AsyncWorker or Ticker that has not connected once within
@@ -214,8 +207,6 @@ def test_a_worker_whose_ticker_never_connected_does_not_run_on_silently(
         conn.execute(f"drop role {role}")
 
 
-@pytest.mark.xfail(strict=True, reason="an AsyncWorker handler that returns an un-awaited "
-                   "coroutine has its event counted as handled and acked, no work done")
 def test_an_async_handler_that_returns_a_coroutine_is_not_acked(
         client: pgque.Client, dsn: str) -> None:
     """The sync twin of this was fixed in 0.2.0 (HandlerReturnedAwaitable: "before,
@@ -419,6 +410,7 @@ def test_concurrent_subscribes_with_producers_lose_and_misroute_nothing(
         stop.set()
         for thread in producers:
             thread.join(10)
+    client.maintenance()  # where the slot indexes are made, since the review
     names = {r[0] for r in conn.execute(
         "select c.relname from pg_class c join pg_namespace n on n.oid = c.relnamespace"
         " where n.nspname = 'pgque' and c.relkind = 'i' and c.relname ~ %s",

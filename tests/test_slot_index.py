@@ -70,21 +70,31 @@ def test_a_group_gives_every_event_table_an_index_for_its_slot_count(
     tables = slot_indexes(client.conn, queue_id)
     assert tables and all(names == [] for names in tables.values())
     client.subscribe_slots("q", "one", slots=1)  # one slot: no filter, no index
+    client.maintenance()
     assert all(names == [] for names in slot_indexes(client.conn, queue_id).values())
     client.subscribe_slots("q", "a", slots=4)
     client.subscribe_slots("q", "b", slots=4)  # the same count: the same index
     client.subscribe_slots("q", "c", slots=16)
+    # Subscribing touches no event table; maintenance makes the indexes.
+    assert all(names == [] for names in slot_indexes(client.conn, queue_id).values())
+    client.maintenance()
     assert slot_indexes(client.conn, queue_id) == {
         table: [f"{table}_slots16", f"{table}_slots4"] for table in tables}
     client.unsubscribe_slots("q", "a")  # b still counts 4
+    client.maintenance()
     assert all(len(names) == 2 for names in slot_indexes(client.conn, queue_id).values())
     client.unsubscribe_slots("q", "b")
+    client.maintenance()
     assert slot_indexes(client.conn, queue_id) == {
         table: [f"{table}_slots16"] for table in tables}
     client.unsubscribe_slots("q", "c")
+    client.maintenance()
     assert all(names == [] for names in slot_indexes(client.conn, queue_id).values())
-    # Installing again changes nothing about them.
+    # In line with the groups, a queue needs no maintenance for them (an idle
+    # queue's maintenance takes no lock), and installing again changes nothing.
     client.subscribe_slots("q", "c", slots=16)
+    client.maintenance()
+    assert not scalar(client.conn, "select pgque._slot_indexes_due(%s)", (queue_id,))
     client.install()
     assert slot_indexes(client.conn, queue_id) == {
         table: [f"{table}_slots16"] for table in tables}
@@ -94,6 +104,7 @@ def test_a_group_gives_every_event_table_an_index_for_its_slot_count(
 def test_a_slot_reads_only_its_own_events(client: pgque.Client, slots: int) -> None:
     queue_id = client.create_queue("q", ticker_max_count=500)
     client.subscribe_slots("q", "g", slots=slots)
+    client.maintenance()
     for _ in range(4):
         client.send_batch("q", [("e", {"n": n}, f"key-{n}") for n in range(500)])
         client.tick("q")
@@ -109,30 +120,30 @@ def test_a_slot_reads_only_its_own_events(client: pgque.Client, slots: int) -> N
     assert (scanned(client.conn, queue_id) - before) / delivered <= 1.5
 
 
-def test_a_busy_table_gets_its_index_at_its_next_truncate_and_reads_the_same(
+def test_a_busy_table_is_not_waited_for_and_reads_the_same(
         client: pgque.Client, dsn: str) -> None:
-    """A table that a long transaction holds is not waited for: the group
-    subscribes at once, its slots read that table without the index (the same
-    events), and maintenance adds the index once it truncates the table."""
-    queue_id = client.create_queue("q", rotation_period=0)
-    client.subscribe("q", "plain")
+    """A table that a long transaction holds is not waited for: maintenance
+    indexes the others, the group's slots read that table without the index
+    (the same events), and a later pass indexes it once it is free."""
+    queue_id = client.create_queue("q")
     current = scalar(client.conn, "select queue_cur_table from pgque.queue where queue_id = %s",
                      (queue_id,))
+    busy = f"event_{queue_id}_{current}"
     with psycopg.connect(dsn) as holder:  # not autocommit: the lock stays
-        holder.execute(f"lock table pgque.event_{queue_id}_{current} in row exclusive mode")
-        subscribed = threading.Event()
+        holder.execute(f"lock table pgque.{busy} in row exclusive mode")
+        client.subscribe_slots("q", "g", slots=4)  # touches no event table: no wait
+        done = threading.Event()
 
-        def subscribe() -> None:
+        def maintain() -> None:
             with pgque.connect(dsn) as other:
-                other.subscribe_slots("q", "g", slots=4)
-            subscribed.set()
+                other.maintenance()
+            done.set()
 
-        thread = threading.Thread(target=subscribe)
+        thread = threading.Thread(target=maintain)
         thread.start()
-        assert subscribed.wait(10), "subscribe_slots waited for the busy table"
+        assert done.wait(10), "maintenance waited for the busy table"
         thread.join()
         indexes = slot_indexes(client.conn, queue_id)
-        busy = f"event_{queue_id}_{current}"
         assert indexes[busy] == []
         assert all(names == [f"{t}_slots4"] for t, names in indexes.items() if t != busy)
         holder.rollback()
@@ -147,18 +158,52 @@ def test_a_busy_table_gets_its_index_at_its_next_truncate_and_reads_the_same(
             got.extend(m.id for m in batch)
             client.ack(batch)
     assert sorted(got) == sorted(sent)
-    # Consume everything, rotate away from the table, and let maintenance
-    # truncate it: it comes back with its index.
+    client.maintenance()  # free now, and small
+    assert slot_indexes(client.conn, queue_id)[busy] == [f"{busy}_slots4"]
+
+
+def test_a_large_table_is_indexed_at_its_truncate_and_reads_the_same(
+        client: pgque.Client) -> None:
+    """Building an index holds the table's inserts: maintenance builds none on
+    a table larger than _slot_index_build_limit(), which gets its index when
+    maintenance truncates it; meanwhile its slots get exactly their events."""
+    queue_id = client.create_queue("q", rotation_period=0)
+    client.subscribe("q", "plain")
+    limit = scalar(client.conn, "select pgque._slot_index_build_limit()")
+    current = scalar(client.conn, "select queue_cur_table from pgque.queue where queue_id = %s",
+                     (queue_id,))
+    big = f"event_{queue_id}_{current}"
+    payload = "x" * 2000
+    while scalar(client.conn, f"select pg_relation_size('pgque.{big}')") <= limit:
+        client.send_batch("q", [("e", payload, f"k{n}") for n in range(500)])
+    client.subscribe_slots("q", "g", slots=2)
+    client.maintenance()
+    indexes = slot_indexes(client.conn, queue_id)
+    assert indexes[big] == []
+    assert all(names == [f"{t}_slots2"] for t, names in indexes.items() if t != big)
+    client.tick("q")
+    counts = []
+    for slot in range(2):
+        assert client.claim_slot("q", "g", slot)
+        while (batch := client.receive_partitioned("q", "g", slot=slot, slots=2)):
+            assert all(scalar(client.conn, "select pgque.slot_of(%s, 2)",
+                              (m.partition_key,)) == slot for m in batch.messages[:5])
+            counts.append(len(batch))
+            client.ack(batch)
+    sent = scalar(client.conn, f"select count(*) from pgque.{big}")
+    assert sum(counts) == sent
+    # Everyone past it: rotation moves on, truncates it, and indexes it empty.
     while (batch := client.receive("q", "plain")):
         client.ack(batch)
-    for _ in range(5):
+    for _ in range(6):
         client.tick("q")
+        for slot in range(2):
+            while (batch := client.receive_partitioned("q", "g", slot=slot, slots=2)):
+                client.ack(batch)
         client.maintenance()
-        if slot_indexes(client.conn, queue_id)[busy]:
+        if slot_indexes(client.conn, queue_id)[big]:
             break
-        client.conn.execute("update pgque.queue set queue_switch_time = now() - interval '1 day'"
-                            " where queue_id = %s", (queue_id,))
-    assert slot_indexes(client.conn, queue_id)[busy] == [f"{busy}_slots4"]
+    assert slot_indexes(client.conn, queue_id)[big] == [f"{big}_slots2"]
 
 
 def test_an_index_made_by_hand_with_the_same_name_pattern_is_not_ours_to_keep(
@@ -168,32 +213,8 @@ def test_an_index_made_by_hand_with_the_same_name_pattern_is_not_ours_to_keep(
     table = f"event_{queue_id}_0"
     client.conn.execute(f"create index {table}_slots7 on pgque.{table} (ev_id)")
     client.subscribe_slots("q", "g", slots=3)
+    client.maintenance()
     assert slot_indexes(client.conn, queue_id)[table] == [f"{table}_slots3"]
-
-
-def test_a_group_does_not_index_a_big_table_while_producers_wait(client: pgque.Client) -> None:
-    """Building an index holds the table's inserts: subscribe builds none on a
-    table of more than _slot_index_build_limit() rows (that table is indexed
-    at its next truncate), and its slots still get exactly their events."""
-    queue_id = client.create_queue("q")
-    limit = scalar(client.conn, "select pgque._slot_index_build_limit()")
-    sent = client.send_batch("q", [("e", None, f"k{n}") for n in range(limit + 1)])
-    client.subscribe_slots("q", "g", slots=2)
-    current = scalar(client.conn, "select queue_cur_table from pgque.queue where queue_id = %s",
-                     (queue_id,))
-    indexes = slot_indexes(client.conn, queue_id)
-    big = f"event_{queue_id}_{current}"
-    assert indexes[big] == []
-    assert all(names == [f"{t}_slots2"] for t, names in indexes.items() if t != big)
-    client.tick("q")
-    counts = []
-    for slot in range(2):
-        assert client.claim_slot("q", "g", slot)
-        batch = client.receive_partitioned("q", "g", slot=slot, slots=2)
-        assert batch is not None
-        counts.append(len(batch))
-        client.ack(batch)
-    assert sum(counts) == len(sent)
 
 
 def receivable(client: pgque.Client, slots: int) -> frozenset[int]:

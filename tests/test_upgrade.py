@@ -112,6 +112,7 @@ def test_upgrade_from_0_1_0_loses_nothing_and_equals_a_fresh_install(
         fresh.create_queue("q", max_retries=1)
         # The same group: its slot count gives the event tables an index.
         fresh.subscribe_slots("q", "g", slots=2)
+        fresh.maintenance()
         installed = catalog(fresh.conn)
         fresh_dump = pg_dump_schema(pg_server, fresh_dsn)
     for name in upgraded:

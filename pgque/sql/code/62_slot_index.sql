@@ -6,9 +6,15 @@
 -- count N > 1 that a group of the queue uses, an index on
 -- (the routing formula with N written out, ev_txid): a slot's read then
 -- fetches only the rows of its hash class. The index is an access path and
--- nothing more: a table without it (busy when the group subscribed) gives the
--- same events, read the slower way, until maintenance next truncates the
--- table and adds it there.
+-- nothing more: a table without it gives the same events, read the slower way.
+--
+-- Maintenance keeps the indexes in line with the groups (pgque.maint), each
+-- pass in its own short transaction: subscribe and unsubscribe touch no
+-- event table, so neither makes producers wait, in whatever transaction they
+-- run. A pass builds an index only on a table it can lock within 50 ms and
+-- that is small (_slot_index_build_limit), so that the build holds producers
+-- for milliseconds; a busy or large table gets its index when maintenance
+-- truncates it, empty.
 --
 -- The formula must match, character for character, the filter that
 -- _batch_where writes, or the planner will not use the index: both take it
@@ -26,13 +32,14 @@ as $$
     select pgque._event_table(p_queue_id, p_n) || '_slots' || p_slots::text
 $$;
 
--- pgque._slot_index_build_limit(): the most rows an event table may hold for
--- a group's subscribe to build its slot index there (a few milliseconds).
+-- pgque._slot_index_build_limit(): the largest event table (in bytes, its
+-- heap on disk) that maintenance builds a slot index on while producers may
+-- be waiting: about 10,000 events of a few hundred bytes, a few milliseconds.
 create or replace function pgque._slot_index_build_limit()
-returns integer
+returns bigint
 language sql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select 10000 $$;
+as $$ select 4 * 1024 * 1024::bigint $$;
 
 -- pgque._sync_slot_indexes(queue_id, n, busy_wait): makes event table n of the
 -- queue (null: every event table) have exactly one slot index per slot count
@@ -42,9 +49,9 @@ as $$ select 10000 $$;
 -- as it is and gets its indexes when maintenance next truncates it. Null
 -- waits as long as it takes (for a caller that holds the table's lock).
 -- A caller that does not hold the lock (busy_wait given) builds no index on
--- a table of more than _slot_index_build_limit() rows either: the build would
--- hold the table's producers for as long as it takes; that table, too, gets
--- its index at its next truncate. Returns how many indexes were created or
+-- a table larger than _slot_index_build_limit() either: the build would hold
+-- the table's producers for as long as it takes; that table, too, gets its
+-- index at its next truncate. Returns how many indexes were created or
 -- dropped.
 --
 -- The caller holds the queue's maintenance lock (pgque._lock_queue), so two
@@ -67,7 +74,6 @@ declare
     v_slots integer;
     v_changed integer := 0;
     v_here integer;
-    v_rows bigint;
     n integer;
 begin
     select q.queue_ntables into v_ntables from pgque.queue q where q.queue_id = p_queue_id;
@@ -85,12 +91,10 @@ begin
         continue when v_have @> v_wanted and v_wanted @> v_have;
         v_here := 0;
         v_build := v_wanted;
-        if p_busy_wait is not null and not v_wanted <@ v_have then
-            execute format('select count(*) from (select from pgque.%I limit %s) s',
-                           v_table, pgque._slot_index_build_limit() + 1) into v_rows;
-            if v_rows > pgque._slot_index_build_limit() then
-                v_build := '{}';  -- too big to index now: only drop, on this table
-            end if;
+        if p_busy_wait is not null
+           and pg_relation_size(format('pgque.%I', v_table)::regclass)
+               > pgque._slot_index_build_limit() then
+            v_build := '{}';  -- too big to index now: only drop, on this table
         end if;
         begin
             if p_busy_wait is not null then
@@ -120,16 +124,30 @@ begin
 end
 $$;
 
--- Queues made before slot indexes existed get theirs on upgrade (nothing to
--- do on a fresh install, and nothing on a second run of the same install).
-do $sync$
-declare
-    v_queue integer;
-begin
-    for v_queue in select q.queue_id from pgque.queue q order by q.queue_id loop
-        if pgque._lock_queue(v_queue, 'maint', true) then
-            perform pgque._sync_slot_indexes(v_queue, null, '50ms');
-        end if;
-    end loop;
-end
-$sync$;
+-- pgque._slot_indexes_due(queue_id): whether _sync_slot_indexes would change
+-- anything now, without locking: an index no group needs, or one missing on a
+-- table small enough to build it on. Read-only (for _maint_due).
+create or replace function pgque._slot_indexes_due(p_queue_id integer)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with wanted as (
+        select distinct g.cg_slots as slots from pgque.consumer_group g
+         where g.cg_queue = p_queue_id and g.cg_slots > 1),
+    tables as (
+        select n, format('pgque.%I', pgque._event_table(p_queue_id, n))::regclass as rel,
+               pgque._event_table(p_queue_id, n) as name
+          from pgque.queue q cross join generate_series(0, q.queue_ntables - 1) n
+         where q.queue_id = p_queue_id),
+    have as (
+        select t.n, substring(c.relname from '_slots([0-9]+)$')::integer as slots
+          from tables t join pg_index i on i.indrelid = t.rel
+          join pg_class c on c.oid = i.indexrelid
+         where c.relname ~ ('^' || t.name || '_slots[0-9]+$'))
+    select exists (select 1 from have h where h.slots not in (select slots from wanted))
+        or exists (select 1 from tables t cross join wanted w
+                    where pg_relation_size(t.rel) <= pgque._slot_index_build_limit()
+                      and not exists (select 1 from have h
+                                       where h.n = t.n and h.slots = w.slots))
+$$;

@@ -102,8 +102,9 @@ $$;
 -- slot and the count, and registers the group, owned by the caller, with its
 -- count and a random membership key unless it exists; returns the group row
 -- (PQ020 if it exists with another count, PQ014 if it belongs to a role the
--- caller may not act for). A new group gives the queue's event tables their
--- index for its slot count, if no other group had one (62_slot_index.sql).
+-- caller may not act for). It touches no event table: maintenance gives them
+-- the index for a new slot count (62_slot_index.sql), in a transaction of its
+-- own, so a subscribe inside a long transaction holds no producer.
 create or replace function pgque._ensure_group(
     p_queue pgque.queue, p_consumer text, p_slot integer, p_slots integer)
 returns pgque.consumer_group
@@ -114,19 +115,10 @@ begin
     perform pgque._check_name('consumer', p_consumer);
     perform pgque._check_slot(p_slot, p_slots);
     perform pgque._require_queue(p_queue, 'consume');
-    if not exists (select 1 from pgque.consumer_group
-                    where cg_queue = p_queue.queue_id and cg_consumer = p_consumer) then
-        -- The maintenance lock before the group row, the order drop_queue
-        -- takes them in; it keeps index syncs of one queue one at a time.
-        perform pgque._lock_queue(p_queue.queue_id, 'maint', true);
-        insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots, cg_owner, cg_lock_key)
-        values (p_queue.queue_id, p_consumer, p_slots, pgque._role_id(pgque._caller()),
-                pgque._random_key())
-        on conflict (cg_queue, cg_consumer) do nothing;
-        if found then
-            perform pgque._sync_slot_indexes(p_queue.queue_id, null, '50ms');
-        end if;
-    end if;
+    insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots, cg_owner, cg_lock_key)
+    values (p_queue.queue_id, p_consumer, p_slots, pgque._role_id(pgque._caller()),
+            pgque._random_key())
+    on conflict (cg_queue, cg_consumer) do nothing;
     return pgque._group(p_queue, p_consumer, p_slots);
 end
 $$;
@@ -179,8 +171,8 @@ $$;
 -- pgque.unsubscribe_slots(queue, consumer): removes a consumer group with all
 -- its slot subscriptions (their cursors, open batches and retries); the
 -- group may then be subscribed again with another slot count. Returns how
--- many slot subscriptions were removed. The group's slot index is dropped
--- when no other group of the queue has its slot count.
+-- many slot subscriptions were removed. Maintenance drops the slot index of
+-- its count once no other group of the queue has that count.
 create or replace function pgque.unsubscribe_slots(p_queue text, p_consumer text)
 returns integer
 language plpgsql
@@ -192,15 +184,11 @@ declare
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v_count integer;
 begin
-    perform pgque._lock_queue(v_queue.queue_id, 'maint', true);  -- see _ensure_group
     v_count := pgque._unsubscribe(
         v_queue.queue_id,
         array(select pgque._slot_name(p_consumer, k, v_group.cg_slots)
                 from generate_series(0, v_group.cg_slots - 1) k));
     delete from pgque.consumer_group where cg_id = v_group.cg_id;
-    -- The slot count's index goes with its last group (or, on a busy table,
-    -- at the table's next truncate).
-    perform pgque._sync_slot_indexes(v_queue.queue_id, null, '50ms');
     return v_count;
 end
 $$;
@@ -208,7 +196,8 @@ $$;
 -- pgque._slot_sub(queue, consumer, slot, slots, lock): the slot's queue,
 -- group and subscription rows and cursor, each looked up once, after
 -- validating slot and slots (null: the group's), the persisted count and the
--- caller's access to the group.
+-- caller's access to the group. Callers filter by grp.cg_slots, never by the
+-- slots they were given: a null count means the group's, not "no filter".
 create or replace function pgque._slot_sub(
     p_queue text, p_consumer text, p_slot integer, p_slots integer, p_lock boolean,
     out queue pgque.queue, out grp pgque.consumer_group, out sub pgque.subscription,
@@ -411,7 +400,7 @@ begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, false);
     perform pgque._require_owner(v.sub);
     if not pgque._has_next_tick((v.queue).queue_id, v.cur)
-       or pgque._slot_has_nothing(v.queue, v.sub, v.cur, p_slot, p_slots) then
+       or pgque._slot_has_nothing(v.queue, v.sub, v.cur, p_slot, (v.grp).cg_slots) then
         return;  -- idle: no lock taken, nothing written
     end if;
     -- Before the receive lock. Null while a transaction fenced by the previous
@@ -425,7 +414,8 @@ begin
     perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
     return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
                         r.ev_extra1, v_epoch
-                   from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot, p_slots) r;
+                   from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
+                                       (v.grp).cg_slots) r;
 end
 $$;
 
@@ -465,7 +455,7 @@ begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
     perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
-                        p_retry_after, p_slot, p_slots);
+                        p_retry_after, p_slot, (v.grp).cg_slots);
     return pgque._ack(v.sub, v.cur, p_batch_id);
 end
 $$;
@@ -488,7 +478,7 @@ begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
     return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, array[p_reason],
-                       p_retry_after, p_slot, p_slots);
+                       p_retry_after, p_slot, (v.grp).cg_slots);
 end
 $$;
 
