@@ -204,6 +204,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
         # an index on the routing formula besides the ev_txid one).
         for queue in ("send_indexed", "batch_indexed"):
             client.subscribe_slots(queue, CONSUMER, slots=SLOTS)
+            client.maintenance(queue)  # which makes the group's slot index
         producers = _Producers(client, plain, rows)
         drain = _Drain(client, rows, sizes.tick_every)
         batch_warmup = _warmup(sizes.batch_total, sizes.batch_size)

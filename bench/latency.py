@@ -130,6 +130,7 @@ def _latency_runs(client: pgque.Client, dsn: str, slots: int, rate: int, sizes: 
     queue = f"lat_n{slots}_r{rate}"
     client.create_queue(queue)
     client.subscribe_slots(queue, CONSUMER, slots=slots)
+    client.maintenance(queue)  # the slot index at once, not at the worker's first pass
     producer = _Producer(client)
     worker = WorkerProcess(dsn, queue, CONSUMER, "--slots", str(slots), "--handler", "record")
     rounds: list[_Round] = []

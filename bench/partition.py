@@ -97,6 +97,9 @@ class _Queues:
         name = f"{prefix}_{self._made}"
         queue_id = self.client.create_queue(name, ticker_max_count=BATCH)
         self.client.subscribe_slots(name, CONSUMER, slots=slots)  # before any event
+        # Maintenance makes the group's slot index (a Ticker's pass would within
+        # a second; these runs tick by hand).
+        self.client.maintenance(name)
         return name, queue_id
 
     def produce(self, queue: str, rows: list[Row]) -> tuple[list[int], datetime, int]:

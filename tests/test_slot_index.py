@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar
+from helpers import scalar, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -274,3 +274,30 @@ def test_pending_slots_is_refused_to_a_role_that_may_not_use_the_group(
     finally:
         conn.execute("drop owned by pgque_test_stranger")
         conn.execute("drop role pgque_test_stranger")
+
+
+def test_an_idle_slot_catches_up_on_a_queue_that_stopped_ticking(client: pgque.Client) -> None:
+    """A slot with nothing in its ticks skips moving its cursor only while its
+    last tick is under a second old (by the database clock), so on a queue
+    that went quiet its cursor still reaches the newest tick: rotation and
+    monitoring see it caught up, not one tick behind until the next idle tick."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    key = next(k for k in (f"k{n}" for n in range(100))
+               if scalar(client.conn, "select pgque.slot_of(%s, 2)", (k,)) == 0)
+    for slot in (0, 1):
+        assert client.claim_slot("q", "g", slot)
+    client.send("q", "e", None, partition_key=key)
+    client.tick("q")
+    batch = client.receive_partitioned("q", "g", slot=0, slots=2)
+    assert batch is not None
+    client.ack(batch)
+
+    def slot1_behind() -> int:
+        assert client.receive_partitioned("q", "g", slot=1, slots=2) is None
+        (status,) = [s for s in client.partition_slot_status("q") if s.slot == 1]
+        return status.ticks_behind
+
+    assert slot1_behind() == 1  # skipped: its last tick is fresh
+    wait_for(lambda: slot1_behind() == 0, timeout=10, interval=0.2,
+             what="the idle slot's cursor to reach the newest tick")

@@ -335,8 +335,8 @@ $$;
 
 -- pgque._slot_has_nothing(queue, sub, cur, slot, slots): true when the slot's
 -- cursor, with no open batch, has no event of its hash class between its last
--- tick and the queue's newest, and that newest tick is less than
--- _slot_cursor_lag() after the last one. receive_partitioned then returns
+-- tick and the queue's newest, and its last tick is less than
+-- _slot_cursor_lag() old (by the database clock). receive_partitioned then returns
 -- without locking or writing anything, instead of consuming those empty
 -- batches: with N slots, most slots find nothing in most ticks at low rates,
 -- and a cursor write with its commit per slot per tick was most of what a
@@ -359,7 +359,7 @@ begin
     select * into v_last from pgque.tick
      where tick_queue = p_queue.queue_id and tick_id = p_cur.cur_last_tick;
     if v_last.tick_id is null or v_newest.tick_id is null
-       or v_newest.tick_time - v_last.tick_time >= pgque._slot_cursor_lag() then
+       or now() - v_last.tick_time >= pgque._slot_cursor_lag() then
         return false;
     end if;
     return not pgque._batch_has_events(p_queue.queue_id, p_sub.sub_id, v_last.tick_snapshot,
@@ -367,10 +367,11 @@ begin
 end
 $$;
 
--- pgque._slot_cursor_lag(): how far (in tick time) a slot's cursor may stay
--- behind the queue's newest tick while no event of the slot came in, before
--- receive_partitioned moves it (writing it). Bounds the ticks and event
--- tables kept for idle slots, and the lag that monitoring shows for them.
+-- pgque._slot_cursor_lag(): how old a slot's last tick may get while no event
+-- of the slot came in, before receive_partitioned moves its cursor to the
+-- newest tick (writing it). Bounds the ticks and event tables kept for idle
+-- slots, and the lag that monitoring shows for them, also on a queue that
+-- stopped ticking.
 create or replace function pgque._slot_cursor_lag()
 returns interval
 language sql immutable
