@@ -746,6 +746,7 @@ class _Lane(Generic[T]):
         between events: whoever owns the slot next gets the batch again."""
         worker = self.worker
         failures: dict[int, str] = {}
+        handled: list[int] = []  # ids; appended from the runner's threads (atomic)
 
         async def handle(index: int, message: Message[T]) -> None:
             if index and session.gone():
@@ -774,14 +775,16 @@ class _Lane(Generic[T]):
                     self.name, message.id, message.partition_key, batch.slot,
                     message.retry_count, exc, exc_info=True)
                 failures[message.id] = failure_reason(exc)
-                worker._count(0, 1)
             else:
-                worker._count(1, 0)
+                handled.append(message.id)
 
         # One event at a time, or with key_concurrency up to that many keys at
         # once (never two events of one key): the runner stops every key at its
         # next event when one raises, and raises that once the others return.
-        await self._keys.run(batch.messages, _partition_key, handle)
+        try:
+            await self._keys.run(batch.messages, _partition_key, handle)
+        finally:
+            worker._count(len(handled), len(failures))  # one lock a batch, not an event
         return failures
 
     async def _handle_in_savepoint(self, message: Message[T], conn: AsyncConn, *,

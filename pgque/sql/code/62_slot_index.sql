@@ -41,6 +41,44 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$ select 4 * 1024 * 1024::bigint $$;
 
+-- pgque._slot_counts_wanted(queue_id): the slot counts above 1 that the
+-- queue's consumer groups use, ascending: those its event tables need an
+-- index for.
+create or replace function pgque._slot_counts_wanted(p_queue_id integer)
+returns integer[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce(array_agg(distinct g.cg_slots order by g.cg_slots), '{}')
+      from pgque.consumer_group g
+     where g.cg_queue = p_queue_id and g.cg_slots > 1
+$$;
+
+-- pgque._slot_indexes_on(queue_id, n): the slot counts that event table n of
+-- the queue has a slot index for (by the index names _slot_index_name gives).
+create or replace function pgque._slot_indexes_on(p_queue_id integer, p_n integer)
+returns integer[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce(array_agg(substring(c.relname from '_slots([0-9]+)$')::integer), '{}')
+      from pg_index i join pg_class c on c.oid = i.indexrelid
+     where i.indrelid = format('pgque.%I', pgque._event_table(p_queue_id, p_n))::regclass
+       and c.relname ~ ('^' || pgque._event_table(p_queue_id, p_n) || '_slots[0-9]+$')
+$$;
+
+-- pgque._slot_index_buildable(queue_id, n): whether event table n of the
+-- queue is small enough for an index build while producers may wait
+-- (_slot_index_build_limit).
+create or replace function pgque._slot_index_buildable(p_queue_id integer, p_n integer)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_relation_size(format('pgque.%I', pgque._event_table(p_queue_id, p_n))::regclass)
+           <= pgque._slot_index_build_limit()
+$$;
+
 -- pgque._sync_slot_indexes(queue_id, n, busy_wait): makes event table n of the
 -- queue (null: every event table) have exactly one slot index per slot count
 -- above 1 that a consumer group of the queue uses: creates the missing ones
@@ -64,8 +102,7 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_wanted integer[] := array(select distinct g.cg_slots from pgque.consumer_group g
-                                 where g.cg_queue = p_queue_id and g.cg_slots > 1);
+    v_wanted integer[] := pgque._slot_counts_wanted(p_queue_id);
     v_lock_timeout text := current_setting('lock_timeout');
     v_ntables integer;
     v_table text;
@@ -83,17 +120,11 @@ begin
     for n in 0 .. v_ntables - 1 loop
         continue when p_n is not null and n <> p_n;
         v_table := pgque._event_table(p_queue_id, n);
-        select coalesce(array_agg(substring(c.relname from '_slots([0-9]+)$')::integer), '{}')
-          into v_have
-          from pg_index i join pg_class c on c.oid = i.indexrelid
-         where i.indrelid = format('pgque.%I', v_table)::regclass
-           and c.relname ~ ('^' || v_table || '_slots[0-9]+$');
+        v_have := pgque._slot_indexes_on(p_queue_id, n);
         continue when v_have @> v_wanted and v_wanted @> v_have;
         v_here := 0;
         v_build := v_wanted;
-        if p_busy_wait is not null
-           and pg_relation_size(format('pgque.%I', v_table)::regclass)
-               > pgque._slot_index_build_limit() then
+        if p_busy_wait is not null and not pgque._slot_index_buildable(p_queue_id, n) then
             v_build := '{}';  -- too big to index now: only drop, on this table
         end if;
         begin
@@ -129,25 +160,22 @@ $$;
 -- table small enough to build it on. Read-only (for _maint_due).
 create or replace function pgque._slot_indexes_due(p_queue_id integer)
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    with wanted as (
-        select distinct g.cg_slots as slots from pgque.consumer_group g
-         where g.cg_queue = p_queue_id and g.cg_slots > 1),
-    tables as (
-        select n, format('pgque.%I', pgque._event_table(p_queue_id, n))::regclass as rel,
-               pgque._event_table(p_queue_id, n) as name
-          from pgque.queue q cross join generate_series(0, q.queue_ntables - 1) n
-         where q.queue_id = p_queue_id),
-    have as (
-        select t.n, substring(c.relname from '_slots([0-9]+)$')::integer as slots
-          from tables t join pg_index i on i.indrelid = t.rel
-          join pg_class c on c.oid = i.indexrelid
-         where c.relname ~ ('^' || t.name || '_slots[0-9]+$'))
-    select exists (select 1 from have h where h.slots not in (select slots from wanted))
-        or exists (select 1 from tables t cross join wanted w
-                    where pg_relation_size(t.rel) <= pgque._slot_index_build_limit()
-                      and not exists (select 1 from have h
-                                       where h.n = t.n and h.slots = w.slots))
+declare
+    v_wanted integer[] := pgque._slot_counts_wanted(p_queue_id);
+    v_have integer[];
+    n integer;
+begin
+    for n in 0 .. coalesce((select q.queue_ntables from pgque.queue q
+                             where q.queue_id = p_queue_id), 0) - 1 loop
+        v_have := pgque._slot_indexes_on(p_queue_id, n);
+        if not v_have <@ v_wanted
+           or (not v_wanted <@ v_have and pgque._slot_index_buildable(p_queue_id, n)) then
+            return true;
+        end if;
+    end loop;
+    return false;
+end
 $$;
