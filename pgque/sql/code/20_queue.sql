@@ -205,6 +205,8 @@ begin
 
     v_queue.queue_event_seq := ('pgque.' || v_seq)::regclass;
     perform pgque._store_config(v_queue);
+    -- No one else writes this reader before the queue row commits.
+    perform pgque._sync_batch_reader(v_queue.queue_id);
 
     perform pgque._make_tick(v_queue);
     return v_queue.queue_id;
@@ -288,5 +290,6 @@ begin
     delete from pgque.queue where queue_id = v_queue.queue_id;
     execute format('drop table pgque.%I cascade', v_parent);
     execute format('drop sequence pgque.%I', v_parent || '_id_seq');
+    perform pgque._drop_batch_reader(v_queue.queue_id);
 end
 $$;

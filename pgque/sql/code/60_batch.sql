@@ -35,16 +35,20 @@ as $$
                   p_slots, p_slots, p_slots)
 $$;
 
--- pgque._batch_where(slot, slots): the condition that picks a batch's events
--- from an event table e, as SQL text over the parameters $1..$8 that
--- _batch_events and _batch_has_events pass (see there). The "dual filter":
--- transactions not visible in prev are those at or above its xmax plus those
--- in progress when it was taken (its xip list), so the ev_txid index is read
--- for one range and a short list of ids instead of whole tables. With slots
--- above 1 the routing formula is spelled out with its count as a literal, so
--- the planner can use the tables' slot index (62_slot_index.sql) and read
--- only the slot's rows. Built from integers only: no caller text.
-create or replace function pgque._batch_where(p_slot integer, p_slots integer)
+-- pgque._batch_where(slots): the condition that picks a batch's events from
+-- an event table e, as SQL text over the positional parameters
+--   $1 prev's xmax, $2 next's xmax, $3 prev's in-progress list (xid8[]),
+--   $4 the snapshot next, $5 the subscription, $6 after (ev_id), $7 upto
+--   (ev_id, null: no bound), $8 ids (null: all), $9 the slot.
+-- The "dual filter": transactions not visible in prev are those at or above
+-- its xmax plus those in progress when it was taken (its xip list), so the
+-- ev_txid index is read for one range and a short list of ids instead of
+-- whole tables. With slots above 1 the routing formula is spelled out with
+-- its count as a literal, so the planner can use the tables' slot index
+-- (62_slot_index.sql) and read only the slot's rows. Built from an integer
+-- only: no caller text. The batch readers (64_batch_reader.sql) hold it as
+-- static SQL, _batch_events and _batch_has_events run it dynamically.
+create or replace function pgque._batch_where(p_slots integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -57,7 +61,51 @@ as $$
            ' and ($8::bigint[] is null or e.ev_id = any($8))'
            -- A group of one slot has every event in its one slot: no filter.
            || case when p_slots is null or p_slots = 1 then ''
-                   else format(' and %s = %s', pgque._slot_expr(p_slots), p_slot) end
+                   else format(' and %s = $9', pgque._slot_expr(p_slots)) end
+$$;
+
+-- pgque._read_batch(queue_id, sub_id, prev, next, after, upto, max, ids,
+--                   slot, slots, probe): the events of a batch as
+-- _batch_events describes them, at most max of them (null: all); with probe,
+-- at most one, in no particular order (whether there is any). Through the
+-- queue's batch reader when it has a branch for slots, else with the same
+-- statement as dynamic SQL. Every value reaches the statement as a
+-- parameter; the text spliced in is built from integers only.
+create or replace function pgque._read_batch(
+    p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
+    p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
+    p_slot integer, p_slots integer, p_probe boolean)
+returns pgque.event_template[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_prev_xmax xid8 := pg_snapshot_xmax(p_prev);
+    v_next_xmax xid8 := pg_snapshot_xmax(p_next);
+    v_prev_xip xid8[] := array(select pg_snapshot_xip(p_prev));
+    v_events pgque.event_template[];
+begin
+    execute format('select pgque.%I($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)',
+                   pgque._batch_reader_name(p_queue_id))
+       into v_events
+      using v_prev_xmax, v_next_xmax, v_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
+            p_slot, p_max, p_slots, p_probe;
+    if v_events is not null then
+        return v_events;
+    end if;
+    execute format(
+        case when p_probe
+             then 'select array(select row(e.*)::pgque.event_template from pgque.%I e'
+                  ' where %s limit 1)'
+             else 'select array(select row(x.*)::pgque.event_template'
+                  ' from (select e.* from pgque.%I e where %s order by e.ev_id limit $10) x)'
+        end,
+        pgque._event_table(p_queue_id), pgque._batch_where(p_slots))
+       into v_events
+      using v_prev_xmax, v_next_xmax, v_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
+            p_slot, p_max;
+    return v_events;
+end
 $$;
 
 -- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
@@ -67,53 +115,31 @@ $$;
 -- another subscription, with after < ev_id <= upto (upto null: no bound),
 -- at most max of them (null: all), only ids when given, and only the hash
 -- class slot of slots when slots is given (the condition: _batch_where).
--- Every value reaches the statement as a parameter; the text spliced in is
--- built from integers only (the table name from the queue id, the condition).
 create or replace function pgque._batch_events(
     p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
     p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
     p_slot integer default null, p_slots integer default null)
 returns pgque.event_template[]
-language plpgsql stable
+language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-declare
-    v_events pgque.event_template[];
-begin
-    execute format(
-        'select array(select row(e.*)::pgque.event_template from pgque.%I e'
-        ' where %s order by e.ev_id limit $9)',
-        pgque._event_table(p_queue_id), pgque._batch_where(p_slot, p_slots))
-       into v_events
-      using pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
-            array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, p_after, p_upto,
-            p_ids, p_max;
-    return v_events;
-end
+    select pgque._read_batch(p_queue_id, p_sub_id, p_prev, p_next, p_after, p_upto, p_max,
+                             p_ids, p_slot, p_slots, false)
 $$;
 
 -- pgque._batch_has_events(queue_id, sub_id, prev, next, slot, slots): whether
 -- the batch between snapshots prev and next holds any event for the
--- subscription (and slot): _batch_events' condition, asked with exists, so
--- the scan stops at the first event found instead of sorting the range.
+-- subscription (and slot): _batch_events' condition, with a scan that stops
+-- at the first event found instead of sorting the range.
 create or replace function pgque._batch_has_events(
     p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
     p_slot integer default null, p_slots integer default null)
 returns boolean
-language plpgsql stable
+language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-declare
-    v_found boolean;
-begin
-    execute format('select exists (select from pgque.%I e where %s)',
-                   pgque._event_table(p_queue_id), pgque._batch_where(p_slot, p_slots))
-       into v_found
-      using pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
-            array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, 0::bigint, null::bigint,
-            null::bigint[];
-    return v_found;
-end
+    select cardinality(pgque._read_batch(p_queue_id, p_sub_id, p_prev, p_next, 0, null, null,
+                                         null, p_slot, p_slots, true)) > 0
 $$;
 
 -- pgque._next_tick(queue, cur): the tick that closes the next batch of a

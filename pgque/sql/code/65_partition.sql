@@ -573,9 +573,9 @@ $$;
 -- last tick and covered by the queue's newest tick. A hint for waking
 -- workers, not a promise: a slot that receives after the answer may find the
 -- event taken by a retry's owner filter or a newer tick, and a slot left out
--- is found by its next poll. One statement: each slot is one probe of the
--- slot index (62_slot_index.sql), which stops at the first event found.
--- Read-only; refused (PQ014) to roles that may not use the group.
+-- is found by its next poll. Each slot is one probe through the queue's
+-- batch reader (64_batch_reader.sql) and its slot index (62_slot_index.sql),
+-- which stops at the first event found. Read-only; refused (PQ014) to roles that may not use the group.
 create or replace function pgque.pending_slots(p_queue text, p_consumer text)
 returns integer[]
 language plpgsql stable
@@ -586,36 +586,29 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v_newest pgque.tick := pgque._last_tick(v_queue.queue_id);
-    v_slots integer[];
+    v_slots integer[] := '{}';
+    v record;
 begin
     if v_newest.tick_id is null then
         return '{}';
     end if;
-    -- Events not visible in the slot's last tick and visible in the newest:
-    -- the dual filter of _batch_where, spelled with the slot's own snapshot
-    -- (read from its xmin, which is a superset of what it must read).
-    execute format(
-        'select coalesce(array_agg(x.k order by x.k), ''{}'')'
-        '  from (select k, s.sub_id, c.cur_batch, t.tick_snapshot as prev'
-        '          from generate_series(0, $1 - 1) k'
-        '          join pgque.subscription s'
-        '            on s.sub_queue = $2 and s.sub_consumer = pgque._slot_name($3, k, $1)'
-        '         cross join lateral pgque._current_cursor(s.sub_id) c'
-        '          left join pgque.tick t'
-        '            on t.tick_queue = $2 and t.tick_id = c.cur_last_tick) x'
-        ' where x.cur_batch is not null'
-        '    or exists (select from pgque.%I e'
-        '                where e.ev_txid >= pg_snapshot_xmin(x.prev)'
-        '                  and e.ev_txid < pg_snapshot_xmax($4)'
-        '                  and pg_visible_in_snapshot(e.ev_txid, $4)'
-        '                  and not pg_visible_in_snapshot(e.ev_txid, x.prev)'
-        '                  and (e.ev_owner is null or e.ev_owner = x.sub_id)'
-        '                  and %s)',
-        pgque._event_table(v_queue.queue_id),
-        case when v_group.cg_slots = 1 then 'true'
-             else format('%s = x.k', pgque._slot_expr(v_group.cg_slots)) end)
-       into v_slots
-      using v_group.cg_slots, v_queue.queue_id, p_consumer, v_newest.tick_snapshot;
+    -- Per slot: an open batch, or any event in the batch from its last tick
+    -- to the newest (_batch_has_events: one probe through the batch reader).
+    for v in select k, s.sub_id, c.cur_batch, t.tick_snapshot as prev
+               from generate_series(0, v_group.cg_slots - 1) k
+               join pgque.subscription s
+                 on s.sub_queue = v_queue.queue_id
+                and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)
+              cross join lateral pgque._current_cursor(s.sub_id) c
+               join pgque.tick t
+                 on t.tick_queue = v_queue.queue_id and t.tick_id = c.cur_last_tick
+              order by k loop
+        if v.cur_batch is not null
+           or pgque._batch_has_events(v_queue.queue_id, v.sub_id, v.prev, v_newest.tick_snapshot,
+                                      v.k, v_group.cg_slots) then
+            v_slots := v_slots || v.k;
+        end if;
+    end loop;
     return v_slots;
 end
 $$;

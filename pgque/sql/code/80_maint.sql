@@ -151,7 +151,8 @@ $$;
 -- event is below the consumed floor) or to switch to (rotation_period passed
 -- and the next table is empty), a due retry, a tick no subscription needs,
 -- a superseded cursor row or a nack record of a finished batch, a slot index
--- to make or drop (_slot_indexes_due). Each test is
+-- to make or drop (_slot_indexes_due), a batch reader to write again
+-- (_batch_reader_due). Each test is
 -- the one its step applies, so it never says no while a step would act.
 -- (Rows of a transaction still in progress are not seen; they would not be
 -- seen by the step either, and an in-progress transaction's id is never
@@ -175,7 +176,7 @@ begin
                 where r.ev_queue = p_queue.queue_id and r.ev_retry_after <= now()) then
         return true;
     end if;
-    if pgque._slot_indexes_due(p_queue.queue_id) then
+    if pgque._slot_indexes_due(p_queue.queue_id) or pgque._batch_reader_due(p_queue.queue_id) then
         return true;
     end if;
     if exists (select 1 from pgque.tick t
@@ -276,6 +277,11 @@ begin
         v_amount := pgque._sync_slot_indexes(v_queue.queue_id, null, '50ms');
         if v_amount > 0 then
             queue_name := v_queue.queue_name; step := 'slot_indexes'; amount := v_amount;
+            return next;
+        end if;
+        v_amount := pgque._sync_batch_reader(v_queue.queue_id);
+        if v_amount > 0 then
+            queue_name := v_queue.queue_name; step := 'batch_reader'; amount := v_amount;
             return next;
         end if;
     end loop;
