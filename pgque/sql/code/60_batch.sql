@@ -47,7 +47,7 @@ $$;
 -- its count as a literal, so the planner can use the tables' slot index
 -- (62_slot_index.sql) and read only the slot's rows. Built from an integer
 -- only: no caller text. The batch readers (64_batch_reader.sql) hold it as
--- static SQL, _batch_events and _batch_has_events run it dynamically.
+-- static SQL; _run_reader runs it dynamically for a count they lack.
 create or replace function pgque._batch_where(p_slots integer)
 returns text
 language sql immutable
@@ -64,46 +64,86 @@ as $$
                    else format(' and %s = $9', pgque._slot_expr(p_slots)) end
 $$;
 
--- pgque._read_batch(queue_id, sub_id, prev, next, after, upto, max, ids,
---                   slot, slots, probe): the events of a batch as
--- _batch_events describes them, at most max of them (null: all); with probe,
--- at most one, in no particular order (whether there is any). Through the
--- queue's batch reader when it has a branch for slots, else with the same
--- statement as dynamic SQL. Every value reaches the statement as a
--- parameter; the text spliced in is built from integers only.
-create or replace function pgque._read_batch(
-    p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
-    p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
-    p_slot integer, p_slots integer, p_probe boolean)
+-- pgque._probe_where(slots): the same condition for many slots at once, as
+-- the probe uses it: over the columns of a row s (k the slot, sub its
+-- subscription, prev the snapshot of its last tick) instead of $1, $3, $5
+-- and $9, with $2 and $4 as above, and no bounds on ev_id. Built from an
+-- integer only.
+create or replace function pgque._probe_where(p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select '((e.ev_txid >= pg_snapshot_xmax(s.prev) and e.ev_txid < $2)'
+           '  or e.ev_txid = any(array(select pg_snapshot_xip(s.prev))))'
+           ' and pg_visible_in_snapshot(e.ev_txid, $4)'
+           ' and (e.ev_owner is null or e.ev_owner = s.sub)'
+           || case when p_slots is null or p_slots = 1 then ''
+                   else format(' and %s = s.k', pgque._slot_expr(p_slots)) end
+$$;
+
+-- pgque._read_statement(queue_id, slots): the statement that reads a batch of
+-- the queue for a slot of slots (null: a plain consumer): the events of
+-- _batch_where, in ev_id order, at most $10 (null: all), turned into rows
+-- only once limited, so that a piece of 100 does not build the rows of the
+-- whole batch.
+create or replace function pgque._read_statement(p_queue_id integer, p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format('select array(select row(x.*)::pgque.event_template'
+                  ' from (select e.* from pgque.%I e where %s order by e.ev_id limit $10) x)',
+                  pgque._event_table(p_queue_id), pgque._batch_where(p_slots))
+$$;
+
+-- pgque._probe_statement(queue_id, slots): the statement that finds which of
+-- several slots of slots have an event in their batch up to the snapshot $4
+-- (xmax $2): for each row of unnest($12 slots, $13 subscriptions, $14 last
+-- tick snapshots), at most one of its events, found by a scan that stops at
+-- the first.
+create or replace function pgque._probe_statement(p_queue_id integer, p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format('select array(select p.ev from unnest($12, $13, $14) s(k, sub, prev)'
+                  ' cross join lateral (select row(e.*)::pgque.event_template as ev'
+                  '                      from pgque.%I e where %s limit 1) p)',
+                  pgque._event_table(p_queue_id), pgque._probe_where(p_slots))
+$$;
+
+-- pgque._run_reader(queue_id, slots, probe, $1 .. $14): runs the read (or,
+-- with probe, the probe) statement with those parameters (see
+-- _batch_where, _read_statement, _probe_statement): through the queue's
+-- batch reader when it has a branch for slots, else as dynamic SQL. Every
+-- value reaches the statement as a parameter.
+create or replace function pgque._run_reader(
+    p_queue_id integer, p_slots integer, p_probe boolean,
+    p_prev_xmax xid8, p_next_xmax xid8, p_prev_xip xid8[], p_next pg_snapshot,
+    p_sub_id integer, p_after bigint, p_upto bigint, p_ids bigint[], p_slot integer,
+    p_limit integer, p_probe_slots integer[], p_probe_subs integer[],
+    p_probe_prevs pg_snapshot[])
 returns pgque.event_template[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_prev_xmax xid8 := pg_snapshot_xmax(p_prev);
-    v_next_xmax xid8 := pg_snapshot_xmax(p_next);
-    v_prev_xip xid8[] := array(select pg_snapshot_xip(p_prev));
     v_events pgque.event_template[];
 begin
-    execute format('select pgque.%I($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)',
-                   pgque._batch_reader_name(p_queue_id))
+    execute format('select pgque.%I($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,'
+                   ' $14, $15)', pgque._batch_reader_name(p_queue_id))
        into v_events
-      using v_prev_xmax, v_next_xmax, v_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
-            p_slot, p_max, p_slots, p_probe;
+      using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
+            p_slot, p_limit, p_slots, p_probe_slots, p_probe_subs, p_probe_prevs, p_probe;
     if v_events is not null then
         return v_events;
     end if;
-    execute format(
-        case when p_probe
-             then 'select array(select row(e.*)::pgque.event_template from pgque.%I e'
-                  ' where %s limit 1)'
-             else 'select array(select row(x.*)::pgque.event_template'
-                  ' from (select e.* from pgque.%I e where %s order by e.ev_id limit $10) x)'
-        end,
-        pgque._event_table(p_queue_id), pgque._batch_where(p_slots))
+    execute case when p_probe then pgque._probe_statement(p_queue_id, p_slots)
+                 else pgque._read_statement(p_queue_id, p_slots) end
        into v_events
-      using v_prev_xmax, v_next_xmax, v_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
-            p_slot, p_max;
+      using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
+            p_slot, p_limit, p_slots, p_probe_slots, p_probe_subs, p_probe_prevs;
     return v_events;
 end
 $$;
@@ -123,8 +163,34 @@ returns pgque.event_template[]
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pgque._read_batch(p_queue_id, p_sub_id, p_prev, p_next, p_after, p_upto, p_max,
-                             p_ids, p_slot, p_slots, false)
+    select pgque._run_reader(p_queue_id, p_slots, false,
+                             pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
+                             array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, p_after,
+                             p_upto, p_ids, p_slot, p_max, null, null, null)
+$$;
+
+-- pgque._probe_slots(queue_id, next, slots, probe_slots, subs, prevs): those of
+-- probe_slots (slots of a group of slots; null: a plain consumer's 0) whose
+-- batch from prevs (the same position: its last tick's snapshot) to the
+-- snapshot next holds an event for subs (its subscription), ascending. One
+-- statement for all of them, each slot a probe that stops at its first event.
+create or replace function pgque._probe_slots(
+    p_queue_id integer, p_next pg_snapshot, p_slots integer, p_probe_slots integer[],
+    p_subs integer[], p_prevs pg_snapshot[])
+returns integer[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    -- plpgsql, not sql: slot_of comes later in the install (65_partition.sql).
+    return (select coalesce(array_agg(distinct case when p_slots is null or p_slots = 1 then 0
+                                                    else pgque.slot_of(e.ev_extra1, p_slots) end),
+                            '{}')
+              from unnest(pgque._run_reader(p_queue_id, p_slots, true, null,
+                                            pg_snapshot_xmax(p_next), null, p_next, null, null,
+                                            null, null, null, null, p_probe_slots, p_subs,
+                                            p_prevs)) e);
+end
 $$;
 
 -- pgque._batch_has_events(queue_id, sub_id, prev, next, slot, slots): whether
@@ -138,8 +204,9 @@ returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select cardinality(pgque._read_batch(p_queue_id, p_sub_id, p_prev, p_next, 0, null, null,
-                                         null, p_slot, p_slots, true)) > 0
+    select cardinality(pgque._probe_slots(p_queue_id, p_next, p_slots,
+                                          array[coalesce(p_slot, 0)], array[p_sub_id],
+                                          array[p_prev])) > 0
 $$;
 
 -- pgque._next_tick(queue, cur): the tick that closes the next batch of a

@@ -34,9 +34,9 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$ select '_batch_reader_' || p_queue_id::text $$;
 
--- pgque._batch_reader_args(): the reader's parameter list: first the
--- positional parameters $1..$9 of _batch_where's condition, then the limit,
--- the slot count and whether this is a probe.
+-- pgque._batch_reader_args(): the reader's parameter list: the positional
+-- parameters $1..$14 of _read_statement and _probe_statement (60_batch.sql),
+-- in that order ($11, the slot count, picks the branch), then whether to probe.
 create or replace function pgque._batch_reader_args()
 returns text
 language sql immutable
@@ -44,15 +44,14 @@ set search_path = pg_catalog, pg_temp
 as $$
     select 'p_prev_xmax xid8, p_next_xmax xid8, p_prev_xip xid8[], p_next pg_snapshot,'
            ' p_sub_id integer, p_after bigint, p_upto bigint, p_ids bigint[], p_slot integer,'
-           ' p_limit integer, p_slots integer, p_probe boolean'
+           ' p_limit integer, p_slots integer, p_probe_slots integer[], p_probe_subs integer[],'
+           ' p_probe_prevs pg_snapshot[], p_probe boolean'
 $$;
 
 -- pgque._batch_reader_source(queue_id, slot_counts): the body of the queue's
--- reader for the given slot counts above 1. For each count: a probe (any one
--- event of the batch, unordered: the scan stops at the first) and the read
--- (in ev_id order, at most p_limit, and only then turned into rows of
--- pgque.event_template, so that a piece of 100 does not build the rows of the
--- whole slot's batch).
+-- reader for the given slot counts above 1: for each count, and for plain
+-- consumers and groups of one slot, its probe and its read (the statements
+-- _probe_statement and _read_statement write, here static).
 create or replace function pgque._batch_reader_source(p_queue_id integer, p_slot_counts integer[])
 returns text
 language sql immutable
@@ -67,16 +66,12 @@ as $$
                   string_agg(format(
                       E'    if p_slots %s then\n'
                       '        if p_probe then\n'
-                      '            return array(select row(e.*)::pgque.event_template from pgque.%I e\n'
-                      '                          where %s limit 1);\n'
+                      '            return (%s);\n'
                       '        end if;\n'
-                      '        return array(select row(x.*)::pgque.event_template\n'
-                      '                       from (select e.* from pgque.%I e where %s\n'
-                      '                              order by e.ev_id limit p_limit) x);\n'
+                      '        return (%s);\n'
                       '    end if;\n',
                       case when n = 1 then 'is null or p_slots = 1' else '= ' || n::text end,
-                      pgque._event_table(p_queue_id), pgque._batch_where(n),
-                      pgque._event_table(p_queue_id), pgque._batch_where(n)),
+                      pgque._probe_statement(p_queue_id, n), pgque._read_statement(p_queue_id, n)),
                       '' order by n))
       from unnest(array_prepend(1, p_slot_counts)) n
 $$;

@@ -581,34 +581,42 @@ returns integer[]
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
+-- The control of every Worker asks this at each tick: planned once per
+-- session rather than per call (measured: 0.45 against 0.2 ms at N = 8).
+set plan_cache_mode = force_generic_plan
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
     v_newest pgque.tick := pgque._last_tick(v_queue.queue_id);
-    v_slots integer[] := '{}';
-    v record;
+    v_open integer[];
+    v_slots integer[];
+    v_subs integer[];
+    v_prevs pg_snapshot[];
 begin
     if v_newest.tick_id is null then
         return '{}';
     end if;
-    -- Per slot: an open batch, or any event in the batch from its last tick
-    -- to the newest (_batch_has_events: one probe through the batch reader).
-    for v in select k, s.sub_id, c.cur_batch, t.tick_snapshot as prev
-               from generate_series(0, v_group.cg_slots - 1) k
-               join pgque.subscription s
-                 on s.sub_queue = v_queue.queue_id
-                and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)
-              cross join lateral pgque._current_cursor(s.sub_id) c
-               join pgque.tick t
-                 on t.tick_queue = v_queue.queue_id and t.tick_id = c.cur_last_tick
-              order by k loop
-        if v.cur_batch is not null
-           or pgque._batch_has_events(v_queue.queue_id, v.sub_id, v.prev, v_newest.tick_snapshot,
-                                      v.k, v_group.cg_slots) then
-            v_slots := v_slots || v.k;
-        end if;
-    end loop;
-    return v_slots;
+    -- The slots with an open batch, and the others with their subscription
+    -- and the snapshot of their last tick, for one probe of them all.
+    select coalesce(array_agg(k order by k) filter (where c.cur_batch is not null), '{}'),
+           array_agg(k order by k) filter (where c.cur_batch is null),
+           array_agg(s.sub_id order by k) filter (where c.cur_batch is null),
+           array_agg(t.tick_snapshot order by k) filter (where c.cur_batch is null)
+      into v_open, v_slots, v_subs, v_prevs
+      from generate_series(0, v_group.cg_slots - 1) k
+      join pgque.subscription s
+        on s.sub_queue = v_queue.queue_id
+       and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)
+     cross join lateral pgque._current_cursor(s.sub_id) c
+      join pgque.tick t on t.tick_queue = v_queue.queue_id and t.tick_id = c.cur_last_tick;
+    if v_slots is not null then
+        v_open := array(select unnest(v_open || pgque._probe_slots(v_queue.queue_id,
+                                                                   v_newest.tick_snapshot,
+                                                                   v_group.cg_slots, v_slots,
+                                                                   v_subs, v_prevs))
+                        order by 1);
+    end if;
+    return v_open;
 end
 $$;
