@@ -604,11 +604,14 @@ begin
            array_agg(s.sub_id order by k) filter (where c.cur_batch is null),
            array_agg(t.tick_snapshot order by k) filter (where c.cur_batch is null)
       into v_open, v_slots, v_subs, v_prevs
-      from generate_series(0, v_group.cg_slots - 1) k
-      join pgque.subscription s
-        on s.sub_queue = v_queue.queue_id
-       and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)
-     cross join lateral pgque._current_cursor(s.sub_id) c
+      from unnest(array(select pgque._slot_name(p_consumer, n, v_group.cg_slots)
+                          from generate_series(0, v_group.cg_slots - 1) n))
+           with ordinality as x(name, ord)
+     cross join lateral (select x.ord::integer - 1 as k) slot
+      join pgque.subscription s on s.sub_queue = v_queue.queue_id and s.sub_consumer = x.name
+     -- pgque._current_cursor, written out: a call per slot cost more than its read.
+     cross join lateral (select o.cur_last_tick, o.cur_batch from pgque.cursor o
+                          where o.cur_sub = s.sub_id order by o.cur_seq desc limit 1) c
       join pgque.tick t on t.tick_queue = v_queue.queue_id and t.tick_id = c.cur_last_tick;
     if v_slots is not null then
         v_open := array(select unnest(v_open || pgque._probe_slots(v_queue.queue_id,
