@@ -245,6 +245,19 @@ begin
 end
 $$;
 
+-- pgque._events_asked(max_events): how many events receive reads for a piece
+-- of max_events (null: no limit): one more, to tell whether the batch goes
+-- on; computed in bigint and capped, so that max_events = 2^31 - 1 does not
+-- overflow (no batch holds that many events: no array could).
+create or replace function pgque._events_asked(p_max_events integer)
+returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when p_max_events is not null
+                then least(p_max_events::bigint + 1, 2147483647)::integer end
+$$;
+
 -- pgque._has_next_tick(queue_id, cur): whether a cursor has a batch to open
 -- or an open one: the check receive makes before taking any lock, so an idle
 -- consumer's poll writes nothing and uses no transaction id.
@@ -258,16 +271,21 @@ as $$
                     where t.tick_queue = p_queue_id and t.tick_id > p_cur.cur_last_tick)
 $$;
 
--- pgque._receive(queue, sub, cur, max_events, slot, slots): opens the next
--- batch of the locked subscription sub (cursor cur), or continues its open
--- one, and returns up to max_events of its events not yet acked, as rows
--- (batch_id, event...). Batches with no events for this subscription (or
--- slot) are consumed on the spot, several in one call, so consumers never
--- see them. An open batch with nothing left yields one row whose ev_id is
--- null; no rows means there is no batch (no tick after the last one).
+-- pgque._receive(queue, sub, cur, max_events, slot, slots, ahead, ahead_next):
+-- opens the next batch of the locked subscription sub (cursor cur), or
+-- continues its open one, and returns up to max_events of its events not yet
+-- acked, as rows (batch_id, event...). Batches with no events for this
+-- subscription (or slot) are consumed on the spot, several in one call, so
+-- consumers never see them. An open batch with nothing left yields one row
+-- whose ev_id is null; no rows means there is no batch (no tick after the
+-- last one). ahead, when given, are the first events (at most
+-- _events_asked(max_events)) of the batch from cur's last tick to tick
+-- ahead_next, read by the caller for this very cursor: that batch is opened
+-- without reading it again.
 create or replace function pgque._receive(
     p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_max_events integer,
-    p_slot integer default null, p_slots integer default null)
+    p_slot integer default null, p_slots integer default null,
+    p_ahead pgque.event_template[] default null, p_ahead_next bigint default null)
 returns setof pgque.batch_event
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -278,22 +296,25 @@ declare
     v_count integer;
     v_moved boolean := false;
     v_steps integer := 0;
-    -- One more than max_events (null: no limit), to tell whether the batch
-    -- goes on; computed in bigint and capped, so that max_events = 2^31 - 1
-    -- does not overflow (no batch holds that many events: no array could).
-    v_ask integer := case when p_max_events is not null
-                          then least(p_max_events::bigint + 1, 2147483647) end;
+    v_ask integer := pgque._events_asked(p_max_events);
 begin
     -- max_events was checked by the caller (receive, receive_partitioned).
     if p_cur.cur_batch is null then
         loop
-            p_cur.cur_next_tick := pgque._next_tick(p_queue, p_cur);
-            exit when p_cur.cur_next_tick is null;
-            v_events := pgque._batch_events(
-                p_queue.queue_id, p_sub.sub_id,
-                pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
-                pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
-                0, null, v_ask, null, p_slot, p_slots);
+            if v_steps = 0 and p_ahead is not null then
+                -- Read by the caller for this cursor (receive_partitioned's
+                -- _slot_read_ahead): the batch up to p_ahead_next.
+                p_cur.cur_next_tick := p_ahead_next;
+                v_events := p_ahead;
+            else
+                p_cur.cur_next_tick := pgque._next_tick(p_queue, p_cur);
+                exit when p_cur.cur_next_tick is null;
+                v_events := pgque._batch_events(
+                    p_queue.queue_id, p_sub.sub_id,
+                    pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
+                    pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
+                    0, null, v_ask, null, p_slot, p_slots);
+            end if;
             exit when coalesce(cardinality(v_events), 0) > 0;
             -- Nothing here for us: consume the batch now instead of a round
             -- trip to hand out and ack nothing (bounded, to keep calls short).

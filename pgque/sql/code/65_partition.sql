@@ -333,37 +333,46 @@ begin
 end
 $$;
 
--- pgque._slot_has_nothing(queue, sub, cur, slot, slots): true when the slot's
--- cursor, with no open batch, has no event of its hash class between its last
--- tick and the queue's newest, and its last tick is less than
--- _slot_cursor_lag() old (by the database clock). receive_partitioned then returns
--- without locking or writing anything, instead of consuming those empty
--- batches: with N slots, most slots find nothing in most ticks at low rates,
--- and a cursor write with its commit per slot per tick was most of what a
--- group cost. The events in a range between two existing ticks never change,
--- so the answer needs no lock. Read-only; the slot index makes it one probe.
-create or replace function pgque._slot_has_nothing(
+-- pgque._slot_read_ahead(queue, sub, cur, slot, slots, max_events): for a
+-- slot's cursor cur with no open batch, read before any lock: the tick that
+-- would close its next batch (next_tick), and that batch's first events as
+-- _receive would read them (events); idle is true when there are none, the
+-- next tick is the queue's newest, and the last tick is less than
+-- _slot_cursor_lag() old (by the database clock). receive_partitioned then
+-- returns without locking or writing anything, instead of consuming the
+-- empty batch: with N slots, most slots find nothing in most ticks at low
+-- rates, and a cursor write with its commit per slot per tick was most of
+-- what a group cost. Otherwise _receive uses the events read here if the
+-- cursor is still at the same tick once locked: the events between two
+-- existing ticks never change, so they need no lock, and a slot with work
+-- reads its batch once. Read-only. With an open batch: all null.
+create or replace function pgque._slot_read_ahead(
     p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor,
-    p_slot integer, p_slots integer)
-returns boolean
+    p_slot integer, p_slots integer, p_max_events integer,
+    out idle boolean, out next_tick bigint, out events pgque.event_template[])
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_last pgque.tick;
-    v_newest pgque.tick := pgque._last_tick(p_queue.queue_id);
 begin
+    idle := false;
     if p_cur.cur_batch is not null then
-        return false;
+        return;
     end if;
+    next_tick := pgque._next_tick(p_queue, p_cur);
     select * into v_last from pgque.tick
      where tick_queue = p_queue.queue_id and tick_id = p_cur.cur_last_tick;
-    if v_last.tick_id is null or v_newest.tick_id is null
-       or now() - v_last.tick_time >= pgque._slot_cursor_lag() then
-        return false;
+    if next_tick is null or v_last.tick_id is null then
+        return;
     end if;
-    return not pgque._batch_has_events(p_queue.queue_id, p_sub.sub_id, v_last.tick_snapshot,
-                                       v_newest.tick_snapshot, p_slot, p_slots);
+    events := pgque._batch_events(p_queue.queue_id, p_sub.sub_id, v_last.tick_snapshot,
+                                  pgque._tick_snapshot(p_queue.queue_id, next_tick),
+                                  0, null, pgque._events_asked(p_max_events), null,
+                                  p_slot, p_slots);
+    idle := cardinality(events) = 0
+            and next_tick = (pgque._last_tick(p_queue.queue_id)).tick_id
+            and now() - v_last.tick_time < pgque._slot_cursor_lag();
 end
 $$;
 
@@ -394,15 +403,24 @@ as $$
 declare
     v record;
     v_epoch bigint;
+    v_idle boolean;
+    v_ahead_next bigint;
+    v_ahead pgque.event_template[];
+    v_cursor_tick bigint;
 begin
     -- Check ownership before taking the row lock, so a non-owner never waits,
     -- and whether there is anything to receive, so an idle poll writes nothing.
     perform pgque._check_max_events(p_max_events);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, false);
+    v_cursor_tick := (v.cur).cur_last_tick;
     perform pgque._require_owner(v.sub);
-    if not pgque._has_next_tick((v.queue).queue_id, v.cur)
-       or pgque._slot_has_nothing(v.queue, v.sub, v.cur, p_slot, (v.grp).cg_slots) then
+    if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
         return;  -- idle: no lock taken, nothing written
+    end if;
+    select * into v_idle, v_ahead_next, v_ahead
+      from pgque._slot_read_ahead(v.queue, v.sub, v.cur, p_slot, (v.grp).cg_slots, p_max_events);
+    if v_idle then
+        return;  -- likewise
     end if;
     -- Before the receive lock. Null while a transaction fenced by the previous
     -- owner's epoch is still open: nothing is handed out until it ends.
@@ -413,10 +431,13 @@ begin
     select v.queue, v.grp, f.sub, f.cur into v
       from pgque._find_subscription(v.queue, (v.sub).sub_consumer, true) f;
     perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
+    if (v.cur).cur_batch is not null or (v.cur).cur_last_tick <> v_cursor_tick then
+        v_ahead := null;  -- the cursor moved meanwhile: what was read ahead is not its batch
+    end if;
     return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
                         r.ev_extra1, v_epoch
                    from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
-                                       (v.grp).cg_slots) r;
+                                       (v.grp).cg_slots, v_ahead, v_ahead_next) r;
 end
 $$;
 
