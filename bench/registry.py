@@ -17,7 +17,7 @@ from bench.measure import Measurement
 __all__ = ["Suite", "SuiteContext", "SuiteResult", "all_suites", "register"]
 
 # Imported by all_suites(), not at the top: the suite modules import this one.
-_SUITE_MODULES = ("bench.engine", "bench.partition", "bench.latency")
+_SUITE_MODULES = ("bench.engine", "bench.partition", "bench.latency", "bench.peers")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class SuiteResult:
 
     parameters: dict[str, Any]
     measurements: list[Measurement] = field(default_factory=list)
+    #: The server measured, when the suite ran on one of its own (see bench.peers).
+    server: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
