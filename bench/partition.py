@@ -208,13 +208,19 @@ class _SessionDrain:
     """Read amplification: one session drains all N slots of a pre-filled queue."""
 
     def __init__(self, queues: _Queues, drainer: pgque.Client, slots: int,
-                 max_events: int | None) -> None:
+                 max_events: int | None, together: bool = False) -> None:
         self.queues = queues
         self.drainer = drainer
         self.slots = slots
         self.max_events = max_events
+        self.together = together  # every slot in one receive_slots + ack_slots call
         self.rows_per_event: list[float] = []  # one per timed run
         self.details: list[dict[str, int]] = []
+
+    def label(self) -> str:
+        return (f"N = {self.slots}"
+                + (f", max_events={self.max_events}" if self.max_events else "")
+                + (", all slots in one call" if self.together else ""))
 
     def run(self, count: int, timed: bool) -> float:
         queue, queue_id = self.queues.create(f"read_n{self.slots}", self.slots)
@@ -225,6 +231,12 @@ class _SessionDrain:
         before = _scan_counters(self.drainer, queue_id)
         started = time.perf_counter()
         received = 0
+        if self.together:
+            while batches := self.drainer.receive_slots(
+                    queue, CONSUMER, slots=self.slots, owned=range(self.slots),
+                    max_events=self.max_events):
+                received += sum(len(batch) for batch in batches)
+                self.drainer.ack_slots(batches)
         for slot in range(self.slots):
             while (batch := self.drainer.receive_partitioned(
                     queue, CONSUMER, slot=slot, slots=self.slots,
@@ -326,22 +338,23 @@ def run(ctx: SuiteContext) -> SuiteResult:
         sessions = {f"read.n{n}": _SessionDrain(queues, drainer, n, None)
                     for n in READ_AMP_SLOTS}
         sessions[f"read.n{SLOTS}.piece{PIECE}"] = _SessionDrain(queues, drainer, SLOTS, PIECE)
+        # The same drain with every slot in one call each way (receive_slots, ack_slots).
+        for n in READ_AMP_SLOTS[1:]:
+            sessions[f"read.n{n}.together"] = _SessionDrain(queues, drainer, n, None,
+                                                            together=True)
         cases = [(name, s.run, read_count) for name, s in sessions.items()]
         values = _interleaved(cases, {name: BATCH for name in sessions}, ctx.repeats)
         amp_group = "read amplification: rows the slot queries scan per event returned"
-        rate_group = "one session drains every slot (receive_partitioned + ack): events/s"
+        rate_group = ("one session drains every slot (receive_partitioned + ack, or"
+                      " receive_slots + ack_slots: all slots in one call): events/s")
         for name, session in sessions.items():
-            label = f"N = {session.slots}" + (f", max_events={session.max_events}"
-                                              if session.max_events else "")
             measurements.append(_measurement(
-                f"{name}.rows_per_event", label, read_count, session.rows_per_event, None, None,
-                group=amp_group, unit="rows/event"))
+                f"{name}.rows_per_event", session.label(), read_count, session.rows_per_event,
+                None, None, group=amp_group, unit="rows/event"))
         base = f"read.n{READ_AMP_SLOTS[0]}"
         for name, session in sessions.items():
-            label = f"N = {session.slots}" + (f", max_events={session.max_events}"
-                                              if session.max_events else "")
             measurements.append(_measurement(
-                name, label, read_count, values[name], None if name == base else base,
+                name, session.label(), read_count, values[name], None if name == base else base,
                 statistics.median(values[base]), group=rate_group))
 
         parameters.update({

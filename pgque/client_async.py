@@ -591,6 +591,82 @@ class AsyncClient:
             (*params, consumer, slot, slots, max_events), by_name=True)
         return batch_from_rows(queue, consumer, rows, payload_type, slot, slots)
 
+    @overload
+    async def receive_slots(self, queue: str, consumer: str, *, slots: int, owned: Iterable[int],
+                            max_events: int | None = None,
+                            payload_type: None = None) -> list[Batch[Any]]: ...
+
+    @overload
+    async def receive_slots(self, queue: str, consumer: str, *, slots: int, owned: Iterable[int],
+                            max_events: int | None = None,
+                            payload_type: type[T]) -> list[Batch[T]]: ...
+
+    async def receive_slots(self, queue: str, consumer: str, *, slots: int, owned: Iterable[int],
+                            max_events: int | None = None,
+                            payload_type: type[T] | None = None) -> list[Batch[Any]]:
+        """What :meth:`receive_partitioned` returns for each of the ``owned`` slots of
+        the group (of ``slots`` slots), in one round trip: the batches that have
+        something, ascending by slot. ``max_events`` bounds each piece. The
+        session must own every slot (SlotNotOwned, and nothing is received)."""
+        check, params = self._checked(queue)
+        wanted = list(owned)
+        rows = await self._rows(
+            f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
+            (*params, consumer, slots, wanted, max_events), by_name=True)
+        by_slot: dict[int, list[Any]] = {}
+        for row in rows:
+            by_slot.setdefault(row.slot, []).append(row)
+        batches = []
+        for slot, slot_rows in by_slot.items():
+            batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots)
+            if batch is not None:
+                batches.append(batch)
+        return batches
+
+    async def ack_slots(self, batches: Sequence[Batch[Any]], *,
+                        nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
+                        retry_after: float | timedelta = 0.0) -> list[bool]:
+        """Ack several slots' batch pieces of one group (as :meth:`receive_slots`
+        returns them) in one transaction; for each, whether that finished its
+        batch. ``nack`` names failed events of any of the pieces, as for
+        :meth:`ack`: each goes to retry with its own piece's ack. All or nothing:
+        an ack that fails (SlotNotOwned, a batch no longer open) acks none."""
+        if not batches:
+            return []
+        first = batches[0]
+        if any(b.slot is None or (b.queue, b.consumer, b.slots)
+               != (first.queue, first.consumer, first.slots) for b in batches):
+            raise ValueError("ack_slots takes slot batches of one consumer group")
+        ids, reasons = nacked(nack)
+        if len(reasons) != len(ids):  # one reason (None) for all
+            reasons = reasons[:1] * len(ids)
+        reason_of = dict(zip(ids, reasons, strict=True))
+        failed: list[dict[int, str | None]] = [
+            {m.id: reason_of[m.id] for m in b.messages if m.id in reason_of} for b in batches]
+        unknown = set(reason_of) - {i for piece in failed for i in piece}
+        if unknown:
+            raise ValueError(f"events {sorted(unknown)} are in none of these batches")
+        check, params = self._checked(first.queue)
+        plain = [b for b, piece in zip(batches, failed, strict=True) if not piece]
+        statement = f"select pgque.ack_slots({check}, %s, %s, %s::integer[], %s::bigint[])"
+        if len(plain) == len(batches):
+            done: list[bool] = await self._value(
+                statement, (*params, first.consumer, first.slots, [b.slot for b in batches],
+                            [b.batch_id for b in batches]))
+            return done
+        finished: dict[int, bool] = {}
+        async with self.conn.transaction():
+            for batch, piece in zip(batches, failed, strict=True):
+                if piece:
+                    finished[id(batch)] = await self.ack(batch, nack=piece,
+                                                         retry_after=retry_after)
+            if plain:
+                flags = await self._value(
+                    statement, (*params, first.consumer, first.slots, [b.slot for b in plain],
+                                [b.batch_id for b in plain]))
+                finished.update(zip((id(b) for b in plain), flags, strict=True))
+        return [finished[id(b)] for b in batches]
+
     async def partition_slot_status(self, queue: str | None = None) -> list[SlotStatus]:
         """Every slot of every consumer group (of one queue): owner pid, pending
         events, oldest unconsumed age, stalled flag."""

@@ -387,6 +387,57 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$ select interval '1 second' $$;
 
+-- pgque._receive_slot(queue, grp, slot, sub, cur, max_events): the receive of
+-- slot slot of group grp, whose subscription sub and cursor cur were read
+-- without a lock: returns nothing when the session does not own the slot
+-- (PQ024 instead), when there is nothing to receive (taking no lock and
+-- writing nothing: an idle poll), or while the previous owner's fenced
+-- transaction is open; else opens or continues the slot's batch under the
+-- receive lock and returns its piece with the owner's epoch (66_fence.sql).
+-- The caller checked max_events and the group's access.
+create or replace function pgque._receive_slot(
+    p_queue pgque.queue, p_group pgque.consumer_group, p_slot integer,
+    p_sub pgque.subscription, p_cur pgque.cursor, p_max_events integer)
+returns setof pgque.batch_event
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+    v_epoch bigint;
+    v_idle boolean;
+    v_ahead_next bigint;
+    v_ahead pgque.event_template[];
+begin
+    -- Ownership before the row lock, so a non-owner never waits; then
+    -- whether there is anything to receive, so an idle poll writes nothing.
+    perform pgque._require_owner(p_sub);
+    if not pgque._has_next_tick(p_queue.queue_id, p_cur) then
+        return;  -- idle: no lock taken, nothing written
+    end if;
+    select * into v_idle, v_ahead_next, v_ahead
+      from pgque._slot_read_ahead(p_queue, p_sub, p_cur, p_slot, p_group.cg_slots, p_max_events);
+    if v_idle then
+        return;  -- likewise
+    end if;
+    -- Before the receive lock. Null while a transaction fenced by the previous
+    -- owner's epoch is still open: nothing is handed out until it ends.
+    v_epoch := pgque._slot_epoch(p_sub);
+    if v_epoch is null then
+        return;
+    end if;
+    select f.sub, f.cur into v from pgque._find_subscription(p_queue, p_sub.sub_consumer, true) f;
+    perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
+    if (v.cur).cur_batch is not null or (v.cur).cur_last_tick <> p_cur.cur_last_tick then
+        v_ahead := null;  -- the cursor moved meanwhile: what was read ahead is not its batch
+    end if;
+    return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
+                        r.ev_extra1, v_epoch
+                   from pgque._receive(p_queue, v.sub, v.cur, p_max_events, p_slot,
+                                       p_group.cg_slots, v_ahead, v_ahead_next) r;
+end
+$$;
+
 -- pgque.receive_partitioned(queue, consumer, slot, slots, max_events): like
 -- receive(), for slot slot of slots of a consumer group: opens the slot's
 -- batch under the receive lock and returns only the events whose key routes
@@ -402,42 +453,11 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v record;
-    v_epoch bigint;
-    v_idle boolean;
-    v_ahead_next bigint;
-    v_ahead pgque.event_template[];
-    v_cursor_tick bigint;
 begin
-    -- Check ownership before taking the row lock, so a non-owner never waits,
-    -- and whether there is anything to receive, so an idle poll writes nothing.
     perform pgque._check_max_events(p_max_events);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, false);
-    v_cursor_tick := (v.cur).cur_last_tick;
-    perform pgque._require_owner(v.sub);
-    if not pgque._has_next_tick((v.queue).queue_id, v.cur) then
-        return;  -- idle: no lock taken, nothing written
-    end if;
-    select * into v_idle, v_ahead_next, v_ahead
-      from pgque._slot_read_ahead(v.queue, v.sub, v.cur, p_slot, (v.grp).cg_slots, p_max_events);
-    if v_idle then
-        return;  -- likewise
-    end if;
-    -- Before the receive lock. Null while a transaction fenced by the previous
-    -- owner's epoch is still open: nothing is handed out until it ends.
-    v_epoch := pgque._slot_epoch(v.sub);
-    if v_epoch is null then
-        return;
-    end if;
-    select v.queue, v.grp, f.sub, f.cur into v
-      from pgque._find_subscription(v.queue, (v.sub).sub_consumer, true) f;
-    perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
-    if (v.cur).cur_batch is not null or (v.cur).cur_last_tick <> v_cursor_tick then
-        v_ahead := null;  -- the cursor moved meanwhile: what was read ahead is not its batch
-    end if;
-    return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
-                        r.ev_extra1, v_epoch
-                   from pgque._receive(v.queue, v.sub, v.cur, p_max_events, p_slot,
-                                       (v.grp).cg_slots, v_ahead, v_ahead_next) r;
+    return query select * from pgque._receive_slot(v.queue, v.grp, p_slot, v.sub, v.cur,
+                                                    p_max_events);
 end
 $$;
 

@@ -54,6 +54,8 @@ declare
         'ack_partitioned(text,text,integer,integer,bigint,bigint[],text[],interval)',
         'nack_partitioned(text,text,integer,integer,bigint,bigint[],interval,text)',
         'join_group(text,text)', 'group_status(text,text)', 'pending_slots(text,text)',
+        'receive_slots(text,text,integer,integer[],integer)',
+        'ack_slots(text,text,integer,integer[],bigint[])',
         'slot_of(text,integer)',
         'max_slots()', 'tick_channel(text)',
         'grant_consumer(text,text,text)', 'revoke_consumer(text,text,text)',
