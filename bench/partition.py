@@ -71,6 +71,11 @@ HANDLERS = (
     Handler("sleep_1ms.key_concurrency_8", "1 ms handler, key_concurrency=8",
             ("--handler", "sleep", "--sleep-ms", str(SLEEP_MS), "--key-concurrency", "8"),
             40_000),
+    # The same with an AsyncWorker: tasks instead of 64 handler threads.
+    Handler("sleep_1ms.key_concurrency_8.async",
+            "1 ms async handler (asyncio.sleep), AsyncWorker, key_concurrency=8",
+            ("--handler", "sleep", "--sleep-ms", str(SLEEP_MS), "--key-concurrency", "8",
+             "--async"), 40_000),
 )
 
 

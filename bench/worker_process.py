@@ -2,11 +2,13 @@
 
     python -m bench.worker_process DSN QUEUE CONSUMER OUT [--slots N] [--handler KIND]
         [--sleep-ms MS] [--max-events N] [--concurrency N]
-        [--key-concurrency N] [--no-ticker]
+        [--key-concurrency N] [--no-ticker] [--async]
 
 Started by the ``partition`` and ``latency`` suites, so every worker is a real
 OS process with its own interpreter (no GIL shared with the producer or with
-the other workers). Options left out keep the Worker's defaults.
+the other workers). Options left out keep the Worker's defaults. With ``--async`` the process runs a ``pgque.AsyncWorker``
+under ``asyncio.run`` instead, with ``async def`` handlers (``sleep`` awaits
+``asyncio.sleep``).
 
 Handlers:
 
@@ -27,6 +29,7 @@ Worker's counters), ``ids`` (in handling order) and, for ``record``,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -54,6 +57,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--key-concurrency", type=int, help="default: the Worker's (1)")
     parser.add_argument("--no-ticker", action="store_true",
                         help="run no Ticker: the suite makes the ticks itself")
+    parser.add_argument("--async", dest="use_async", action="store_true",
+                        help="a pgque.AsyncWorker with async handlers (asyncio.sleep)")
     return parser.parse_args(argv)
 
 
@@ -81,7 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         add_start(now())  # first: the latency ends where the handler starts
         add_id(message.id)
 
+    async def anoop(message: pgque.Message[Any]) -> None:
+        add_id(message.id)
+
+    async def asleep(message: pgque.Message[Any]) -> None:
+        add_id(message.id)
+        await asyncio.sleep(seconds)
+
+    async def arecord(message: pgque.Message[Any]) -> None:
+        add_start(now())
+        add_id(message.id)
+
     handlers = {"noop": noop, "sleep": sleep, "record": record}
+    async_handlers = {"noop": anoop, "sleep": asleep, "record": arecord}
     options: dict[str, Any] = {}
     if args.max_events is not None:
         options["max_events"] = args.max_events
@@ -94,10 +111,18 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING,
                         format=f"[bench worker {os.getpid()}] %(levelname)s %(message)s")
-    worker: pgque.Worker[Any] = pgque.Worker(
-        args.dsn, queue=args.queue, consumer=args.consumer, slots=args.slots,
-        handler=handlers[args.handler], name=f"bench-worker-{os.getpid()}", **options)
-    worker.run()  # until SIGTERM; returns with every batch in flight acked
+    worker: pgque.Worker[Any] | pgque.AsyncWorker[Any]
+    if args.use_async:
+        worker = pgque.AsyncWorker(
+            args.dsn, queue=args.queue, consumer=args.consumer, slots=args.slots,
+            handler=async_handlers[args.handler], name=f"bench-worker-{os.getpid()}",
+            **options)
+        asyncio.run(worker.run())  # until SIGTERM, as below
+    else:
+        worker = pgque.Worker(
+            args.dsn, queue=args.queue, consumer=args.consumer, slots=args.slots,
+            handler=handlers[args.handler], name=f"bench-worker-{os.getpid()}", **options)
+        worker.run()  # until SIGTERM; returns with every batch in flight acked
 
     result: dict[str, Any] = {"pid": os.getpid(), "handled": worker.handled,
                               "failed": worker.failed, "ids": ids}
