@@ -35,82 +35,103 @@ as $$
                   p_slots, p_slots, p_slots)
 $$;
 
--- pgque._batch_where(slots): the condition that picks a batch's events from
--- an event table e, as SQL text over the positional parameters
+-- pgque._batch_where(slots, in_progress): one half of the condition that
+-- picks a batch's events from an event table e, as SQL text over the
+-- positional parameters
 --   $1 prev's xmax, $2 next's xmax, $3 prev's in-progress list (xid8[]),
 --   $4 the snapshot next, $5 the subscription, $6 after (ev_id), $7 upto
 --   (ev_id, null: no bound), $8 ids (null: all), $9 the slot.
 -- The "dual filter": transactions not visible in prev are those at or above
--- its xmax plus those in progress when it was taken (its xip list), so the
--- ev_txid index is read for one range and a short list of ids instead of
--- whole tables. With slots above 1 the routing formula is spelled out with
--- its count as a literal, so the planner can use the tables' slot index
--- (62_slot_index.sql) and read only the slot's rows. Built from an integer
--- only: no caller text. The batch readers (64_batch_reader.sql) hold it as
--- static SQL; _run_reader runs it dynamically for a count they lack.
-create or replace function pgque._batch_where(p_slots integer)
+-- its xmax (the half without in_progress) plus those in progress when it was
+-- taken, its xip list, all below its xmax (the half with in_progress, over
+-- x.txid, one of that list). So the ev_txid index is read for one range and
+-- a short list of ids instead of whole tables. The halves are disjoint and
+-- are read as two scans, the second one probe per listed id (a lateral
+-- subquery behind "offset 0", so that the planner cannot turn it into a hash
+-- join over the whole slot; see _read_statement): as one condition, "range or in list", a generic plan of
+-- PostgreSQL 15 used the slot index for the slot alone and read every row of
+-- the slot in the table. With slots above 1 the routing formula is spelled
+-- out with its count as a literal, so the planner can use the tables' slot
+-- index (62_slot_index.sql) and read only the slot's rows. Built from an
+-- integer only: no caller text. The batch readers (64_batch_reader.sql) hold
+-- it as static SQL; _run_reader runs it dynamically for a count they lack.
+create or replace function pgque._batch_where(p_slots integer, p_in_progress boolean)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select '((e.ev_txid >= $1 and e.ev_txid < $2) or e.ev_txid = any($3))'
-           ' and pg_visible_in_snapshot(e.ev_txid, $4)'
-           ' and (e.ev_owner is null or e.ev_owner = $5)'
-           ' and e.ev_id > $6'
-           ' and ($7::bigint is null or e.ev_id <= $7)'
-           ' and ($8::bigint[] is null or e.ev_id = any($8))'
+    select case when p_in_progress then 'e.ev_txid = x.txid'
+                else 'e.ev_txid >= $1 and e.ev_txid < $2' end
+           || ' and pg_visible_in_snapshot(e.ev_txid, $4)'
+              ' and (e.ev_owner is null or e.ev_owner = $5)'
+              ' and e.ev_id > $6'
+              ' and ($7::bigint is null or e.ev_id <= $7)'
+              ' and ($8::bigint[] is null or e.ev_id = any($8))'
            -- A group of one slot has every event in its one slot: no filter.
            || case when p_slots is null or p_slots = 1 then ''
                    else format(' and %s = $9', pgque._slot_expr(p_slots)) end
 $$;
 
--- pgque._probe_where(slots): the same condition for many slots at once, as
--- the probe uses it: over the columns of a row s (k the slot, sub its
--- subscription, prev the snapshot of its last tick) instead of $1, $3, $5
--- and $9, with $2 and $4 as above, and no bounds on ev_id. Built from an
--- integer only.
-create or replace function pgque._probe_where(p_slots integer)
+-- pgque._probe_where(slots, in_progress): the same halves for many slots at
+-- once, as the probe uses them: over the columns of a row s (k the slot, sub
+-- its subscription, prev the snapshot of its last tick) instead of $1, $5
+-- and $9 (x.txid one of prev's xip list), with $2 and $4 as above, and no
+-- bounds on ev_id. Built from an integer only.
+create or replace function pgque._probe_where(p_slots integer, p_in_progress boolean)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select '((e.ev_txid >= pg_snapshot_xmax(s.prev) and e.ev_txid < $2)'
-           '  or e.ev_txid = any(array(select pg_snapshot_xip(s.prev))))'
-           ' and pg_visible_in_snapshot(e.ev_txid, $4)'
-           ' and (e.ev_owner is null or e.ev_owner = s.sub)'
+    select case when p_in_progress then 'e.ev_txid = x.txid'
+                else 'e.ev_txid >= pg_snapshot_xmax(s.prev) and e.ev_txid < $2' end
+           || ' and pg_visible_in_snapshot(e.ev_txid, $4)'
+              ' and (e.ev_owner is null or e.ev_owner = s.sub)'
            || case when p_slots is null or p_slots = 1 then ''
                    else format(' and %s = s.k', pgque._slot_expr(p_slots)) end
 $$;
 
 -- pgque._read_statement(queue_id, slots): the statement that reads a batch of
--- the queue for a slot of slots (null: a plain consumer): the events of
--- _batch_where, in ev_id order, at most $10 (null: all), turned into rows
--- only once limited, so that a piece of 100 does not build the rows of the
--- whole batch.
+-- the queue for a slot of slots (null: a plain consumer): the events of both
+-- halves of _batch_where, each read by its own scan, in ev_id order, at most
+-- $10 (null: all), turned into rows only once limited, so that a piece of 100
+-- does not build the rows of the whole batch.
 create or replace function pgque._read_statement(p_queue_id integer, p_slots integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format('select array(select row(x.*)::pgque.event_template'
-                  ' from (select e.* from pgque.%I e where %s order by e.ev_id limit $10) x)',
-                  pgque._event_table(p_queue_id), pgque._batch_where(p_slots))
+                  ' from (select e.* from pgque.%I e where %s'
+                  '       union all'
+                  '       select e.* from unnest($3) as x(txid)'
+                  '        cross join lateral (select e.* from pgque.%I e where %s offset 0) e'
+                  '       order by ev_id limit $10) x)',
+                  pgque._event_table(p_queue_id), pgque._batch_where(p_slots, false),
+                  pgque._event_table(p_queue_id), pgque._batch_where(p_slots, true))
 $$;
 
 -- pgque._probe_statement(queue_id, slots): the statement that finds which of
 -- several slots of slots have an event in their batch up to the snapshot $4
 -- (xmax $2): for each row of unnest($12 slots, $13 subscriptions, $14 last
--- tick snapshots), at most one of its events, found by a scan that stops at
--- the first.
+-- tick snapshots), at most one of its events, found by scans (one per half
+-- of the condition) that stop at the first.
 create or replace function pgque._probe_statement(p_queue_id integer, p_slots integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format('select array(select p.ev from unnest($12, $13, $14) s(k, sub, prev)'
-                  ' cross join lateral (select row(e.*)::pgque.event_template as ev'
-                  '                      from pgque.%I e where %s limit 1) p)',
-                  pgque._event_table(p_queue_id), pgque._probe_where(p_slots))
+                  ' cross join lateral ((select row(e.*)::pgque.event_template as ev'
+                  '                        from pgque.%I e where %s limit 1)'
+                  '                     union all'
+                  '                     (select row(e.*)::pgque.event_template'
+                  '                        from pg_snapshot_xip(s.prev) as x(txid)'
+                  '                       cross join lateral (select e.* from pgque.%I e'
+                  '                                            where %s offset 0) e'
+                  '                       limit 1)'
+                  '                     limit 1) p)',
+                  pgque._event_table(p_queue_id), pgque._probe_where(p_slots, false),
+                  pgque._event_table(p_queue_id), pgque._probe_where(p_slots, true))
 $$;
 
 -- pgque._run_reader(queue_id, slots, probe, $1 .. $14): runs the read (or,
