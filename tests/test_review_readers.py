@@ -402,7 +402,7 @@ def test_receive_slots_of_a_terminated_session_are_received_again(
     assert sorted(received) == sorted(sent)
 
 
-def test_ack_slots_refuses_odd_lists_and_acks_none(client: pgque.Client, dsn: str) -> None:
+def test_ack_slots_refuses_odd_lists_and_acks_none(client: pgque.Client) -> None:
     client.create_queue("q")
     client.subscribe_slots("q", "g", slots=4)
     client.subscribe_slots("q", "h", slots=4)
