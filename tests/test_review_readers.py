@@ -1,7 +1,7 @@
 """Review of the batch readers (64_batch_reader.sql), the read-ahead of
 receive_partitioned (65_partition.sql) and receive_slots / ack_slots
-(69_slot_sets.sql): attacks that broke something (xfail, strict) and probes that
-held."""
+(69_slot_sets.sql): the attacks that broke something (each failed, as a strict
+xfail, on the reviewed commit cb202bb; fixed since) and the probes that held."""
 
 from __future__ import annotations
 
@@ -56,9 +56,6 @@ def _install_while(dsn: str, during: Any) -> dict[str, str]:
     return result
 
 
-@pytest.mark.xfail(strict=True, reason="install deadlocks with a maintenance pass: "
-                   "05_drop_code drops the readers without the queues' maintenance locks, "
-                   "97 then waits for them")
 def test_an_install_does_not_deadlock_with_a_maintenance_pass_over_several_queues(
         dsn: str) -> None:
     """Severity medium. The Ticker's maint() takes the maintenance lock of each queue
@@ -466,8 +463,6 @@ def test_ack_slots_with_nacks_is_all_or_none(client: pgque.Client) -> None:
     assert all(_cursor(client, f"g#{b.slot}/4")[1] == b.batch_id for b in batches)
 
 
-@pytest.mark.xfail(strict=True, reason="ack_slots(null, null) returns '{}' instead of 22023: "
-                   "the join with the empty unnest() skips _slot_subs' checks")
 def test_ack_slots_refuses_a_null_slot_list_as_receive_slots_does(
         conn: psycopg.Connection[Any]) -> None:
     """Severity low. _slot_subs (69_slot_sets.sql) raises 22023 for a null list,
@@ -639,9 +634,6 @@ def test_installing_again_with_queues_and_groups_changes_no_catalog_row(dsn: str
         assert catalog(client.conn) == before
 
 
-@pytest.mark.xfail(strict=True, reason="a pgque_reader's BEGIN ATOMIC function on "
-                   "_batch_reader_<id> makes drop_queue fail: _drop_batch_reader drops without "
-                   "cascade")
 def test_a_reader_role_cannot_pin_a_batch_reader_and_block_drop_queue(dsn: str) -> None:
     """Severity low. Calling the reader needs EXECUTE, which nobody has, but
     depending on it does not: a role with USAGE on schema pgque (pgque_reader)

@@ -2,7 +2,8 @@
 --
 -- Tables hold the state; everything else (functions, procedures, views,
 -- composite types) is code, dropped here and created again by the files that follow, on every
--- install and upgrade. So an upgraded install has exactly a fresh install's
+-- install and upgrade (the queues' batch readers are replaced in place instead:
+-- 97_batch_readers.sql). So an upgraded install has exactly a fresh install's
 -- code: a routine whose signature changed or that is gone leaves nothing
 -- behind. EXECUTE grants go with the routines and 99_grants.sql makes them
 -- again (grant pgque's roles, not its functions, to keep yours).
@@ -25,7 +26,8 @@ begin
      where d.deptype = 'n'
        and ((d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
              and d.refobjid in (select p.oid from pg_catalog.pg_proc p
-                                 where p.pronamespace = v_schema))
+                                 where p.pronamespace = v_schema
+                                   and p.proname !~ '^_batch_reader_[0-9]+$'))
             or (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
                 and d.refobjid in (select c.oid from pg_catalog.pg_class c
                                     where c.relnamespace = v_schema and c.relkind = 'v'))
@@ -71,7 +73,12 @@ begin
     end loop;
     for v_object in
         select p.oid::pg_catalog.regprocedure::text from pg_catalog.pg_proc p
-         where p.pronamespace = v_schema loop
+         where p.pronamespace = v_schema
+           -- Not the queues' batch readers: 97_batch_readers.sql replaces each
+           -- under its queue's maintenance lock. Dropped here, a maintenance
+           -- pass writing one would wait for this install while the install
+           -- waits for that pass's lock on another queue: a deadlock.
+           and p.proname !~ '^_batch_reader_[0-9]+$' loop
         -- A routine dropped by an earlier cascade is gone from the catalog by now.
         if pg_catalog.to_regprocedure(v_object) is not null then
             execute pg_catalog.format('drop routine %s cascade', v_object);

@@ -289,7 +289,7 @@ begin
         array(select sub_consumer from pgque.subscription where sub_queue = v_queue.queue_id));
     delete from pgque.queue where queue_id = v_queue.queue_id;
     execute format('drop table pgque.%I cascade', v_parent);
-    execute format('drop sequence pgque.%I', v_parent || '_id_seq');
+    execute format('drop sequence pgque.%I cascade', v_parent || '_id_seq');
     perform pgque._drop_batch_reader(v_queue.queue_id);
 end
 $$;

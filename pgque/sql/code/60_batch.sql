@@ -214,22 +214,6 @@ begin
 end
 $$;
 
--- pgque._batch_has_events(queue_id, sub_id, prev, next, slot, slots): whether
--- the batch between snapshots prev and next holds any event for the
--- subscription (and slot): _batch_events' condition, with a scan that stops
--- at the first event found instead of sorting the range.
-create or replace function pgque._batch_has_events(
-    p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
-    p_slot integer default null, p_slots integer default null)
-returns boolean
-language sql stable
-set search_path = pg_catalog, pg_temp
-as $$
-    select cardinality(pgque._probe_slots(p_queue_id, p_next, p_slots,
-                                          array[coalesce(p_slot, 0)], array[p_sub_id],
-                                          array[p_prev])) > 0
-$$;
-
 -- pgque._next_tick(queue, cur): the tick that closes the next batch of a
 -- cursor with no open batch, or null: the furthest tick whose sequence
 -- position is at most ticker_max_count past the cursor's, so a consumer that

@@ -16,9 +16,9 @@
 -- reads with dynamic SQL, as before: a reader that lags behind the groups is
 -- slower, never wrong.
 --
--- Readers are code, not state: every install drops them with the rest of the
--- code (05_drop_code.sql) and 97_batch_readers.sql writes them again from the
--- current template. create_queue writes a queue's first one, maintenance
+-- Readers are code, not state: every install writes them again from the
+-- current template (97_batch_readers.sql; the rest of the code is dropped
+-- first, the readers are replaced in place). create_queue writes a queue's first one, maintenance
 -- rewrites it when the group's slot counts change, drop_queue drops it. Each
 -- writer holds something that keeps a second writer of the same reader out
 -- (a new queue's uncommitted row, or the queue's maintenance lock), because
@@ -123,6 +123,8 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    execute format('drop function if exists pgque.%I', pgque._batch_reader_name(p_queue_id));
+    -- cascade, as for the queue's tables: nothing may keep a queue from going.
+    execute format('drop function if exists pgque.%I cascade',
+                   pgque._batch_reader_name(p_queue_id));
 end
 $$;

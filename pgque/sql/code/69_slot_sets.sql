@@ -100,7 +100,11 @@ declare
 begin
     perform pgque._check_slot(0, p_slots);
     v_group := pgque._group(v_queue, p_consumer, p_slots);
-    if coalesce(cardinality(p_slot_list), 0) <> coalesce(cardinality(p_batch_ids), 0) then
+    if p_slot_list is null or p_batch_ids is null then
+        raise exception using errcode = '22023',
+            message = 'ack_slots: the slots and the batch ids must not be null';
+    end if;
+    if cardinality(p_slot_list) <> cardinality(p_batch_ids) then
         raise exception using errcode = '22023',
             message = 'ack_slots: the slots and the batch ids must have the same length';
     end if;

@@ -1,8 +1,10 @@
 -- pgque: every queue's batch reader, written again from the current template.
 --
--- The install dropped them with the rest of the code (05_drop_code.sql);
--- see 64_batch_reader.sql for what they are. Each queue's maintenance lock
--- keeps a concurrent maintenance pass from writing the same reader.
+-- See 64_batch_reader.sql for what they are. Unlike the rest of the code they
+-- are not dropped first (05_drop_code.sql), but replaced here, each under
+-- its queue's maintenance lock, which keeps a concurrent maintenance pass
+-- from writing the same reader; the install holds those locks until it
+-- commits.
 
 do $readers$
 declare
