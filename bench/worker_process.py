@@ -6,9 +6,9 @@
 
 Started by the ``partition`` and ``latency`` suites, so every worker is a real
 OS process with its own interpreter (no GIL shared with the producer or with
-the other workers). Options left out keep the Worker's defaults. With ``--async`` the process runs a ``pgque.AsyncWorker``
-under ``asyncio.run`` instead, with ``async def`` handlers (``sleep`` awaits
-``asyncio.sleep``).
+the other workers). Options left out keep the Worker's defaults. With
+``--async`` the process runs a ``pgque.AsyncWorker`` under ``asyncio.run``
+instead, with ``async def`` handlers (``sleep`` awaits ``asyncio.sleep``).
 
 Handlers:
 
