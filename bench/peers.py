@@ -47,6 +47,20 @@ POOL_SIZE = 10_000  # distinct events cycled through (engine's rows)
 BATCH = 1_000  # events per send_batch and per tick
 
 Row = tuple[str, dict[str, Any], str]
+Encoded = tuple[str, str, str]  # type, payload as JSON text, key
+
+# PgQ has no batch insert: its insert_event over the rows, in one statement.
+_PGQ_INSERT_MANY = ("select count(pgq.insert_event(%s, t, d, k, null, null, null))"
+                    "  from unnest(%b::text[], %b::text[], %b::text[]) as e(t, d, k)")
+
+
+def _encoded(rows: list[Row]) -> list[Encoded]:
+    """Payloads encoded once, as the client would: the SQL sides compare servers."""
+    return [(t, encode_payload(d), k) for t, d, k in rows]
+
+
+def _columns(chunk: list[Encoded]) -> tuple[list[str], list[str], list[str]]:
+    return [r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk]
 
 
 def _pgq_bindir() -> Path | None:
@@ -94,8 +108,7 @@ class _Senders:
         self.client = client
         self.sql = sql
         self.rows = rows
-        # Payloads encoded once, as the client would: the SQL sides compare servers.
-        self.encoded = [(t, encode_payload(d), k) for t, d, k in rows]
+        self.encoded = _encoded(rows)
 
     def client_send(self, queue: str) -> Workload:
         def run(count: int) -> int:
@@ -129,8 +142,7 @@ class _Senders:
         def run(count: int) -> int:
             done = 0
             for chunk in _chunks(self.encoded, count, BATCH):
-                columns = ([r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk])
-                row = self.sql.execute(statement, (queue, *columns)).fetchone()
+                row = self.sql.execute(statement, (queue, *_columns(chunk))).fetchone()
                 done += row[0] if row is not None else 0
             return done
         return run
@@ -140,9 +152,7 @@ class _Senders:
             "select cardinality(pgque.send_batch(%s, %b::text[], %b::text[], %b::text[]))", queue)
 
     def pgq_send_batch(self, queue: str) -> Workload:
-        return self._batches(
-            "select count(pgq.insert_event(%s, t, d, k, null, null, null))"
-            "  from unnest(%b::text[], %b::text[], %b::text[]) as e(t, d, k)", queue)
+        return self._batches(_PGQ_INSERT_MANY, queue)
 
 
 class _Drains:
@@ -153,7 +163,7 @@ class _Drains:
         self.client = client
         self.sql = sql
         self.rows = rows
-        self.encoded = [(t, encode_payload(d), k) for t, d, k in rows]
+        self.encoded = _encoded(rows)
         self.pgque_queue: str | None = None
         self.pgq_queue: str | None = None
         self._made = 0
@@ -178,10 +188,7 @@ class _Drains:
         self.sql.execute("select pgq.create_queue(%s)", (self.pgq_queue,))
         self.sql.execute("select pgq.register_consumer(%s, %s)", (self.pgq_queue, CONSUMER))
         for chunk in _chunks(self.encoded, count, BATCH):
-            columns = ([r[0] for r in chunk], [r[1] for r in chunk], [r[2] for r in chunk])
-            self.sql.execute("select count(pgq.insert_event(%s, t, d, k, null, null, null))"
-                             "  from unnest(%b::text[], %b::text[], %b::text[]) as e(t, d, k)",
-                             (self.pgq_queue, *columns))
+            self.sql.execute(_PGQ_INSERT_MANY, (self.pgq_queue, *_columns(chunk)))
             # What pgqd does when events came in: force_tick, then a tick.
             self.sql.execute("select pgq.force_tick(%s)", (self.pgq_queue,))
             self.sql.execute("select pgq.ticker(%s)", (self.pgq_queue,))
