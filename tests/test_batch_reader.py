@@ -212,3 +212,22 @@ def test_transactions_in_progress_at_a_tick_do_not_make_a_slot_read_the_table(
     # The table holds 2,080 rows; the slots' reads of these 80 events may not
     # come near them (each slot reading its whole hash class would be 2,080).
     assert (scanned(client.conn, queue_id) - before) / len(sent) <= 2.5
+
+
+def test_a_reader_dropped_by_hand_reads_dynamically_until_maintenance_writes_it(
+        client: pgque.Client) -> None:
+    queue_id = client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=4)
+    client.maintenance()
+    sent = client.send_batch("q", [("e", n, f"k{n}") for n in range(30)])
+    client.tick("q")
+    client.conn.execute(f"drop function pgque._batch_reader_{queue_id}")
+    got: list[int] = []
+    for slot in range(4):
+        assert client.claim_slot("q", "g", slot)
+        while (batch := client.receive_partitioned("q", "g", slot=slot, slots=4)):
+            got.extend(m.id for m in batch)
+            client.ack(batch)
+    assert sorted(got) == sorted(sent)
+    assert "batch_reader" in steps(client)  # among the ticks and cursors it cleans
+    assert branches(client.conn, queue_id)[-1] == "if p_slots = 4 then"

@@ -150,15 +150,20 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
+    v_reader text := 'pgque.' || pgque._batch_reader_name(p_queue_id);
     v_events pgque.event_template[];
 begin
-    execute format('select pgque.%I($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,'
-                   ' $14, $15)', pgque._batch_reader_name(p_queue_id))
-       into v_events
-      using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
-            p_slot, p_limit, p_slots, p_probe_slots, p_probe_subs, p_probe_prevs, p_probe;
-    if v_events is not null then
-        return v_events;
+    -- A reader missing (dropped by hand; maintenance writes it again) is one
+    -- without the branch: the dynamic statement below reads the same.
+    if to_regproc(v_reader) is not null then
+        execute format('select %s($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,'
+                       ' $14, $15)', v_reader)
+           into v_events
+          using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
+                p_slot, p_limit, p_slots, p_probe_slots, p_probe_subs, p_probe_prevs, p_probe;
+        if v_events is not null then
+            return v_events;
+        end if;
     end if;
     execute case when p_probe then pgque._probe_statement(p_queue_id, p_slots)
                  else pgque._read_statement(p_queue_id, p_slots) end
