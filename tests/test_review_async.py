@@ -369,3 +369,48 @@ def test_a_worker_that_connected_retries_an_outage_longer_than_connect_timeout(
         assert worker.error is None
     finally:
         proxy.stop()
+
+
+def test_cancelling_run_stops_every_lane_and_closes_every_session(client: pgque.Client,
+                                                                  dsn: str) -> None:
+    """A probe that held (noted as open in an earlier session): cancelling the
+    task of ``AsyncWorker.run()`` while its lanes handle events ends the task
+    with CancelledError, and then no handler runs again, no task of the
+    worker is left on the loop, and none of its sessions stays open."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=4)
+    client.send_batch("q", [("e", n, f"k{n}") for n in range(400)])
+    client.tick("q")
+
+    def sessions() -> int:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            return int(scalar(conn, "select count(*) from pg_stat_activity"
+                                    " where application_name like 'cancel-run%%'"))
+
+    async def main() -> tuple[int, int, list[str]]:
+        calls: list[int] = []
+
+        async def handler(message: pgque.Message[Any]) -> None:
+            calls.append(message.id)
+            await asyncio.sleep(0.002)
+
+        worker: pgque.AsyncWorker[Any] = pgque.AsyncWorker(
+            dsn, queue="q", consumer="g", slots=4, handler=handler, ticker=False,
+            name="cancel-run")
+        task = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 20
+        while len(calls) < 40 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(calls) >= 40, "the worker did not start handling"
+        assert sessions() > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 20)
+        at_cancel = len(calls)
+        await asyncio.sleep(0.5)  # a lane still running would handle more by now
+        left = [t.get_name() for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return at_cancel, len(calls), left
+
+    at_cancel, after, left = asyncio.run(main())
+    assert after == at_cancel and left == []
+    assert sessions() == 0
