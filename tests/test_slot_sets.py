@@ -147,3 +147,25 @@ def test_the_sql_calls_check_their_arguments(conn: psycopg.Connection[Any]) -> N
             conn.execute(statement)
         assert caught.value.sqlstate == sqlstate, statement
         conn.rollback()
+
+
+def test_a_slot_never_subscribed_is_named(client: pgque.Client) -> None:
+    """A group made slot by slot (subscribe_slot) may lack a slot: receive_slots
+    and ack_slots refuse it as receive_partitioned does (ConsumerNotFound),
+    naming the slot, and receive nothing for the others."""
+    client.create_queue("q")
+    client.conn.execute("select pgque.subscribe_slot('q', 'g', 0, 4)")
+    client.conn.execute("select pgque.subscribe_slot('q', 'g', 2, 4)")
+    client.send_batch("q", [("e", n, f"k{n}") for n in range(20)])
+    client.tick("q")
+    assert client.claim_slot("q", "g", 0) and client.claim_slot("q", "g", 2)
+    with pytest.raises(pgque.ConsumerNotFound, match="g#1/4"):
+        client.receive_slots("q", "g", slots=4, owned=[0, 1, 2])
+    with pytest.raises(pgque.ConsumerNotFound, match="g#1/4"):
+        client.receive_partitioned("q", "g", slot=1, slots=4)
+    batches = client.receive_slots("q", "g", slots=4, owned=[0, 2])
+    assert {b.slot for b in batches} <= {0, 2}
+    fake = pgque.Batch(queue="q", consumer="g", batch_id=1, messages=[], slot=1, slots=4)
+    with pytest.raises(pgque.ConsumerNotFound):
+        client.ack_slots([*batches, fake])
+    assert client.ack_slots(batches) == [True] * len(batches)

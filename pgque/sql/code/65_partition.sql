@@ -226,6 +226,77 @@ begin
 end
 $$;
 
+-- pgque._check_slot_list(group, slots): 22023 for a null list or a slot named
+-- twice, PQ023 for a slot that is not one of the group's.
+create or replace function pgque._check_slot_list(p_group pgque.consumer_group,
+                                                  p_slots integer[])
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_slot integer;
+begin
+    if p_slots is null then
+        raise exception using errcode = '22023', message = 'the list of slots must not be null';
+    end if;
+    -- One look at them all; the slot at fault, for the message, only then.
+    if exists (select from unnest(p_slots) k where k is null or k < 0 or k >= p_group.cg_slots) then
+        foreach v_slot in array p_slots loop
+            perform pgque._check_slot(v_slot, p_group.cg_slots);
+        end loop;
+    end if;
+    if cardinality(p_slots) <> (select count(distinct k) from unnest(p_slots) k) then
+        raise exception using errcode = '22023',
+            message = format('slots %s name a slot twice', p_slots::text);
+    end if;
+end
+$$;
+
+-- pgque._slot_subs(queue, group, slots): the subscriptions and newest cursors
+-- of the given slots of the group (checked by _check_slot_list), ascending
+-- by slot, in one statement read without a lock; PQ002 for a slot that is
+-- not subscribed (a group made slot by slot with subscribe_slot).
+create or replace function pgque._slot_subs(
+    p_queue pgque.queue, p_group pgque.consumer_group, p_slots integer[])
+returns table (slot integer, sub pgque.subscription, cur pgque.cursor)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    v_found integer;
+    v_missing integer;
+begin
+    perform pgque._check_slot_list(p_group, p_slots);
+    return query
+        select k, s, c
+          from unnest(p_slots) k
+         cross join lateral (select pgque._slot_name(p_group.cg_consumer, k,
+                                                     p_group.cg_slots) as name) n
+          join pgque.subscription s on s.sub_queue = p_queue.queue_id and s.sub_consumer = n.name
+         -- pgque._current_cursor, written out: a call per slot cost more than its read.
+         cross join lateral (select o from pgque.cursor o where o.cur_sub = s.sub_id
+                              order by o.cur_seq desc limit 1) c0(c)
+         order by k;
+    get diagnostics v_found = row_count;
+    if v_found < cardinality(p_slots) then
+        select min(k) into v_missing
+          from unnest(p_slots) k
+         where not exists (select from pgque.subscription s
+                            where s.sub_queue = p_queue.queue_id
+                              and s.sub_consumer = pgque._slot_name(p_group.cg_consumer, k,
+                                                                    p_group.cg_slots));
+        raise exception using errcode = 'PQ002',
+            message = format('consumer %L is not subscribed to queue %L',
+                             pgque._name_for_message(
+                                 pgque._slot_name(p_group.cg_consumer, v_missing,
+                                                  p_group.cg_slots)),
+                             p_queue.queue_name);
+    end if;
+end
+$$;
+
 -- pgque.slot_lock_key(queue, consumer, slot): the bigint key of the session
 -- advisory lock that owns the slot now (random per slot; claim_slot may
 -- renew it, so do not keep it). Refused (PQ014) to roles that may not use
@@ -640,20 +711,15 @@ begin
     end if;
     -- The slots with an open batch, and the others with their subscription
     -- and the snapshot of their last tick, for one probe of them all.
-    select coalesce(array_agg(k order by k) filter (where c.cur_batch is not null), '{}'),
-           array_agg(k order by k) filter (where c.cur_batch is null),
-           array_agg(s.sub_id order by k) filter (where c.cur_batch is null),
-           array_agg(t.tick_snapshot order by k) filter (where c.cur_batch is null)
+    select coalesce(array_agg(x.slot order by x.slot)
+                        filter (where (x.cur).cur_batch is not null), '{}'),
+           array_agg(x.slot order by x.slot) filter (where (x.cur).cur_batch is null),
+           array_agg((x.sub).sub_id order by x.slot) filter (where (x.cur).cur_batch is null),
+           array_agg(t.tick_snapshot order by x.slot) filter (where (x.cur).cur_batch is null)
       into v_open, v_slots, v_subs, v_prevs
-      from unnest(array(select pgque._slot_name(p_consumer, n, v_group.cg_slots)
-                          from generate_series(0, v_group.cg_slots - 1) n))
-           with ordinality as x(name, ord)
-     cross join lateral (select x.ord::integer - 1 as k) slot
-      join pgque.subscription s on s.sub_queue = v_queue.queue_id and s.sub_consumer = x.name
-     -- pgque._current_cursor, written out: a call per slot cost more than its read.
-     cross join lateral (select o.cur_last_tick, o.cur_batch from pgque.cursor o
-                          where o.cur_sub = s.sub_id order by o.cur_seq desc limit 1) c
-      join pgque.tick t on t.tick_queue = v_queue.queue_id and t.tick_id = c.cur_last_tick;
+      from pgque._slot_subs(v_queue, v_group,
+                            array(select generate_series(0, v_group.cg_slots - 1))) x
+      join pgque.tick t on t.tick_queue = v_queue.queue_id and t.tick_id = (x.cur).cur_last_tick;
     if v_slots is not null then
         v_open := array(select unnest(v_open || pgque._probe_slots(v_queue.queue_id,
                                                                    v_newest.tick_snapshot,
