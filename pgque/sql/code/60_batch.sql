@@ -35,6 +35,27 @@ as $$
                   p_slots, p_slots, p_slots)
 $$;
 
+-- pgque._dual_filter(slots, in_progress, prev_xmax, sub, slot): the part of a
+-- batch's condition that _batch_where and _probe_where share, over an event
+-- table e: one half of the dual filter (see _batch_where), the snapshot $4
+-- and $2 (next's xmax), retries owned by subscription sub, and the routing
+-- formula of slots equal to slot. prev_xmax, sub and slot are SQL
+-- expressions written by those two functions, never caller text.
+create or replace function pgque._dual_filter(p_slots integer, p_in_progress boolean,
+                                              p_prev_xmax text, p_sub text, p_slot text)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when p_in_progress then 'e.ev_txid = x.txid'
+                else format('e.ev_txid >= %s and e.ev_txid < $2', p_prev_xmax) end
+           || ' and pg_visible_in_snapshot(e.ev_txid, $4)'
+           || format(' and (e.ev_owner is null or e.ev_owner = %s)', p_sub)
+           -- A group of one slot has every event in its one slot: no filter.
+           || case when p_slots is null or p_slots = 1 then ''
+                   else format(' and %s = %s', pgque._slot_expr(p_slots), p_slot) end
+$$;
+
 -- pgque._batch_where(slots, in_progress): one half of the condition that
 -- picks a batch's events from an event table e, as SQL text over the
 -- positional parameters
@@ -60,16 +81,10 @@ returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when p_in_progress then 'e.ev_txid = x.txid'
-                else 'e.ev_txid >= $1 and e.ev_txid < $2' end
-           || ' and pg_visible_in_snapshot(e.ev_txid, $4)'
-              ' and (e.ev_owner is null or e.ev_owner = $5)'
-              ' and e.ev_id > $6'
+    select pgque._dual_filter(p_slots, p_in_progress, '$1', '$5', '$9')
+           || ' and e.ev_id > $6'
               ' and ($7::bigint is null or e.ev_id <= $7)'
               ' and ($8::bigint[] is null or e.ev_id = any($8))'
-           -- A group of one slot has every event in its one slot: no filter.
-           || case when p_slots is null or p_slots = 1 then ''
-                   else format(' and %s = $9', pgque._slot_expr(p_slots)) end
 $$;
 
 -- pgque._probe_where(slots, in_progress): the same halves for many slots at
@@ -82,12 +97,7 @@ returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when p_in_progress then 'e.ev_txid = x.txid'
-                else 'e.ev_txid >= pg_snapshot_xmax(s.prev) and e.ev_txid < $2' end
-           || ' and pg_visible_in_snapshot(e.ev_txid, $4)'
-              ' and (e.ev_owner is null or e.ev_owner = s.sub)'
-           || case when p_slots is null or p_slots = 1 then ''
-                   else format(' and %s = s.k', pgque._slot_expr(p_slots)) end
+    select pgque._dual_filter(p_slots, p_in_progress, 'pg_snapshot_xmax(s.prev)', 's.sub', 's.k')
 $$;
 
 -- pgque._read_statement(queue_id, slots): the statement that reads a batch of
