@@ -66,34 +66,45 @@ $$;
 -- integers only, so nothing a caller types reaches dynamic SQL.
 create or replace function pgque._event_table(p_queue_id integer, p_n integer default null)
 returns text
-language sql immutable
+language plpgsql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when p_n is null then 'event_' || p_queue_id::text
-                else 'event_' || p_queue_id::text || '_' || p_n::text end
+begin
+    if p_n is null then
+        return 'event_' || p_queue_id::text;
+    end if;
+    return 'event_' || p_queue_id::text || '_' || p_n::text;
+end
 $$;
 
 -- pgque._current_cursor(sub_id): the subscription's current cursor state (the newest
 -- row of its cursor log, read backwards along the primary key).
 create or replace function pgque._current_cursor(p_sub_id integer)
 returns pgque.cursor
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select * from pgque.cursor where cur_sub = p_sub_id order by cur_seq desc limit 1
+declare
+    v_cur pgque.cursor;
+begin
+    select * into v_cur from pgque.cursor where cur_sub = p_sub_id order by cur_seq desc limit 1;
+    return v_cur;
+end
 $$;
 
 -- pgque._save_cursor(cursor): appends the next state of a cursor (whose
 -- subscription row the caller holds locked).
 create or replace function pgque._save_cursor(p_cur pgque.cursor)
 returns void
-language sql
+language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+begin
     insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
                               cur_pos, cur_handed, cur_end)
     values (p_cur.cur_sub, p_cur.cur_seq + 1, p_cur.cur_last_tick, p_cur.cur_batch,
-            p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end)
+            p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end);
+end
 $$;
 
 -- pgque._find_subscription(queue, consumer, lock): the subscription row of
@@ -130,10 +141,13 @@ $$;
 -- pgque._tick_snapshot(queue_id, tick_id): the snapshot stored by a tick.
 create or replace function pgque._tick_snapshot(p_queue_id integer, p_tick_id bigint)
 returns pg_snapshot
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select tick_snapshot from pgque.tick where tick_queue = p_queue_id and tick_id = p_tick_id
+begin
+    return (select tick_snapshot from pgque.tick
+             where tick_queue = p_queue_id and tick_id = p_tick_id);
+end
 $$;
 
 -- pgque._random_key(): a fresh bigint for a session advisory lock key, from

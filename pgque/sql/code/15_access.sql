@@ -28,11 +28,13 @@
 -- pgque._caller(): the name of the role the session acts as.
 create or replace function pgque._caller()
 returns name
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when current_setting('role') = 'none' then session_user
-                else current_setting('role')::name end
+begin
+    return (case when current_setting('role') = 'none' then session_user
+                    else current_setting('role')::name end);
+end
 $$;
 
 -- pgque._is_admin(role): whether role may do everything: a member of
@@ -40,57 +42,69 @@ $$;
 -- DEFINER functions call this), or a superuser.
 create or replace function pgque._is_admin(p_role name)
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_has_role(p_role, current_user, 'member')
-        or coalesce(pg_has_role(p_role, to_regrole('pgque_admin'), 'member'), false)
+begin
+    return (pg_has_role(p_role, current_user, 'member')
+            or coalesce(pg_has_role(p_role, to_regrole('pgque_admin'), 'member'), false));
+end
 $$;
 
 -- pgque._is_admin_id(role_oid): _is_admin for a role given by oid (another
 -- session's login role, as pg_stat_activity shows it).
 create or replace function pgque._is_admin_id(p_role oid)
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_has_role(p_role, current_user::regrole::oid, 'member')
-        or coalesce(pg_has_role(p_role, to_regrole('pgque_admin'), 'member'), false)
+begin
+    return (pg_has_role(p_role, current_user::regrole::oid, 'member')
+            or coalesce(pg_has_role(p_role, to_regrole('pgque_admin'), 'member'), false));
+end
 $$;
 
 -- pgque._in_roles(role, roles): whether role is a member of one of roles
 -- (oids; ones dropped since simply match nobody).
 create or replace function pgque._in_roles(p_role oid, p_roles oid[])
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select exists (select 1 from unnest(p_roles) g where pg_has_role(p_role, g, 'member'))
+begin
+    return (select exists (select 1 from unnest(p_roles) g where pg_has_role(p_role, g, 'member')));
+end
 $$;
 
 -- pgque._role_id(name): the oid of a role by name (the name exactly as
 -- stored, not an identifier to parse).
 create or replace function pgque._role_id(p_role name)
 returns oid
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
-as $$ select oid from pg_roles where rolname = p_role $$;
+as $$
+begin
+    return (select oid from pg_roles where rolname = p_role);
+end
+$$;
 
 -- pgque._may_execute(role, routine): whether role (an oid) or a role it is a
 -- member of may execute routine. Membership, not inherited privilege: a login
 -- created NOINHERIT that acts through SET ROLE team may do what team may.
 create or replace function pgque._may_execute(p_role oid, p_routine regprocedure)
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select p_role is not null and p_routine is not null
-       and (has_function_privilege(p_role, p_routine, 'execute')
-            or exists (select 1 from pg_proc p
-                        cross join lateral aclexplode(coalesce(p.proacl,
-                                                               acldefault('f', p.proowner))) a
-                        where p.oid = p_routine and a.privilege_type = 'EXECUTE'
-                          and (a.grantee = 0 or pg_has_role(p_role, a.grantee, 'member'))))
+begin
+    return (p_role is not null and p_routine is not null
+           and (has_function_privilege(p_role, p_routine, 'execute')
+                or exists (select 1 from pg_proc p
+                            cross join lateral aclexplode(coalesce(p.proacl,
+                                                                   acldefault('f', p.proowner))) a
+                            where p.oid = p_routine and a.privilege_type = 'EXECUTE'
+                              and (a.grantee = 0 or pg_has_role(p_role, a.grantee, 'member')))));
+end
 $$;
 
 -- pgque._may_consume(role, queue, owner, grantees): whether sessions of role
@@ -104,17 +118,19 @@ $$;
 create or replace function pgque._may_consume(
     p_role oid, p_queue pgque.queue, p_owner oid, p_grantees oid[])
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select p_role is not null
-       and pgque._may_execute(
-               p_role, to_regprocedure('pgque.receive_partitioned(text,text,integer,integer,integer)'))
-       and (pgque._is_admin_id(p_role)
-            or ((p_queue.queue_consumers is null
-                 or pgque._in_roles(p_role, p_queue.queue_consumers))
-                and (p_owner is null or pg_has_role(p_role, p_owner, 'member')
-                     or pgque._in_roles(p_role, p_grantees))))
+begin
+    return (p_role is not null
+           and pgque._may_execute(
+                   p_role, to_regprocedure('pgque.receive_partitioned(text,text,integer,integer,integer)'))
+           and (pgque._is_admin_id(p_role)
+                or ((p_queue.queue_consumers is null
+                     or pgque._in_roles(p_role, p_queue.queue_consumers))
+                    and (p_owner is null or pg_has_role(p_role, p_owner, 'member')
+                         or pgque._in_roles(p_role, p_grantees)))));
+end
 $$;
 
 -- pgque._require_queue(queue, privilege): PQ015 unless the caller may send

@@ -15,9 +15,13 @@
 -- pgque._tick_channel(queue_id): the NOTIFY channel announcing ticks of a queue.
 create or replace function pgque._tick_channel(p_queue_id integer)
 returns text
-language sql immutable
+language plpgsql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select 'pgque_tick_' || p_queue_id::text $$;
+as $$
+begin
+    return ('pgque_tick_' || p_queue_id::text);
+end
+$$;
 
 -- pgque.tick_channel(queue): the channel to LISTEN on to hear of new ticks of
 -- a queue (one notification per tick, with an empty payload).
@@ -80,10 +84,16 @@ $$;
 -- pgque._last_tick(queue_id): the newest tick of a queue.
 create or replace function pgque._last_tick(p_queue_id integer)
 returns pgque.tick
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select * from pgque.tick where tick_queue = p_queue_id order by tick_id desc limit 1
+declare
+    v_tick pgque.tick;
+begin
+    select * into v_tick from pgque.tick where tick_queue = p_queue_id
+     order by tick_id desc limit 1;
+    return v_tick;
+end
 $$;
 
 -- pgque._uncovered_events(queue_id, snapshot): whether any committed event of

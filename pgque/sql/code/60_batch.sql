@@ -196,13 +196,15 @@ create or replace function pgque._batch_events(
     p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
     p_slot integer default null, p_slots integer default null)
 returns pgque.event_template[]
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pgque._run_reader(p_queue_id, p_slots, false,
+begin
+    return pgque._run_reader(p_queue_id, p_slots, false,
                              pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
                              array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, p_after,
-                             p_upto, p_ids, p_slot, p_max, null, null, null)
+                             p_upto, p_ids, p_slot, p_max, null, null, null);
+end
 $$;
 
 -- pgque._probe_slots(queue_id, next, slots, probe_slots, subs, prevs): those of
@@ -236,10 +238,11 @@ $$;
 -- least the very next tick.
 create or replace function pgque._next_tick(p_queue pgque.queue, p_cur pgque.cursor)
 returns bigint
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select coalesce(
+begin
+    return coalesce(
         (select t.tick_id from pgque.tick t
           where t.tick_queue = p_queue.queue_id and t.tick_id > p_cur.cur_last_tick
             and t.tick_event_seq <= (select l.tick_event_seq from pgque.tick l
@@ -249,7 +252,8 @@ as $$
           order by t.tick_id desc limit 1),
         (select t.tick_id from pgque.tick t
           where t.tick_queue = p_queue.queue_id and t.tick_id > p_cur.cur_last_tick
-          order by t.tick_id limit 1))
+          order by t.tick_id limit 1));
+end
 $$;
 
 -- pgque._check_max_events(max_events): 22023 unless null or at least 1.
@@ -271,11 +275,15 @@ $$;
 -- overflow (no batch holds that many events: no array could).
 create or replace function pgque._events_asked(p_max_events integer)
 returns integer
-language sql immutable
+language plpgsql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when p_max_events is not null
-                then least(p_max_events::bigint + 1, 2147483647)::integer end
+begin
+    if p_max_events is null then
+        return null;
+    end if;
+    return least(p_max_events::bigint + 1, 2147483647)::integer;
+end
 $$;
 
 -- pgque._has_next_tick(queue_id, cur): whether a cursor has a batch to open
@@ -283,12 +291,14 @@ $$;
 -- consumer's poll writes nothing and uses no transaction id.
 create or replace function pgque._has_next_tick(p_queue_id integer, p_cur pgque.cursor)
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select p_cur.cur_batch is not null
+begin
+    return p_cur.cur_batch is not null
         or exists (select 1 from pgque.tick t
-                    where t.tick_queue = p_queue_id and t.tick_id > p_cur.cur_last_tick)
+                    where t.tick_queue = p_queue_id and t.tick_id > p_cur.cur_last_tick);
+end
 $$;
 
 -- pgque._receive(queue, sub, cur, max_events, slot, slots, ahead, ahead_next):

@@ -91,9 +91,13 @@ $$;
 -- it in pg_stat_activity, which is what they judge its locks by.
 create or replace function pgque._session_role()
 returns oid
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
-as $$ select usesysid from pg_stat_activity where pid = pg_backend_pid() $$;
+as $$
+begin
+    return (select usesysid from pg_stat_activity where pid = pg_backend_pid());
+end
+$$;
 
 -- pgque._current_key(kind, id): the current key of a slot ('slot', its sub_id),
 -- of a group's membership ('group', its cg_id) or of the ticker election

@@ -30,9 +30,13 @@
 -- internal, as its leading underscore tells 99_grants.sql).
 create or replace function pgque._batch_reader_name(p_queue_id integer)
 returns text
-language sql immutable
+language plpgsql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select '_batch_reader_' || p_queue_id::text $$;
+as $$
+begin
+    return '_batch_reader_' || p_queue_id::text;
+end
+$$;
 
 -- pgque._batch_reader_args(): the reader's parameter list: the positional
 -- parameters $1..$14 of _read_statement and _probe_statement (60_batch.sql),

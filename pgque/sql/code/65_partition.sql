@@ -45,9 +45,13 @@ $$;
 -- pgque._slot_name(consumer, k, n): the slot subscription's consumer name.
 create or replace function pgque._slot_name(p_consumer text, p_slot integer, p_slots integer)
 returns text
-language sql immutable
+language plpgsql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select p_consumer || '#' || p_slot::text || '/' || p_slots::text $$;
+as $$
+begin
+    return p_consumer || '#' || p_slot::text || '/' || p_slots::text;
+end
+$$;
 
 -- pgque._check_slot(k, n): PQ022 unless 1 <= n <= max_slots(); PQ023 unless
 -- 0 <= k < n.
@@ -341,9 +345,13 @@ $$;
 -- pgque._holds_slot(sub): whether this session holds the slot's lock exclusively.
 create or replace function pgque._holds_slot(p_sub pgque.subscription)
 returns boolean
-language sql volatile
+language plpgsql volatile
 set search_path = pg_catalog, pg_temp
-as $$ select pgque._holds_key(p_sub.sub_lock_key, 'ExclusiveLock') $$;
+as $$
+begin
+    return pgque._holds_key(p_sub.sub_lock_key, 'ExclusiveLock');
+end
+$$;
 
 -- pgque._require_owner(sub): PQ024 unless this session holds the slot's lock.
 create or replace function pgque._require_owner(p_sub pgque.subscription)

@@ -23,9 +23,13 @@
 -- pid it names one session (pids are reused).
 create or replace function pgque._backend_start(p_pid integer)
 returns timestamptz
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
-as $$ select a.backend_start from pg_stat_get_activity(p_pid) a $$;
+as $$
+begin
+    return (select a.backend_start from pg_stat_get_activity(p_pid) a);
+end
+$$;
 
 -- pgque._slot_epoch(sub): the slot's epoch for this session, which owns the
 -- slot: the current one when this session took it, else a new one; null while
