@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Any
 
 import pgque
+from bench.baseline import BASELINE_COMMIT, BaselineWorker
 from bench.measure import BenchError, Measurement
 from bench.processes import WorkerProcess, WorkerResult, machine_cpu, wait_for_group
 from bench.registry import Suite, SuiteContext, SuiteResult, register
@@ -301,6 +302,19 @@ def _interleaved(cases: list[tuple[str, Run, int]], warmup: dict[str, int],
     return values
 
 
+def _with_baseline(baseline: BaselineWorker, cases: list[tuple[str, Run, int]],
+                   warmup: dict[str, int], count: int, repeats: int) -> dict[str, list[float]]:
+    """_interleaved over cases and, when it can be run, the 0.1 Worker's drain
+    (as ``noop.m1.worker_0_1``, warmed up like the others)."""
+    with baseline:
+        if not baseline.available:
+            _log(f"  baseline skipped: {baseline.why}")
+            return _interleaved(cases, warmup, repeats)
+        cases = [*cases, ("noop.m1.worker_0_1", baseline.run, count)]
+        return _interleaved(cases, {**warmup, "noop.m1.worker_0_1": max(warmup.values())},
+                            repeats)
+
+
 def _sleep_overshoot() -> float:
     """What time.sleep(SLEEP_MS) really takes here, in ms (the 1 ms handler's floor)."""
     samples = []
@@ -320,6 +334,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
         parameters: dict[str, Any] = {}
 
         drains: dict[str, _WorkerDrain] = {}
+        baseline = BaselineWorker(ctx.dsn)
         for handler in HANDLERS:
             cases: list[tuple[str, Run, int]] = []
             for workers in WORKER_COUNTS:
@@ -329,7 +344,21 @@ def run(ctx: SuiteContext) -> SuiteResult:
                 cases.append((name, drain.run, handler.count(ctx.quick)))
             # One warm-up per handler, with the most workers (the shortest run).
             warm = {cases[-1][0]: max(BATCH, handler.count(ctx.quick) // 20)}
-            values = _interleaved(cases, warm, ctx.repeats)
+            if handler.name == "noop":
+                # The 0.1 Worker in the same turns (see bench.baseline).
+                values = _with_baseline(baseline, cases, warm, handler.count(ctx.quick),
+                                        ctx.repeats)
+                if baseline.available:
+                    measurements.append(_measurement(
+                        "noop.m1.worker_0_1",
+                        f"M = 1, the Worker of 0.1 (commit {BASELINE_COMMIT})",
+                        handler.count(ctx.quick), values.pop("noop.m1.worker_0_1"), "noop.m1",
+                        statistics.median(values["noop.m1"]),
+                        group=f"{handler.label}: events/s, N = {SLOTS} slots"))
+                else:
+                    parameters["baseline_unavailable"] = baseline.why
+            else:
+                values = _interleaved(cases, warm, ctx.repeats)
             base = f"{handler.name}.m1"
             for workers in WORKER_COUNTS:
                 name = f"{handler.name}.m{workers}"
@@ -377,6 +406,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
             "timing": "database clock: first tick's tick_time to the newest last_active "
                       "(ack) of the 8 slots; worker start-up and slot claiming excluded",
             "scaling_runs": {name: d.details for name, d in drains.items()},
+            "baseline_runs": baseline.details,
             "read_amplification": {
                 "events_per_run": read_count,
                 "counted": "seq_tup_read + idx_tup_fetch of the queue's event tables",

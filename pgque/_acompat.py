@@ -10,12 +10,11 @@ directly instead.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
@@ -225,24 +224,42 @@ def _abandon(task: asyncio.Task[R], abandon: Callable[[R], object]) -> None:
         asyncio.get_running_loop().create_task(_value(result))
 
 
-@contextlib.contextmanager
-def hold_if_free(lock: threading.Lock) -> Iterator[bool]:
+class hold_if_free:
     """Take ``lock`` if nobody holds it, for the ``with`` block; yields whether
-    it was taken (a connection's lock: another thread's call is in flight)."""
-    taken = lock.acquire(blocking=False)
-    try:
-        yield taken
-    finally:
-        if taken:
-            lock.release()
+    it was taken (a connection's lock: another thread's call is in flight).
+    A class, not a generator: the Worker enters it between any two events,
+    and a generator-based manager cost more than the check it guards."""
+
+    __slots__ = ("_lock", "_taken")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._taken = False
+
+    def __enter__(self) -> bool:
+        self._taken = self._lock.acquire(blocking=False)
+        return self._taken
+
+    def __exit__(self, *exc: object) -> None:
+        if self._taken:
+            self._lock.release()
 
 
-@contextlib.contextmanager
-def ahold_if_free(lock: asyncio.Lock) -> Iterator[bool]:
+class ahold_if_free:
     """Whether nobody holds ``lock`` (a connection's lock: another task's call is
     in flight). Nothing to take: the ``with`` block has no await, so no other
     task runs before it ends."""
-    yield not lock.locked()
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> bool:
+        return not self._lock.locked()
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def handler_result(result: object) -> None:
@@ -251,7 +268,7 @@ def handler_result(result: object) -> None:
     def) passes check_handler, but nobody would await its work: the coroutine
     is closed (so no "never awaited" warning) and HandlerReturnedAwaitable,
     which stops the worker before it acks the batch."""
-    if inspect.isawaitable(result):
+    if result is not None and inspect.isawaitable(result):  # None: most handlers
         _refuse_awaitable(result, "pgque.Worker calls its handler without awaiting, so that "
                                   "work would never run; the batch is not acked. Use "
                                   "pgque.AsyncWorker with an async def handler")

@@ -436,6 +436,8 @@ class AsyncCallWatch:
 
     def overdue(self) -> bool:
         """Whether a call has been in flight for longer than the deadline."""
+        if not self._started:  # no call in flight (between events): nothing to lock for
+            return False
         with self._lock:
             oldest = min(self._started.values(), default=None)
         return oldest is not None and time.monotonic() - oldest > self.deadline
