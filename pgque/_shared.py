@@ -8,7 +8,7 @@ into records, DSN redaction, the connection-type check.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -136,22 +136,23 @@ def nacked(nack: Mapping[int, str | None] | Iterable[Message[Any] | int],
     return message_ids(nack), [None]
 
 
-def batch_from_rows(queue: str, consumer: str, rows: list[Any], payload_type: type[T] | None,
-          slot: int | None = None, slots: int | None = None) -> Batch[Any] | None:
-    """Build a Batch from pgque.batch_event rows, read by name; None when there
-    are no rows."""
+def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],
+                    payload_type: type[T] | None, slot: int | None = None,
+                    slots: int | None = None) -> Batch[Any] | None:
+    """Build a Batch from pgque.batch_event rows, as plain tuples in the type's
+    column order (batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data,
+    ev_extra1, epoch); None when there are no rows. Tuples and positional
+    arguments, not named rows and keywords: this runs once per event received,
+    and the names cost about a third of the client's time per event."""
     if not rows:
         return None
-    # Only a slot's batch has an epoch; a schema older than 0.2 has none.
-    epoch = getattr(rows[0], "epoch", None)
+    first = rows[0]
+    # Only a slot's batch has an epoch; a schema older than 0.2 has no column for it.
+    epoch = first[7] if len(first) > 7 else None
     fence = None if slot is None or epoch is None else Fence(queue, consumer, slot, epoch)
-    messages = [
-        Message(id=r.ev_id, type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1,
-                retry_count=r.ev_retry, created_at=r.ev_time, payload_type=payload_type,
-                fence=fence)
-        for r in rows if r.ev_id is not None
-    ]
-    return Batch(queue=queue, consumer=consumer, batch_id=rows[0].batch_id, messages=messages,
+    messages = [Message(r[1], r[4], r[5], r[6], r[3], r[2], payload_type, fence)
+                for r in rows if r[1] is not None]
+    return Batch(queue=queue, consumer=consumer, batch_id=first[0], messages=messages,
                  slot=slot, slots=slots, fence=fence)
 
 

@@ -410,7 +410,7 @@ class AsyncClient:
         A batch may have no messages (a tick with no events); ack it all the same.
         """
         rows = await self._rows("select * from pgque.receive(%s, %s, %s)",
-                                (queue, consumer, max_events), by_name=True)
+                                (queue, consumer, max_events))
         return batch_from_rows(queue, consumer, rows, payload_type)
 
     async def ack(self, batch: Batch[Any], *,
@@ -588,7 +588,7 @@ class AsyncClient:
         check, params = self._checked(queue)
         rows = await self._rows(
             f"select * from pgque.receive_partitioned({check}, %s, %s, %s, %s)",
-            (*params, consumer, slot, slots, max_events), by_name=True)
+            (*params, consumer, slot, slots, max_events))
         return batch_from_rows(queue, consumer, rows, payload_type, slot, slots)
 
     @overload
@@ -612,10 +612,10 @@ class AsyncClient:
         wanted = list(owned)
         rows = await self._rows(
             f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
-            (*params, consumer, slots, wanted, max_events), by_name=True)
+            (*params, consumer, slots, wanted, max_events))
         by_slot: dict[int, list[Any]] = {}
-        for row in rows:
-            by_slot.setdefault(row.slot, []).append(row)
+        for row in rows:  # (slot, then the columns of pgque.batch_event)
+            by_slot.setdefault(row[0], []).append(row[1:])
         batches = []
         for slot, slot_rows in by_slot.items():
             batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots)
