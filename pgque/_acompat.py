@@ -224,42 +224,28 @@ def _abandon(task: asyncio.Task[R], abandon: Callable[[R], object]) -> None:
         asyncio.get_running_loop().create_task(_value(result))
 
 
-class hold_if_free:
-    """Take ``lock`` if nobody holds it, for the ``with`` block; yields whether
-    it was taken (a connection's lock: another thread's call is in flight).
-    A class, not a generator: the Worker enters it between any two events,
-    and a generator-based manager cost more than the check it guards."""
-
-    __slots__ = ("_lock", "_taken")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self._taken = False
-
-    def __enter__(self) -> bool:
-        self._taken = self._lock.acquire(blocking=False)
-        return self._taken
-
-    def __exit__(self, *exc: object) -> None:
-        if self._taken:
-            self._lock.release()
+def take_if_free(lock: threading.Lock) -> bool:
+    """Take ``lock`` if nobody holds it; whether it was taken (a connection's
+    lock: another thread's call is in flight). Give it back with let_go.
+    Two calls, not a context manager: the Worker checks its session between
+    any two events, and a ``with`` cost more than the check it guards."""
+    return lock.acquire(blocking=False)
 
 
-class ahold_if_free:
+def let_go(lock: threading.Lock) -> None:
+    """Release what take_if_free took."""
+    lock.release()
+
+
+def atake_if_free(lock: asyncio.Lock) -> bool:
     """Whether nobody holds ``lock`` (a connection's lock: another task's call is
-    in flight). Nothing to take: the ``with`` block has no await, so no other
-    task runs before it ends."""
+    in flight). Nothing is taken: the caller does not await before alet_go,
+    so no other task runs meanwhile."""
+    return not lock.locked()
 
-    __slots__ = ("_lock",)
 
-    def __init__(self, lock: asyncio.Lock) -> None:
-        self._lock = lock
-
-    def __enter__(self) -> bool:
-        return not self._lock.locked()
-
-    def __exit__(self, *exc: object) -> None:
-        pass
+def alet_go(lock: asyncio.Lock) -> None:
+    """Nothing to release (see atake_if_free)."""
 
 
 def handler_result(result: object) -> None:

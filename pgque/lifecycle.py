@@ -61,11 +61,12 @@ from pgque._acompat import (
     Spawned,
     call_interruptibly,
     caller,
-    hold_if_free,
     join,
+    let_go,
     pause,
     running,
     spawn,
+    take_if_free,
 )
 from pgque.client import Conn, open_connection
 from pgque.errors import (
@@ -475,14 +476,16 @@ def session_ended(conn: Conn) -> bool:
     """
     if conn.closed or conn.broken:
         return True
-    with hold_if_free(conn.lock) as free:
-        if not free:
+    lock = conn.lock
+    if not take_if_free(lock):
+        return False
+    try:
+        ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+        if not ready:
             return False
-        try:
-            ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
-            if not ready:
-                return False
-            conn.pgconn.consume_input()
-            return conn.pgconn.status != psycopg.pq.ConnStatus.OK
-        except (OSError, psycopg.Error):
-            return True
+        conn.pgconn.consume_input()
+        return conn.pgconn.status != psycopg.pq.ConnStatus.OK
+    except (OSError, psycopg.Error):
+        return True
+    finally:
+        let_go(lock)

@@ -61,11 +61,12 @@ from pgque._acompat import (
     ASpawned,
     acall_interruptibly,
     acaller,
-    ahold_if_free,
     ajoin,
+    alet_go,
     apause,
     arunning,
     aspawn,
+    atake_if_free,
 )
 from pgque.client_async import AsyncConn, open_connection_async
 from pgque.errors import (
@@ -475,14 +476,16 @@ def session_ended(conn: AsyncConn) -> bool:
     """
     if conn.closed or conn.broken:
         return True
-    with ahold_if_free(conn.lock) as free:
-        if not free:
+    lock = conn.lock
+    if not atake_if_free(lock):
+        return False
+    try:
+        ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+        if not ready:
             return False
-        try:
-            ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
-            if not ready:
-                return False
-            conn.pgconn.consume_input()
-            return conn.pgconn.status != psycopg.pq.ConnStatus.OK
-        except (OSError, psycopg.Error):
-            return True
+        conn.pgconn.consume_input()
+        return conn.pgconn.status != psycopg.pq.ConnStatus.OK
+    except (OSError, psycopg.Error):
+        return True
+    finally:
+        alet_go(lock)
