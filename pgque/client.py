@@ -614,10 +614,10 @@ class Client:
             (*params, consumer, slots, wanted, max_events))
         by_slot: dict[int, list[Any]] = {}
         for row in rows:  # (slot, then the columns of pgque.batch_event)
-            by_slot.setdefault(row[0], []).append(row[1:])
+            by_slot.setdefault(row[0], []).append(row)
         batches = []
         for slot, slot_rows in by_slot.items():
-            batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots)
+            batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots, at=1)
             if batch is not None:
                 batches.append(batch)
         return batches

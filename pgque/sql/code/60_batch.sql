@@ -120,6 +120,28 @@ as $$
                   pgque._event_table(p_queue_id), pgque._batch_where(p_slots, true))
 $$;
 
+-- pgque._span_statement(queue_id): the statement that reads a batch of the
+-- queue for several slots of a group at once (receive_slots, 69_slot_sets.sql):
+-- both halves of the batch's condition as _read_statement has them, without
+-- a routing filter (the caller routes each event) and with the retries of any
+-- of the subscriptions $13, in ev_id order. $1 .. $4 as for _batch_where.
+create or replace function pgque._span_statement(p_queue_id integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format('select array(select row(x.*)::pgque.event_template'
+                  ' from (select e.* from pgque.%I e where %s'
+                  '       union all'
+                  '       select e.* from unnest($3) as x(txid)'
+                  '        cross join lateral (select e.* from pgque.%I e where %s offset 0) e'
+                  '       order by ev_id) x)',
+                  pgque._event_table(p_queue_id),
+                  pgque._dual_filter(null, false, '$1', 'any($13)', null),
+                  pgque._event_table(p_queue_id),
+                  pgque._dual_filter(null, true, '$1', 'any($13)', null))
+$$;
+
 -- pgque._probe_statement(queue_id, slots): the statement that finds which of
 -- several slots of slots have an event in their batch up to the snapshot $4
 -- (xmax $2): for each row of unnest($12 slots, $13 subscriptions, $14 last
@@ -145,8 +167,9 @@ as $$
 $$;
 
 -- pgque._run_reader(queue_id, slots, probe, $1 .. $14): runs the read (or,
--- with probe, the probe) statement with those parameters (see
--- _batch_where, _read_statement, _probe_statement): through the queue's
+-- with probe, the probe; with slots above 1 and no slot, the span read for
+-- several slots) statement with those parameters (see _batch_where,
+-- _read_statement, _probe_statement, _span_statement): through the queue's
 -- batch reader when it has a branch for slots, else as dynamic SQL. Every
 -- value reaches the statement as a parameter.
 create or replace function pgque._run_reader(
@@ -176,6 +199,7 @@ begin
         end if;
     end if;
     execute case when p_probe then pgque._probe_statement(p_queue_id, p_slots)
+                 when p_slots > 1 and p_slot is null then pgque._span_statement(p_queue_id)
                  else pgque._read_statement(p_queue_id, p_slots) end
        into v_events
       using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,

@@ -72,10 +72,17 @@ as $$
                       '        if p_probe then\n'
                       '            return (%s);\n'
                       '        end if;\n'
+                      '%s'
                       '        return (%s);\n'
                       '    end if;\n',
                       case when n = 1 then 'is null or p_slots = 1' else '= ' || n::text end,
-                      pgque._probe_statement(p_queue_id, n), pgque._read_statement(p_queue_id, n)),
+                      pgque._probe_statement(p_queue_id, n),
+                      case when n > 1 then format(E'        if p_slot is null then\n'
+                                                   '            return (%s);\n'
+                                                   '        end if;\n',
+                                                   pgque._span_statement(p_queue_id))
+                           else '' end,
+                      pgque._read_statement(p_queue_id, n)),
                       '' order by n))
       from unnest(array_prepend(1, p_slot_counts)) n
 $$;

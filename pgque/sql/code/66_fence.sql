@@ -66,6 +66,30 @@ begin
 end
 $$;
 
+-- pgque._slot_epochs(subs): _slot_epoch for each of subs (slots this session
+-- owns), in their order. The usual case, every slot's epoch taken by this
+-- session already, is one statement; otherwise slot by slot.
+create or replace function pgque._slot_epochs(p_subs pgque.subscription[])
+returns bigint[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_start timestamptz := pgque._backend_start(pg_backend_pid());
+    v_epochs bigint[];
+begin
+    select array_agg(c.sc_epoch order by t.ordinality) into v_epochs
+      from unnest(p_subs) with ordinality as t
+      join pgque.slot_claim c on c.sc_sub = t.sub_id
+     where c.sc_pid = pg_backend_pid() and c.sc_backend_start = v_start;
+    if cardinality(v_epochs) = cardinality(p_subs) then
+        return v_epochs;
+    end if;
+    return array(select pgque._slot_epoch(p_subs[i]) from generate_subscripts(p_subs, 1) i
+                  order by i);
+end
+$$;
+
 -- pgque._end_epoch(sub): called when this session releases the slot: its
 -- epoch ends, so the next claim (even by this session) takes a new one. It
 -- does not wait: while a checking transaction holds the epoch, the epoch stays
