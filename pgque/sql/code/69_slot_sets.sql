@@ -7,7 +7,19 @@
 -- each, as Kafka's poll returns the records of every assigned partition.
 -- Each slot's piece is the one receive_partitioned would return; nothing
 -- about order or ownership changes.
-
+--
+-- The usual case is set-based: slots drained together sit at the same tick
+-- with no open batch, so their next batches span the same two ticks, and one
+-- read of that span (the batch reader's span read, each event routed to its
+-- slot with the routing formula) holds every slot's events; their cursors
+-- are written in one statement, and when every slot asked for goes
+-- together, their epochs and locks are taken in one statement each too. A
+-- slot at another position, with an open batch, or with nothing in that span
+-- (whose empty batches receive_partitioned consumes, or whose idle poll it
+-- leaves unwritten) takes the slot-by-slot path instead, and so do all of
+-- them when they are less than half of the group (the read of the whole span
+-- would then cost more than theirs). Both paths hand out the same pieces
+-- (tests/test_slot_sets_model.py).
 
 -- pgque.slot_event: a row of receive_slots, a slot's event (or batch) row led by the slot.
 create type pgque.slot_event as (
@@ -86,8 +98,12 @@ begin
         v_together := array(select i from generate_subscripts(v_ks, 1) i
                              where (v_curs[i]).cur_batch is null
                                and (v_curs[i]).cur_last_tick = v_last_tick order by i);
-        v_next_tick := pgque._next_tick(v_queue, v_curs[v_together[1]]);
-        v_prev := pgque._tick_snapshot(v_queue.queue_id, v_last_tick);
+        -- The read together covers the whole batch: for less than half of the
+        -- group's slots, reading each slot's own rows (its slot index) is less.
+        if cardinality(v_together) * 2 >= v_group.cg_slots then
+            v_next_tick := pgque._next_tick(v_queue, v_curs[v_together[1]]);
+            v_prev := pgque._tick_snapshot(v_queue.queue_id, v_last_tick);
+        end if;
     end if;
     if v_next_tick is not null and v_prev is not null then
         v_next := pgque._tick_snapshot(v_queue.queue_id, v_next_tick);
