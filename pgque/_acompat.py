@@ -337,8 +337,8 @@ class KeyRunner:
     def run(self, items: Sequence[M], key: Callable[[M], Hashable],
             handle: Callable[[int, M], None]) -> None:
         """``handle(position, item)`` for every item, keys in parallel."""
-        groups = _groups(items, key)
-        if self.limit == 1 or len(groups) == 1:
+        groups = _groups(items, key) if self.limit > 1 else []
+        if len(groups) <= 1:  # one at a time: no grouping by key to do
             for index, item in enumerate(items):
                 handle(index, item)
             return
@@ -393,8 +393,8 @@ class AKeyRunner:
     async def run(self, items: Sequence[M], key: Callable[[M], Hashable],
                   handle: Callable[[int, M], Awaitable[None]]) -> None:
         """``await handle(position, item)`` for every item, keys in parallel."""
-        groups = _groups(items, key)
-        if self.limit == 1 or len(groups) == 1:
+        groups = _groups(items, key) if self.limit > 1 else []
+        if len(groups) <= 1:  # one at a time: no grouping by key to do
             for index, item in enumerate(items):
                 await handle(index, item)
             return

@@ -100,7 +100,8 @@ begin
                                and (v_curs[i]).cur_last_tick = v_last_tick order by i);
         -- The read together covers the whole batch: for less than half of the
         -- group's slots, reading each slot's own rows (its slot index) is less.
-        if cardinality(v_together) * 2 >= v_group.cg_slots then
+        -- (A group of one slot has nothing to put together.)
+        if v_group.cg_slots > 1 and cardinality(v_together) * 2 >= v_group.cg_slots then
             v_next_tick := pgque._next_tick(v_queue, v_curs[v_together[1]]);
             v_prev := pgque._tick_snapshot(v_queue.queue_id, v_last_tick);
         end if;
@@ -281,6 +282,9 @@ begin
       from pgque._slot_subs(v_queue, v_group, p_slot_list) t
       join unnest(p_slot_list, p_batch_ids) with ordinality as b(slot, batch_id, pos)
         on b.slot = t.slot;
+    if v_subs is null then
+        return '{}';  -- an empty list
+    end if;
     for v_i in 1 .. cardinality(v_subs) loop
         perform pgque._require_owner(v_subs[v_i]);
         perform pgque._require_batch(v_subs[v_i], v_curs[v_i], v_batch_ids[v_i]);
