@@ -653,17 +653,14 @@ class Client:
                 statement, (*params, first.consumer, first.slots, [b.slot for b in batches],
                             [b.batch_id for b in batches]))
             return done
+        # With nacks, slot by slot in one transaction, ascending by slot: the
+        # lock order of every call that locks several slots of a group.
         finished: dict[int, bool] = {}
         with self.conn.transaction():
-            for batch, piece in zip(batches, failed, strict=True):
-                if piece:
-                    finished[id(batch)] = self.ack(batch, nack=piece,
-                                                   retry_after=retry_after)
-            if plain:
-                flags = self._value(
-                    statement, (*params, first.consumer, first.slots, [b.slot for b in plain],
-                                [b.batch_id for b in plain]))
-                finished.update(zip((id(b) for b in plain), flags, strict=True))
+            for batch, piece in sorted(zip(batches, failed, strict=True),
+                                       key=lambda pair: pair[0].slot or 0):
+                finished[id(batch)] = self.ack(batch, nack=piece,
+                                               retry_after=retry_after)
         return [finished[id(b)] for b in batches]
 
     def partition_slot_status(self, queue: str | None = None) -> list[SlotStatus]:

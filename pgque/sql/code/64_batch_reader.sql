@@ -80,7 +80,7 @@ as $$
                       case when n > 1 then format(E'        if p_slot is null then\n'
                                                    '            return (%s);\n'
                                                    '        end if;\n',
-                                                   pgque._span_statement(p_queue_id))
+                                                   pgque._span_statement(p_queue_id, n))
                            else '' end,
                       pgque._read_statement(p_queue_id, n)),
                       '' order by n))

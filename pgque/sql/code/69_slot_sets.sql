@@ -66,6 +66,7 @@ declare
     v_lasts bigint[];                --   the last one's ev_id,
     v_handed bigint[];               --   the ev_id of the last one of the first piece
     v_epoch bigint;
+    v_locked record;
     v_cur pgque.cursor;
     v_open integer[] := '{}';        -- the slots opened together, slot by slot
     v_open_ks integer[];             -- the slots opened together
@@ -112,7 +113,8 @@ begin
         v_events := pgque._run_reader(
             v_queue.queue_id, v_group.cg_slots, false, pg_snapshot_xmax(v_prev),
             pg_snapshot_xmax(v_next), array(select pg_snapshot_xip(v_prev)), v_next, null, null,
-            null, null, null, null, array(select v_ks[i] from unnest(v_together) i),
+            null, null, null, pgque._events_asked(p_max_events),
+            array(select v_ks[i] from unnest(v_together) i),
             array(select (v_subs[i]).sub_id from unnest(v_together) i), null);
         -- ... each event routed by slot_of's formula, written out (a call per
         -- event would cost more than the rest of this), a retried event to its
@@ -150,12 +152,13 @@ begin
         -- statement each, with the checks of the slot-by-slot path below.
         v_epochs := pgque._slot_epochs(v_subs);
         if array_position(v_epochs, null) is null then
-            perform 1 from generate_subscripts(v_subs, 1) i
-              join pgque.subscription s on s.sub_id = (v_subs[i]).sub_id
-             order by i
-               for update of s;
-            for v_i in 1 .. cardinality(v_ks) loop
-                perform pgque._require_owner(v_subs[v_i]);
+            -- The owner checked on the rows as locked: the key may have been
+            -- renewed (and the slot taken) since they were read.
+            for v_locked in select s from generate_subscripts(v_subs, 1) i
+                              join pgque.subscription s on s.sub_id = (v_subs[i]).sub_id
+                             order by i
+                               for update of s loop
+                perform pgque._require_owner(v_locked.s);
             end loop;
             v_open_curs := array(select c.c from generate_subscripts(v_subs, 1) i
                                   cross join lateral (select o from pgque.cursor o
@@ -188,8 +191,9 @@ begin
             if v_epoch is null then
                 continue;
             end if;
-            perform 1 from pgque.subscription s where s.sub_id = (v_subs[v_i]).sub_id for update;
-            perform pgque._require_owner(v_subs[v_i]);
+            select s into v_locked from pgque.subscription s
+             where s.sub_id = (v_subs[v_i]).sub_id for update;
+            perform pgque._require_owner(v_locked.s);  -- as locked: the key may be new
             v_cur := pgque._current_cursor((v_subs[v_i]).sub_id);
             if v_cur.cur_batch is null and v_cur.cur_last_tick = v_last_tick then
                 v_open := v_open || v_ks[v_i];
