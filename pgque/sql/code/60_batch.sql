@@ -120,33 +120,37 @@ as $$
                   pgque._event_table(p_queue_id), pgque._batch_where(p_slots, true))
 $$;
 
--- pgque._span_statement(queue_id, slots): the statement that reads a batch
--- of the queue for several slots of a group of slots at once (receive_slots,
--- 69_slot_sets.sql): both halves of the batch's condition as _read_statement
--- has them, for the slots $12 (the routing formula of slots among them) and
--- with the retries of any of their subscriptions $13, at most $10 events per
--- slot (null: all), in ev_id order. $1 .. $4 as for _batch_where. The limit is
--- per slot, as each slot's own read has it, so that pieces of max_events do
--- not read whole batches into memory. Built from integers only.
-create or replace function pgque._span_statement(p_queue_id integer, p_slots integer)
+-- pgque._span_statement(queue_id, slots, limited): the statement that reads
+-- a batch of the queue for several slots of a group of slots at once
+-- (receive_slots, 69_slot_sets.sql): both halves of the batch's condition as
+-- _read_statement has them, for the slots $12 (the routing formula of slots
+-- among them) and with the retries of any of their subscriptions $13, in no
+-- particular order (the caller orders what it hands out); with limited, at
+-- most $10 events per slot, the first by ev_id, as each slot's own read has
+-- it, so that pieces of max_events do not read whole batches into memory.
+-- $1 .. $4 as for _batch_where. Built from integers only.
+create or replace function pgque._span_statement(p_queue_id integer, p_slots integer,
+                                                 p_limited boolean)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format('select array(select row(x.ev_id, x.ev_time, x.ev_txid, x.ev_owner, x.ev_retry,'
                   '                       x.ev_type, x.ev_data, x.ev_extra1)::pgque.event_template'
-                  ' from (select e.*, row_number() over (partition by %s order by e.ev_id) as n'
+                  ' from (select e.*%s'
                   '         from (select e.* from pgque.%I e where %s'
                   '               union all'
                   '               select e.* from unnest($3) as x(txid)'
                   '                cross join lateral (select e.* from pgque.%I e where %s'
-                  '                                     offset 0) e) e) x'
-                  ' where $10::integer is null or x.n <= $10'
-                  ' order by x.ev_id)',
-                  pgque._slot_expr(p_slots), pgque._event_table(p_queue_id),
+                  '                                     offset 0) e) e) x%s)',
+                  case when p_limited
+                       then format(', row_number() over (partition by %s order by e.ev_id) as n',
+                                   pgque._slot_expr(p_slots)) else '' end,
+                  pgque._event_table(p_queue_id),
                   pgque._dual_filter(p_slots, false, '$1', 'any($13)', 'any($12)'),
                   pgque._event_table(p_queue_id),
-                  pgque._dual_filter(p_slots, true, '$1', 'any($13)', 'any($12)'))
+                  pgque._dual_filter(p_slots, true, '$1', 'any($13)', 'any($12)'),
+                  case when p_limited then ' where x.n <= $10' else '' end)
 $$;
 
 -- pgque._probe_statement(queue_id, slots): the statement that finds which of
@@ -206,7 +210,8 @@ begin
         end if;
     end if;
     execute case when p_probe then pgque._probe_statement(p_queue_id, p_slots)
-                 when p_slots > 1 and p_slot is null then pgque._span_statement(p_queue_id, p_slots)
+                 when p_slots > 1 and p_slot is null
+                      then pgque._span_statement(p_queue_id, p_slots, p_limit is not null)
                  else pgque._read_statement(p_queue_id, p_slots) end
        into v_events
       using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,

@@ -77,10 +77,14 @@ as $$
                       '    end if;\n',
                       case when n = 1 then 'is null or p_slots = 1' else '= ' || n::text end,
                       pgque._probe_statement(p_queue_id, n),
-                      case when n > 1 then format(E'        if p_slot is null then\n'
+                      case when n > 1 then format(E'        if p_slot is null and p_limit is null then\n'
+                                                   '            return (%s);\n'
+                                                   '        end if;\n'
+                                                   '        if p_slot is null then\n'
                                                    '            return (%s);\n'
                                                    '        end if;\n',
-                                                   pgque._span_statement(p_queue_id, n))
+                                                   pgque._span_statement(p_queue_id, n, false),
+                                                   pgque._span_statement(p_queue_id, n, true))
                            else '' end,
                       pgque._read_statement(p_queue_id, n)),
                       '' order by n))
