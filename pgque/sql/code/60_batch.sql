@@ -428,11 +428,46 @@ begin
 end
 $$;
 
+-- pgque._ack_cursors(curs): acks what the latest receive handed out of the
+-- open batch of each of curs (cursors of subscriptions the caller holds
+-- locked, their batches checked): a piece that reached the end of its batch
+-- finishes it and the cursor moves to its tick, else the position inside the
+-- batch advances. One cursor write for them all; returns, in the order of
+-- curs, whether each finished its batch. The one definition of what an ack
+-- writes, for ack (one cursor) and ack_slots (69_slot_sets.sql).
+create or replace function pgque._ack_cursors(p_curs pgque.cursor[])
+returns boolean[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_done boolean[];
+begin
+    with acked as (
+        select i, p_curs[i] as cur,
+               (p_curs[i]).cur_end is not null
+               and (p_curs[i]).cur_handed >= (p_curs[i]).cur_end as finished
+          from generate_subscripts(p_curs, 1) i
+    ), saved as (
+        insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
+                                  cur_pos, cur_handed, cur_end)
+        select (a.cur).cur_sub, (a.cur).cur_seq + 1,
+               case when a.finished then (a.cur).cur_next_tick else (a.cur).cur_last_tick end,
+               case when not a.finished then (a.cur).cur_batch end,
+               case when not a.finished then (a.cur).cur_next_tick end,
+               case when not a.finished then (a.cur).cur_handed end,
+               case when not a.finished then (a.cur).cur_handed end,
+               case when not a.finished then (a.cur).cur_end end
+          from acked a
+    )
+    select array_agg(a.finished order by a.i) into v_done from acked a;
+    return v_done;
+end
+$$;
+
 -- pgque._ack(sub, cur, batch_id): acks what the latest receive handed out of
--- the open batch of the locked subscription sub. When that reached the end of
--- the batch the batch is finished and the cursor moves to its tick (returns
--- true); otherwise the position inside the batch advances (returns false).
--- Raises PQ003 if batch_id is not the open batch.
+-- the open batch of the locked subscription sub (_ack_cursors); true when
+-- that finished the batch. Raises PQ003 if batch_id is not the open batch.
 create or replace function pgque._ack(p_sub pgque.subscription, p_cur pgque.cursor,
                                       p_batch_id bigint)
 returns boolean
@@ -441,19 +476,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     perform pgque._require_batch(p_sub, p_cur, p_batch_id);
-    if p_cur.cur_end is not null and p_cur.cur_handed >= p_cur.cur_end then
-        p_cur.cur_last_tick := p_cur.cur_next_tick;
-        p_cur.cur_batch := null;
-        p_cur.cur_next_tick := null;
-        p_cur.cur_pos := null;
-        p_cur.cur_handed := null;
-        p_cur.cur_end := null;
-        perform pgque._save_cursor(p_cur);
-        return true;
-    end if;
-    p_cur.cur_pos := p_cur.cur_handed;
-    perform pgque._save_cursor(p_cur);
-    return false;
+    return (pgque._ack_cursors(array[p_cur]))[1];
 end
 $$;
 

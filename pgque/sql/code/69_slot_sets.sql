@@ -293,28 +293,11 @@ begin
         perform pgque._require_owner(v_subs[v_i]);
         perform pgque._require_batch(v_subs[v_i], v_curs[v_i], v_batch_ids[v_i]);
     end loop;
-    -- What _ack writes for one slot, for all: a piece acked up to its end
-    -- finishes the batch (the cursor moves to its tick), else the position
-    -- inside the batch advances. The result goes where the slot was given.
-    with acked as (
-        select i, v_curs[i] as cur,
-               (v_curs[i]).cur_end is not null
-               and (v_curs[i]).cur_handed >= (v_curs[i]).cur_end as finished
-          from generate_subscripts(v_curs, 1) i
-    ), saved as (
-        insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
-                                  cur_pos, cur_handed, cur_end)
-        select (a.cur).cur_sub, (a.cur).cur_seq + 1,
-               case when a.finished then (a.cur).cur_next_tick
-                    else (a.cur).cur_last_tick end,
-               case when not a.finished then (a.cur).cur_batch end,
-               case when not a.finished then (a.cur).cur_next_tick end,
-               case when not a.finished then (a.cur).cur_handed end,
-               case when not a.finished then (a.cur).cur_handed end,
-               case when not a.finished then (a.cur).cur_end end
-          from acked a
-    )
-    select array_agg(a.finished order by v_positions[a.i]) into v_done from acked a;
+    -- What _ack writes for one slot, for all of them in one statement; each
+    -- result goes where the slot was given.
+    v_done := pgque._ack_cursors(v_curs);
+    select array_agg(v_done[t.i] order by v_positions[t.i]) into v_done
+      from generate_subscripts(v_curs, 1) t(i);
     return v_done;
 end
 $$;
