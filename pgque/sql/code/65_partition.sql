@@ -30,9 +30,12 @@ set search_path = pg_catalog, pg_temp
 as $$ select 1024 $$;
 
 -- pgque.slot_of(key, slots): the slot a partition key routes to. This is
--- the one definition of routing; the receive filter and the info functions
--- write the same formula inline, since a function with a pinned search_path
--- is never inlined and would cost a call per event row.
+-- the one definition of routing; the receive filter (_slot_expr), the
+-- routing of receive_slots (69_slot_sets.sql) and the info functions write
+-- the same formula inline, since a function with a pinned search_path is
+-- never inlined and would cost a call per event row. tests/test_routing.py
+-- pins the formula; tests/test_slot_sets_model.py compares receive_slots'
+-- routing with the receive filter's.
 create or replace function pgque.slot_of(p_key text, p_slots integer)
 returns integer
 language sql immutable parallel safe

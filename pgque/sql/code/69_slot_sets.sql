@@ -56,6 +56,8 @@ declare
     v_curs pgque.cursor[];
     v_last_tick bigint;
     v_together integer[];            -- positions of the slots that can go together
+    v_span_ks integer[];             -- those slots, and their subscriptions' ids
+    v_span_subs integer[];
     v_prev pg_snapshot;              -- the snapshot of their last tick
     v_next_tick bigint;              -- the tick that closes their next batches
     v_next pg_snapshot;
@@ -68,8 +70,8 @@ declare
     v_epoch bigint;
     v_locked record;
     v_cur pgque.cursor;
-    v_open integer[] := '{}';        -- the slots opened together, slot by slot
-    v_open_ks integer[];             -- the slots opened together
+    v_open integer[] := '{}';        -- the slots opened together
+    v_all boolean := false;          -- all of them in one statement each
     v_epochs bigint[] := '{}';
     v_open_curs pgque.cursor[] := '{}';
     v_rest pgque.slot_event[] := '{}';
@@ -109,22 +111,20 @@ begin
     end if;
     if v_next_tick is not null and v_prev is not null then
         v_next := pgque._tick_snapshot(v_queue.queue_id, v_next_tick);
+        v_span_ks := array(select v_ks[i] from unnest(v_together) i);
+        v_span_subs := array(select (v_subs[i]).sub_id from unnest(v_together) i);
         -- One read of their next batch (_span_statement) ...
         v_events := pgque._run_reader(
             v_queue.queue_id, v_group.cg_slots, false, pg_snapshot_xmax(v_prev),
             pg_snapshot_xmax(v_next), array(select pg_snapshot_xip(v_prev)), v_next, null, null,
-            null, null, null, pgque._events_asked(p_max_events),
-            array(select v_ks[i] from unnest(v_together) i),
-            array(select (v_subs[i]).sub_id from unnest(v_together) i), null);
+            null, null, null, pgque._events_asked(p_max_events), v_span_ks, v_span_subs, null);
         -- ... each event routed by slot_of's formula, written out (a call per
         -- event would cost more than the rest of this), a retried event to its
         -- owner's slot only; and what each slot's cursor needs to know.
         with routed as materialized (
             select e.ordinality as i, e.ev_id, coalesce(o.k, -1) as k
               from unnest(v_events) with ordinality as e
-              left join unnest(array(select v_ks[i] from unnest(v_together) i),
-                               array(select (v_subs[i]).sub_id from unnest(v_together) i))
-                        as o(k, sub)
+              left join unnest(v_span_ks, v_span_subs) as o(k, sub)
                 on o.k = case when e.ev_extra1 is null then 0
                               else (hashtextextended(e.ev_extra1, 0) % v_group.cg_slots
                                     + v_group.cg_slots) % v_group.cg_slots end
@@ -167,21 +167,21 @@ begin
                                   where (c.c).cur_batch is null
                                     and (c.c).cur_last_tick = v_last_tick
                                   order by i);
-            if cardinality(v_open_curs) = cardinality(v_ks) then
-                v_open_ks := v_ks;
-            else
-                v_open_curs := '{}';
-            end if;
+            v_all := cardinality(v_open_curs) = cardinality(v_ks);
         end if;
-        if v_open_ks is null then
-            v_epochs := '{}';  -- a fenced slot, or a cursor that moved: slot by slot
+        if v_all then
+            v_open := v_ks;
+        else
+            -- A fenced slot, or a cursor that moved: slot by slot below.
+            v_epochs := '{}';
+            v_open_curs := '{}';
         end if;
     end if;
     -- Slot after slot, ascending (the lock order everywhere): a slot that can
     -- go together is locked here and opened with the others below; any other
     -- goes as receive_partitioned would take it.
     for v_i in 1 .. cardinality(v_ks) loop
-        exit when v_open_ks is not null;  -- all opened together above
+        exit when v_all;  -- all opened together above
         if v_i = any(v_together) then
             -- As _receive_slot: the epoch before the receive lock (null while a
             -- transaction fenced by the previous owner's epoch is open: then
@@ -208,7 +208,6 @@ begin
               from pgque._receive_slot(v_queue, v_group, v_ks[v_i], v_subs[v_i], v_curs[v_i],
                                        p_max_events) r);
     end loop;
-    v_open_ks := coalesce(v_open_ks, v_open);
     -- Opens the batch of each slot that goes together, as _receive does for
     -- one slot (a batch id, at most max_events events, the batch's end once it
     -- was read whole), with one cursor write for them all; then the rows of
@@ -217,7 +216,7 @@ begin
         with served as (
             select t.k, t.epoch, t.n, nextval('pgque.batch_id_seq') as batch_id,
                    v_counts[j.j] as count, v_lasts[j.j] as last, v_handed[j.j] as handed
-              from unnest(v_open_ks, v_epochs) with ordinality as t(k, epoch, n)
+              from unnest(v_open, v_epochs) with ordinality as t(k, epoch, n)
              cross join lateral (select array_position(v_with, t.k) as j) j
         ), saved as (
             insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
