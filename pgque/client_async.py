@@ -444,6 +444,43 @@ class AsyncClient:
             (batch.queue, batch.consumer, batch.batch_id, ids, reasons,
              seconds(retry_after))))
 
+    @overload
+    async def ack_and_receive(self, batch: Batch[Any], *,
+                              nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
+                              retry_after: float | timedelta = 0.0,
+                              max_events: int | None = None,
+                              payload_type: None = None) -> Batch[Any] | None: ...
+
+    @overload
+    async def ack_and_receive(self, batch: Batch[Any], *,
+                              nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
+                              retry_after: float | timedelta = 0.0,
+                              max_events: int | None = None,
+                              payload_type: type[T]) -> Batch[T] | None: ...
+
+    async def ack_and_receive(self, batch: Batch[Any], *,
+                              nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
+                              retry_after: float | timedelta = 0.0,
+                              max_events: int | None = None,
+                              payload_type: type[T] | None = None) -> Batch[Any] | None:
+        """:meth:`ack` of a slot's batch piece (with its ``nack``), then
+        :meth:`receive_partitioned` of the same slot, in one round trip and one
+        transaction: what a loop over one slot costs per piece halves. Returns
+        the slot's next piece, or None. An error undoes both, the ack included
+        (SlotNotOwned, BatchNotOpen...). Slot batches only (ValueError)."""
+        if batch.slot is None:
+            raise ValueError("ack_and_receive takes a slot's batch (receive_partitioned); "
+                             "ack a plain batch with ack, then receive")
+        ids, reasons = nacked(nack)
+        check, params = self._checked(batch.queue)
+        rows = await self._rows(
+            f"select * from pgque.ack_receive_partitioned({check}, %s, %s, %s, %s, "
+            "%s::bigint[], %s::text[], make_interval(secs => %s), %s)",
+            (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids, reasons,
+             seconds(retry_after), max_events))
+        return batch_from_rows(batch.queue, batch.consumer, rows, payload_type, batch.slot,
+                               batch.slots)
+
     async def nack(self, batch: Batch[Any],
                    messages: Message[Any] | int | Iterable[Message[Any] | int], *,
                    retry_after: float | timedelta = 0.0, reason: str | None = None) -> int:

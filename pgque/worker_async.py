@@ -711,8 +711,10 @@ class _Lane(Generic[T]):
     async def _step(self, slot: int, session: _Session) -> bool:
         """One step of a slot: receive a batch piece, handle its events in order,
         then nack the failures and ack in one transaction (which, for a
-        transactional handler, also holds the handler's writes). Returns whether
-        a batch was there."""
+        transactional handler, also holds the handler's writes); while the lane
+        has nothing else to do, the ack also receives the slot's next piece.
+        Returns False when the slot's last receive found nothing (it then waits
+        out its poll interval), True when it may have more."""
         worker = self.worker
         with session.call() as client:
             batch = await client.receive_partitioned(
@@ -732,11 +734,35 @@ class _Lane(Generic[T]):
                     await _on_savepoint(conn, "release savepoint pgque_event")
                 with session.call() as client:
                     await client.ack(batch, nack=failures, retry_after=worker.retry_after)
-        else:
+            return True
+        while True:
             failures = await self._handle(batch, session, None)
             with session.call() as client:
-                await client.ack(batch, nack=failures, retry_after=worker.retry_after)
-        return True
+                if not self._stays_on(slot):
+                    await client.ack(batch, nack=failures, retry_after=worker.retry_after)
+                    return True
+                # The lane's next step is this slot again: the ack carries its
+                # receive (one round trip and one commit a piece, not two).
+                next_batch = await client.ack_and_receive(
+                    batch, nack=failures, retry_after=worker.retry_after,
+                    max_events=worker.max_events, payload_type=worker.payload_type)
+            if next_batch is None:
+                return False  # acked, and the slot has nothing more: it waits its poll
+            batch = next_batch
+
+    def _stays_on(self, slot: int) -> bool:
+        """Whether the lane would step this slot next anyway: no claim or release
+        asked of it, no stop, and none of its other slots due."""
+        worker = self.worker
+        if worker.stopping or worker._fatal is not None:
+            return False
+        now = time.monotonic()
+        with worker._lock:
+            if self._requests or slot not in self.slots:
+                return False
+            return all(other == slot or (other not in self._pending
+                                         and self._idle_until.get(other, 0.0) > now)
+                       for other in self._turns)
 
     async def _handle(self, batch: Batch[T], session: _Session,
                       conn: AsyncConn | None) -> dict[int, str]:

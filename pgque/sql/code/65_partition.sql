@@ -584,6 +584,42 @@ begin
 end
 $$;
 
+-- pgque.ack_receive_partitioned(queue, consumer, slot, slots, batch_id,
+-- nack_ids, nack_reasons, retry_after, max_events): ack_partitioned of the
+-- slot's batch piece (with its nacks; none when nack_ids is empty or null),
+-- then receive_partitioned of the same slot, in one call and one transaction:
+-- a consumer that works a slot piece after piece pays one round trip and one
+-- commit per piece instead of two. Returns the next piece as
+-- receive_partitioned does, nothing when there is none. Refuses what either
+-- refuses (PQ024 unless this session owns the slot, PQ003 for a batch that is
+-- not the open one); an error undoes both, the ack included.
+create or replace function pgque.ack_receive_partitioned(
+    p_queue text, p_consumer text, p_slot integer, p_slots integer, p_batch_id bigint,
+    p_nack_ids bigint[], p_nack_reasons text[], p_retry_after interval,
+    p_max_events integer default null)
+returns setof pgque.batch_event
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    perform pgque._check_max_events(p_max_events);
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
+    perform pgque._require_owner(v.sub);
+    if cardinality(p_nack_ids) > 0 then
+        perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
+                            p_retry_after, p_slot, (v.grp).cg_slots);
+    end if;
+    perform pgque._ack(v.sub, v.cur, p_batch_id);
+    -- The receive starts from the cursor the ack wrote (the row lock is ours).
+    return query select * from pgque._receive_slot(v.queue, v.grp, p_slot, v.sub,
+                                                    pgque._current_cursor((v.sub).sub_id),
+                                                    p_max_events);
+end
+$$;
+
 -- pgque.nack_partitioned(queue, consumer, slot, slots, batch_id, ev_ids,
 -- retry_after, reason): nack() for a slot (skip policy: the events go to the
 -- slot's retry queue, the batch goes on); refuses (PQ024) unless this session

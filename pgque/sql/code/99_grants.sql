@@ -53,6 +53,7 @@ declare
         'ack_partitioned(text,text,integer,integer,bigint)',
         'ack_partitioned(text,text,integer,integer,bigint,bigint[],text[],interval)',
         'nack_partitioned(text,text,integer,integer,bigint,bigint[],interval,text)',
+        'ack_receive_partitioned(text,text,integer,integer,bigint,bigint[],text[],interval,integer)',
         'join_group(text,text)', 'group_status(text,text)', 'pending_slots(text,text)',
         'receive_slots(text,text,integer,integer[],integer)',
         'ack_slots(text,text,integer,integer[],bigint[])',
