@@ -80,9 +80,8 @@ def test_a_session_that_does_not_own_the_slot_acks_nothing(client: pgque.Client,
     fill(client, ticks=1, per_tick=40)
     batch = client.receive_partitioned("q", "g", slot=1, slots=SLOTS, max_events=2)
     assert batch is not None
-    with pgque.connect(dsn) as other:
-        with pytest.raises(pgque.SlotNotOwned):
-            other.ack_and_receive(batch)
+    with pgque.connect(dsn) as other, pytest.raises(pgque.SlotNotOwned):
+        other.ack_and_receive(batch)
     assert open_batch(client, 1) == batch.batch_id
     # The owner gets the same piece again: nothing moved.
     again = client.receive_partitioned("q", "g", slot=1, slots=SLOTS, max_events=2)
