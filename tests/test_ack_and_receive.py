@@ -149,3 +149,25 @@ def test_the_sql_function_refuses_a_non_owner_with_its_sqlstate(
                      "'{}', '{}', '0', null)", (SLOTS, batch.batch_id))
     assert raised.value.sqlstate == "PQ024"
     assert open_batch(client, 0) == batch.batch_id
+
+
+def test_the_next_piece_carries_the_epoch_and_a_new_claim_takes_a_new_one(
+        client: pgque.Client) -> None:
+    expected = fill(client, ticks=1, per_tick=60)
+    slot = max(expected, key=lambda k: len(expected[k]))
+    first = client.receive_partitioned("q", "g", slot=slot, slots=SLOTS, max_events=2)
+    assert first is not None and first.fence is not None
+    second = client.ack_and_receive(first, max_events=2)
+    assert second is not None and second.fence == first.fence
+    assert all(m.fence == first.fence for m in second)
+    # Released and claimed again by the same session: its old epoch ended. The
+    # ack still holds (the session owns the slot), but the receive is left to
+    # receive_partitioned, which takes the new epoch.
+    assert client.release_slot("q", "g", slot) and client.claim_slot("q", "g", slot)
+    assert client.ack_and_receive(second, max_events=2) is None
+    third = client.receive_partitioned("q", "g", slot=slot, slots=SLOTS, max_events=2)
+    assert third is not None and third.fence is not None
+    assert third.fence.epoch > first.fence.epoch
+    assert [m.id for m in third] == expected[slot][4:6]
+    with pytest.raises(pgque.StaleEpoch):
+        client.check_fence(first.fence)

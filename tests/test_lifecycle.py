@@ -339,3 +339,38 @@ def test_stopping_while_slow_handlers_run_still_acks_their_batch(
     assert scalar(conn, "select count(*) from pgque.consumer_info "
                         "where open_batch_id is not null") == 0
     assert scalar(conn, "select sum(pending_events) from pgque.partition_slot_status") == 0
+
+
+def test_the_check_between_events_sees_a_terminated_session_both_twins(
+        dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """CallWatch.gone (the Worker's check before each event, no round trip) is
+    False on a live idle connection, and True soon after the server ends the
+    session; the same for the AsyncCallWatch."""
+    from pgque.lifecycle import CallWatch
+    from pgque.lifecycle_async import AsyncCallWatch
+
+    sync_conn = psycopg.connect(dsn, autocommit=True)
+    watch = CallWatch(sync_conn, deadline=30.0)
+    assert not watch.gone() and not watch.gone()  # the probe made once, then reused
+
+    async def async_side() -> bool:
+        aconn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        awatch = AsyncCallWatch(aconn, deadline=30.0)
+        try:
+            assert not awatch.gone()
+            scalar(conn, "select pg_terminate_backend(%s)", (aconn.info.backend_pid,))
+            deadline = time.monotonic() + 10
+            while not awatch.gone() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return awatch.gone()
+        finally:
+            await aconn.close()
+
+    try:
+        scalar(conn, "select pg_terminate_backend(%s)", (sync_conn.info.backend_pid,))
+        assert wait_for(lambda: watch.gone() or None, timeout=10, what="the session's end")
+        assert watch.lost
+        assert asyncio.run(async_side())
+    finally:
+        sync_conn.close()
+    assert CallWatch(sync_conn, deadline=30.0).gone()  # a closed connection is gone

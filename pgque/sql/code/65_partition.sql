@@ -604,6 +604,8 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v record;
+    v_cur pgque.cursor;
+    v_epoch bigint;
 begin
     perform pgque._check_max_events(p_max_events);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
@@ -613,10 +615,23 @@ begin
                             p_retry_after, p_slot, (v.grp).cg_slots);
     end if;
     perform pgque._ack(v.sub, v.cur, p_batch_id);
-    -- The receive starts from the cursor the ack wrote (the row lock is ours).
-    return query select * from pgque._receive_slot(v.queue, v.grp, p_slot, v.sub,
-                                                    pgque._current_cursor((v.sub).sub_id),
-                                                    p_max_events);
+    -- The receive, from the cursor the ack wrote, under the receive lock the
+    -- ack took. Its epoch is the one this session took for the piece just
+    -- acked; when it has none (it released and claimed the slot again since),
+    -- nothing is received here: receive_partitioned takes a new epoch, before
+    -- the receive lock, as it must.
+    v_cur := pgque._current_cursor((v.sub).sub_id);
+    if not pgque._has_next_tick((v.queue).queue_id, v_cur) then
+        return;
+    end if;
+    v_epoch := pgque._held_epoch(v.sub);
+    if v_epoch is null then
+        return;
+    end if;
+    return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
+                        r.ev_extra1, v_epoch
+                   from pgque._receive(v.queue, v.sub, v_cur, p_max_events, p_slot,
+                                       (v.grp).cg_slots) r;
 end
 $$;
 

@@ -31,9 +31,23 @@ begin
 end
 $$;
 
+-- pgque._held_epoch(sub): the slot's current epoch when this session took
+-- it, else null. Reads only: no wait, no write.
+create or replace function pgque._held_epoch(p_sub pgque.subscription)
+returns bigint
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return (select c.sc_epoch from pgque.slot_claim c
+             where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid()
+               and c.sc_backend_start = pgque._backend_start(pg_backend_pid()));
+end
+$$;
+
 -- pgque._slot_epoch(sub): the slot's epoch for this session, which owns the
--- slot: the current one when this session took it, else a new one; null while
--- a transaction that checked the old one holds it (see above).
+-- slot: the current one when this session took it (_held_epoch), else a new
+-- one; null while a transaction that checked the old one holds it (see above).
 create or replace function pgque._slot_epoch(p_sub pgque.subscription)
 returns bigint
 language plpgsql
@@ -43,10 +57,11 @@ declare
     v_claim pgque.slot_claim;
     v_start timestamptz := pgque._backend_start(pg_backend_pid());
 begin
-    select * into v_claim from pgque.slot_claim where sc_sub = p_sub.sub_id;
-    if found and v_claim.sc_pid = pg_backend_pid() and v_claim.sc_backend_start = v_start then
+    v_claim.sc_epoch := pgque._held_epoch(p_sub);
+    if v_claim.sc_epoch is not null then
         return v_claim.sc_epoch;
     end if;
+    select * into v_claim from pgque.slot_claim where sc_sub = p_sub.sub_id;
     if found then
         perform 1 from pgque.slot_claim where sc_sub = p_sub.sub_id
             for no key update skip locked;
