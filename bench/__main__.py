@@ -82,6 +82,13 @@ def _run_suite(suite: Suite, server: BenchServer, args: argparse.Namespace,
     }
     out: Path = args.out
     write_json(out / f"{suite.name}.json", document)
+    if not result.measurements:
+        # A suite that skipped itself (say, peers without PgQ) has nothing to
+        # chart: its JSON says why, and an old chart would show another run.
+        (out / f"{suite.name}.png").unlink(missing_ok=True)
+        print(f"\n{suite.name} ({duration:.0f} s) -> {out / suite.name}.json: "
+              f"nothing measured ({result.parameters.get('skipped', 'skipped')})\n")
+        return
     write_chart(out / f"{suite.name}.png", f"pgque benchmark: {suite.name}",
                 _subtitle(server_info, args.quick), result.measurements)
     print(f"\n{suite.name} ({duration:.0f} s) -> {out / suite.name}.json, .png\n")
