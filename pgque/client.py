@@ -465,8 +465,10 @@ class Client:
         """:meth:`ack` of a slot's batch piece (with its ``nack``), then
         :meth:`receive_partitioned` of the same slot, in one round trip and one
         transaction: what a loop over one slot costs per piece halves. Returns
-        the slot's next piece, or None. An error undoes both, the ack included
-        (SlotNotOwned, BatchNotOpen...). Slot batches only (ValueError)."""
+        the slot's next piece, or None (also when this session released and
+        claimed the slot again since the piece: receive_partitioned then takes
+        the new epoch). An error undoes both, the ack included (SlotNotOwned,
+        BatchNotActive...). Slot batches only (ValueError)."""
         if batch.slot is None:
             raise ValueError("ack_and_receive takes a slot's batch (receive_partitioned); "
                              "ack a plain batch with ack, then receive")
