@@ -96,6 +96,9 @@ def test_bad_arguments_are_refused_and_change_nothing(client: pgque.Client) -> N
         ("22023", {"ids": handed[:2], "reasons": ["a", "b", "c"]}),
         ("22023", {"ids": handed[:1], "reasons": ["r"], "retry": "-1 second"}),
         ("22023", {"ids": handed[:1], "reasons": ["r"], "retry": None}),
+        # Without nacks too, as the ack with nacks (it used to be let through).
+        ("22023", {"retry": "-1 second"}),
+        ("22023", {"retry": None}),
     ]
     for sqlstate, change in cases:
         args: dict[str, Any] = {"slot": slot, "slots": SLOTS, "batch_id": batch.batch_id,

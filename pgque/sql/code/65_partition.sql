@@ -610,10 +610,10 @@ begin
     perform pgque._check_max_events(p_max_events);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
-    if cardinality(p_nack_ids) > 0 then
-        perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
-                            p_retry_after, p_slot, (v.grp).cg_slots);
-    end if;
+    -- Without nack ids this only checks the batch and retry_after, as the ack
+    -- with nacks does.
+    perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
+                        p_retry_after, p_slot, (v.grp).cg_slots);
     perform pgque._ack(v.sub, v.cur, p_batch_id);
     -- The receive, from the cursor the ack wrote, under the receive lock the
     -- ack took. Its epoch is the one this session took for the piece just
