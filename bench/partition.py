@@ -45,7 +45,7 @@ POLL_INTERVAL = 0.05  # seconds between looks at the slots' cursors
 DRAIN_TIMEOUT = 300.0  # seconds a drain may take before the run counts as stuck
 # The no-op drain at M = 1 is as fast as the producer beside it, and its rounds
 # vary by a quarter on this 2-core machine: three rounds put today's Worker at
-# 2.33x and at 1.49x the 0.1 Worker in two runs of one commit on one day. The
+# 2.33x and at 1.49x the 0.1 Worker in two runs of the same Worker on one day. The
 # pair (and the other M of its handler) takes this many turns instead.
 BASELINE_ROUNDS = 7
 
