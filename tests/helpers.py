@@ -105,3 +105,24 @@ def refused(call: Callable[[], Any],
             return True
         raise
     return False
+
+
+def owned_group(client: pgque.Client, per_tick: int, *, ticks: int = 1, slots: int = 4,
+                **queue: Any) -> dict[int, list[int]]:
+    """Queue q (``queue`` its create_queue options) with group g of ``slots`` slots,
+    all claimed by ``client``, and ``ticks`` ticks of ``per_tick`` events over 30
+    keys; returns each slot's event ids in send order."""
+    client.create_queue("q", **queue)
+    client.subscribe_slots("q", "g", slots=slots)
+    client.maintenance()
+    by_slot: dict[int, list[int]] = {k: [] for k in range(slots)}
+    n = 0
+    for _ in range(ticks):
+        rows = [("e", {"n": n + i}, f"k{(n + i) % 30}") for i in range(per_tick)]
+        for (_type, _payload, key), ev in zip(rows, client.send_batch("q", rows), strict=True):
+            by_slot[scalar(client.conn, "select pgque.slot_of(%s, %s)", (key, slots))].append(ev)
+        n += per_tick
+        client.tick("q")
+    for slot in range(slots):
+        assert client.claim_slot("q", "g", slot)
+    return by_slot

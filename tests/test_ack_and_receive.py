@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar
+from helpers import owned_group
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -19,23 +19,10 @@ pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (co
 SLOTS = 4
 
 
-def fill(client: pgque.Client, ticks: int, per_tick: int) -> dict[int, list[int]]:
-    """Queue q, group g of SLOTS slots (all owned by ``client``), ``ticks`` ticks of
-    ``per_tick`` events over 30 keys; returns each slot's ids in send order."""
-    client.create_queue("q")
-    client.subscribe_slots("q", "g", slots=SLOTS)
-    client.maintenance()
-    by_slot: dict[int, list[int]] = {k: [] for k in range(SLOTS)}
-    n = 0
-    for _ in range(ticks):
-        rows = [("e", {"n": n + i}, f"k{(n + i) % 30}") for i in range(per_tick)]
-        for (_type, _payload, key), ev in zip(rows, client.send_batch("q", rows), strict=True):
-            by_slot[scalar(client.conn, "select pgque.slot_of(%s, %s)", (key, SLOTS))].append(ev)
-        n += per_tick
-        client.tick("q")
-    for slot in range(SLOTS):
-        assert client.claim_slot("q", "g", slot)
-    return by_slot
+def fill(client: pgque.Client, per_tick: int, *, ticks: int = 1,
+         **queue: Any) -> dict[int, list[int]]:
+    """Queue q, group g of SLOTS slots all owned by ``client`` (helpers.owned_group)."""
+    return owned_group(client, per_tick, ticks=ticks, slots=SLOTS, **queue)
 
 
 def open_batch(client: pgque.Client, slot: int) -> int | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import owned_group, scalar, wait_for
 from psycopg.conninfo import make_conninfo
 
 import pgque
@@ -34,22 +34,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def fill(client: pgque.Client, per_tick: int, *, ticks: int = 1,
          **queue: Any) -> dict[int, list[int]]:
-    """Queue q, group g of SLOTS slots all owned by ``client``, ``ticks`` ticks of
-    ``per_tick`` events over 30 keys; each slot's ids in send order."""
-    client.create_queue("q", **queue)
-    client.subscribe_slots("q", "g", slots=SLOTS)
-    client.maintenance()
-    by_slot: dict[int, list[int]] = {k: [] for k in range(SLOTS)}
-    n = 0
-    for _ in range(ticks):
-        rows = [("e", {"n": n + i}, f"k{(n + i) % 30}") for i in range(per_tick)]
-        for (_t, _p, key), ev in zip(rows, client.send_batch("q", rows), strict=True):
-            by_slot[scalar(client.conn, "select pgque.slot_of(%s, %s)", (key, SLOTS))].append(ev)
-        n += per_tick
-        client.tick("q")
-    for slot in range(SLOTS):
-        assert client.claim_slot("q", "g", slot)
-    return by_slot
+    """Queue q, group g of SLOTS slots all owned by ``client`` (helpers.owned_group)."""
+    return owned_group(client, per_tick, ticks=ticks, slots=SLOTS, **queue)
 
 
 def cursor_state(conn: Any, slot: int) -> tuple[Any, ...]:
