@@ -590,7 +590,9 @@ $$;
 -- then receive_partitioned of the same slot, in one call and one transaction:
 -- a consumer that works a slot piece after piece pays one round trip and one
 -- commit per piece instead of two. Returns the next piece as
--- receive_partitioned does, nothing when there is none. Refuses what either
+-- receive_partitioned does; nothing when there is none, or when this session
+-- released and claimed the slot again since the piece (receive_partitioned
+-- then takes the new epoch). Refuses what either
 -- refuses (PQ024 unless this session owns the slot, PQ003 for a batch that is
 -- not the open one); an error undoes both, the ack included.
 create or replace function pgque.ack_receive_partitioned(

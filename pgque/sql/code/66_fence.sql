@@ -55,11 +55,10 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_claim pgque.slot_claim;
-    v_start timestamptz := pgque._backend_start(pg_backend_pid());
 begin
     v_claim.sc_epoch := pgque._held_epoch(p_sub);
     if v_claim.sc_epoch is not null then
-        return v_claim.sc_epoch;
+        return v_claim.sc_epoch;  -- the usual case: one look, one _backend_start
     end if;
     select * into v_claim from pgque.slot_claim where sc_sub = p_sub.sub_id;
     if found then
@@ -72,7 +71,8 @@ begin
     -- A first row of the slot, or the row locked above. (Two sessions cannot
     -- both get here for one slot: only its owner receives.)
     insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid, sc_backend_start)
-    values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid(), v_start)
+    values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid(),
+            pgque._backend_start(pg_backend_pid()))
     on conflict (sc_sub) do update
        set sc_epoch = excluded.sc_epoch, sc_pid = excluded.sc_pid,
            sc_backend_start = excluded.sc_backend_start, sc_time = now()
