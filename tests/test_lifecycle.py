@@ -351,7 +351,7 @@ def test_the_check_between_events_sees_a_terminated_session_both_twins(
 
     sync_conn = psycopg.connect(dsn, autocommit=True)
     watch = CallWatch(sync_conn, deadline=30.0)
-    assert not watch.gone() and not watch.gone()  # the probe made once, then reused
+    assert not watch.gone() and not watch.gone()  # asking again changes nothing
 
     async def async_side() -> bool:
         aconn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
