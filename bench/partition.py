@@ -313,12 +313,13 @@ def _with_baseline(baseline: BaselineWorker, cases: list[tuple[str, Run, int]],
     (as ``noop.m1.worker_0_1``, warmed up like the others), in BASELINE_ROUNDS
     rounds at least, each right after today's M = 1 run it is compared with."""
     with baseline:
+        rounds = max(repeats, BASELINE_ROUNDS)  # with or without the old Worker
         if not baseline.available:
             _log(f"  baseline skipped: {baseline.why}")
-            return _interleaved(cases, warmup, repeats)
+            return _interleaved(cases, warmup, rounds)
         paired = [cases[0], ("noop.m1.worker_0_1", baseline.run, count), *cases[1:]]
         return _interleaved(paired, {**warmup, "noop.m1.worker_0_1": max(warmup.values())},
-                            max(repeats, BASELINE_ROUNDS))
+                            rounds)
 
 
 def _sleep_overshoot() -> float:
