@@ -158,3 +158,42 @@ def test_the_next_piece_carries_the_epoch_and_a_new_claim_takes_a_new_one(
     assert [m.id for m in third] == expected[slot][4:6]
     with pytest.raises(pgque.StaleEpoch):
         client.check_fence(first.fence)
+
+
+def test_every_receive_path_gives_the_fields_the_event_table_holds(
+        client: pgque.Client) -> None:
+    # The receives read their rows in binary; what a Message carries must be
+    # what the text protocol reads from the event table: the same ids, types,
+    # data, keys, retry counts, and created_at as an aware datetime.
+    fill(client, ticks=1, per_tick=40)
+    client.subscribe("q", "plain")
+    client.send_batch("q", [("p", {"n": i}, f"k{i}") for i in range(5)])
+    client.tick("q")
+    with client.conn.cursor() as cur:
+        cur.execute("select format('pgque.%I', pgque._event_table(queue_id)) from pgque.queue"
+                    " where queue_name = 'q'")
+        [(table,)] = cur.fetchall()
+        cur.execute(f"select ev_id, ev_type, ev_data, ev_extra1, ev_retry, ev_time from {table}")
+        stored = {row[0]: row for row in cur.fetchall()}
+
+    def check(batch: pgque.Batch[Any] | None) -> int:
+        assert batch is not None
+        for m in batch:
+            fields = (m.id, m.type, m.data, m.partition_key, m.retry_count, m.created_at)
+            assert fields == stored[m.id]
+            assert type(m.id) is int and type(m.retry_count) is int
+            assert m.created_at.tzinfo is not None
+        if batch.fence is not None:
+            assert type(batch.fence.epoch) is int
+        return len(batch)
+
+    seen = check(client.receive("q", "plain"))
+    [slot0, *others] = client.receive_slots("q", "g", slots=SLOTS, owned=range(SLOTS),
+                                            max_events=2)
+    seen += check(slot0) + sum(check(b) for b in others)
+    seen += check(client.ack_and_receive(slot0, max_events=100))
+    client.ack_slots(others)
+    slot = others[0].slot
+    assert slot is not None
+    seen += check(client.receive_partitioned("q", "g", slot=slot, slots=SLOTS))
+    assert seen > 5 + 2 * SLOTS
