@@ -56,6 +56,11 @@ $$;
 -- queue's log in the caller's transaction and returns its ev_id.
 -- Raises PQ001 (unknown queue), PQ005 (payload not JSON), PQ012 (key too long),
 -- PQ015 (the queue's 'send' grants leave the caller out).
+--
+-- The hot path of every producer, so it does inline what _queue_row,
+-- _event_table and _check_payloads do for the other callers: each call of a
+-- PL/pgSQL helper costs a few microseconds of its own, a third of what this
+-- function adds to the INSERT. The checks and their errors are the same.
 create or replace function pgque.send(
     p_queue text, p_type text, p_payload text, p_partition_key text default null)
 returns bigint
@@ -64,18 +69,29 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_queue pgque.queue;
     v_id bigint;
 begin
+    select * into v_queue from pgque.queue where queue_name = p_queue;
+    if not found then
+        raise exception using errcode = 'PQ001', message = format('queue %L does not exist',
+                                                          pgque._name_for_message(p_queue));
+    end if;
     if v_queue.queue_senders is not null then
         perform pgque._require_queue(v_queue, 'send');
     end if;
-    perform pgque._check_payloads(array[p_payload]);
+    begin
+        perform p_payload::json;
+    exception when invalid_text_representation then
+        raise exception using errcode = 'PQ005',
+            message = format('payload 1 is not valid JSON: %s', sqlerrm);
+    end;
     if octet_length(p_partition_key) > 512 then
         perform pgque._check_keys(array[p_partition_key]);
     end if;
-    execute format('insert into pgque.%I (ev_type, ev_data, ev_extra1) values ($1, $2, $3) returning ev_id',
-                   pgque._event_table(v_queue.queue_id, v_queue.queue_cur_table))
+    execute 'insert into pgque.event_' || v_queue.queue_id::text || '_'
+            || v_queue.queue_cur_table::text
+            || ' (ev_type, ev_data, ev_extra1) values ($1, $2, $3) returning ev_id'
        into v_id
       using p_type, p_payload, p_partition_key;
     return v_id;
