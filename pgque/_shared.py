@@ -53,6 +53,16 @@ def check_connection(conn: object, expected: type, client: str) -> None:
                     f"not {kind.__module__}.{kind.__qualname__}")
 
 
+def sends_here(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether a send of the caller that made the client goes on the client's own
+    connection (Client._producer): into a transaction open there, or on its own
+    when the connection is idle in autocommit (not busy with another caller's
+    statement, not broken)."""
+    status = conn.info.transaction_status
+    return status in IN_TRANSACTION or (status == psycopg.pq.TransactionStatus.IDLE
+                                        and conn.autocommit)
+
+
 def session_changed(exc: psycopg.Error) -> SessionUnstable:
     """The error for a prepared statement missing from (or already on) the pinned
     server session: the session changed under the client."""

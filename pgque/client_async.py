@@ -34,7 +34,6 @@ from psycopg_pool import AsyncConnectionPool
 from pgque import _install_async
 from pgque._acompat import acaller, apause
 from pgque._shared import (
-    IN_TRANSACTION,
     PREPARED_STATEMENT_ERRORS,
     TRANSIENT_STATES,
     EventLike,
@@ -48,6 +47,7 @@ from pgque._shared import (
     nacked,
     redact,
     seconds,
+    sends_here,
     session_changed,
 )
 from pgque.codec import encode_payload
@@ -110,9 +110,10 @@ async def connect_async(dsn: str, *, timeout: float = 30.0, pool_size: int = 4,
     owns the connection.
 
     Waits up to ``timeout`` seconds for a server that is starting. ``pool_size``
-    bounds the producer pool that ``send``/``send_batch`` use when called by
-    several callers at once (0: send on the client's own connection). Extra
-    keyword arguments go to psycopg's ``connect``.
+    bounds the producer pool through which other threads (under asyncio, other
+    tasks) than the one that made the client ``send``/``send_batch`` (0: they
+    too send on the client's own connection). Extra keyword arguments go to
+    psycopg's ``connect``, for the pool's connections too.
     """
     conn = await open_connection_async(dsn, timeout=timeout, **kwargs)
     return AsyncClient(conn, dsn=dsn, pool_size=pool_size, owns_connection=True,
@@ -189,12 +190,15 @@ class AsyncClient:
     async def _producer(self, conn: AsyncConn | None) -> AsyncIterator[AsyncConn]:
         if conn is not None:
             yield conn
-        elif (self.conn.info.transaction_status in IN_TRANSACTION
-              and acaller() == self._owner):
-            # The caller opened a transaction on the client's own connection
-            # (the outbox pattern): the event must commit or roll back with it.
-            # Only for the thread (task) that made the client: another one's
-            # send must not land in that transaction (it goes through the pool).
+        elif acaller() == self._owner and sends_here(self.conn):
+            # The thread (task) that made the client sends on the client's own
+            # connection: in a transaction it opened there (the outbox
+            # pattern) the event commits or rolls back with it; on an idle
+            # autocommit connection it commits on its own, as through the pool,
+            # without a checkout (the pool cost 40 to 70 µs a send). Another
+            # thread's (task's) send goes through the pool, so that it never
+            # lands in the owner's transaction; so does the owner's while the
+            # connection is busy or broken.
             yield self.conn
         elif self._pool_size > 0:
             pool = self._pool or await self._open_pool()
@@ -311,10 +315,11 @@ class AsyncClient:
 
         With ``conn``, the event is written in that connection's current
         transaction and exists only if it commits. Without it, when called from
-        the thread (under asyncio, the task) that made the client, a transaction
-        open on the client's own connection (``async with client.conn.transaction():``)
-        is joined the same way; otherwise the event commits on its own (through
-        the producer pool when there is one).
+        the thread (under asyncio, the task) that made the client, it goes on
+        the client's own connection: into the transaction open there
+        (``async with client.conn.transaction():``) the same way, else in a
+        transaction of its own. From any other thread (task) it commits on its
+        own, through the producer pool when there is one.
         """
         data = encode_payload(payload)
         async with self._producer(conn) as target:
