@@ -263,3 +263,39 @@ def test_receive_with_the_largest_max_events(client: pgque.Client) -> None:
     piece = client.receive_partitioned("q", "g", slot=0, slots=1, max_events=top)
     assert piece is not None and [m.id for m in piece] == sent
     assert client.ack(piece) is True
+
+
+def test_send_batch_ids_follow_the_array_order_beside_other_producers(
+        client: pgque.Client, dsn: str) -> None:
+    """Each send_batch's ids ascend in the array's order, and each id holds the
+    event at its position, while other sessions take ids from the same
+    sequence at the same time (their ids interleave, never the order)."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    results: dict[int, list[tuple[list[int], list[int]]]] = {}
+    errors: list[BaseException] = []
+
+    def produce(producer: int) -> None:
+        try:
+            with pgque.connect(dsn, pool_size=0) as own:
+                for call in range(15):
+                    values = [producer * 1_000_000 + call * 1_000 + i for i in range(200)]
+                    ids = own.send_batch("q", [("e", v, f"k{v % 7}") for v in values])
+                    results.setdefault(producer, []).append((ids, values))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    client.tick("q")
+    stored = {m.id: m.payload for m in drain(client, "q", "c")}
+    for calls in results.values():
+        assert len(calls) == 15
+        for ids, values in calls:
+            assert ids == sorted(ids) and len(set(ids)) == len(ids)
+            assert [stored[i] for i in ids] == values
+    assert len(stored) == 3 * 15 * 200
