@@ -167,7 +167,7 @@ class AsyncClient:
         """The rows of one statement: tuples, or with by_name named tuples whose
         fields are the result's column names (records read by name, not position).
         ``binary`` asks for the result in binary: the receives use it, since
-        their integers and timestamps load faster so than parsed from text."""
+        their integers and timestamps load faster that way than parsed from text."""
         row_factory: Any = namedtuple_row if by_name else tuple_row
         async with translated(), (conn or self.conn).cursor(row_factory=row_factory,
                                                             binary=binary) as cur:
