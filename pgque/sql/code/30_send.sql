@@ -59,8 +59,8 @@ $$;
 --
 -- The hot path of every producer, so it does inline what _queue_row,
 -- _event_table and _check_payloads do for the other callers: each call of a
--- PL/pgSQL helper costs a few microseconds of its own, together a quarter of what this
--- function adds to the INSERT. The checks and their errors are the same.
+-- PL/pgSQL helper costs a few microseconds of its own, together a quarter of
+-- what this function adds to the INSERT. The checks and errors are the same.
 create or replace function pgque.send(
     p_queue text, p_type text, p_payload text, p_partition_key text default null)
 returns bigint
