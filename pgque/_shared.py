@@ -56,11 +56,21 @@ def check_connection(conn: object, expected: type, client: str) -> None:
 def sends_here(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """Whether a send of the caller that made the client goes on the client's own
     connection (Client._producer): into a transaction open there, or on its own
-    when the connection is idle in autocommit (not busy with another caller's
-    statement, not broken)."""
+    when the connection is idle in autocommit: not busy with a statement, not
+    broken, not in pipeline mode (where statements share an implicit
+    transaction until the next sync, which a later error there rolls back),
+    and its lock free (psycopg holds it across the yields of ``notifies()``
+    and ``stream()``: the send would wait for the loop to end, for ever when
+    the loop is the caller's own). A check, not a claim: another thread's
+    call (under asyncio, a task's already waiting for the lock) can still get
+    the connection first, and the send then runs after it, in the transaction
+    that call opens if it opens one (as when it is open at the send)."""
     status = conn.info.transaction_status
-    return status in IN_TRANSACTION or (status == psycopg.pq.TransactionStatus.IDLE
-                                        and conn.autocommit)
+    if status in IN_TRANSACTION:
+        return True
+    return (status == psycopg.pq.TransactionStatus.IDLE and conn.autocommit
+            and conn.info.pipeline_status == psycopg.pq.PipelineStatus.OFF
+            and not conn.lock.locked())
 
 
 def session_changed(exc: psycopg.Error) -> SessionUnstable:

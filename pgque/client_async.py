@@ -198,7 +198,8 @@ class AsyncClient:
             # without a checkout (the pool cost 40 to 70 µs a send). Another
             # thread's (task's) send goes through the pool, so that it never
             # lands in the owner's transaction; so does the owner's while the
-            # connection is busy or broken.
+            # connection is busy, held (a notifies() loop), in a pipeline or
+            # broken (see sends_here).
             yield self.conn
         elif self._pool_size > 0:
             pool = self._pool or await self._open_pool()
