@@ -3,7 +3,8 @@
 Measured on one server, in one database, from one connection per side:
 
 * ``send``: one event per transaction, against a plain one-row INSERT into a
-  table shaped like pgque's event tables;
+  table shaped like pgque's event tables; ``send.sql`` the same through
+  ``select pgque.send(...)`` on a plain connection, without the Client;
 * ``send_batch``: 1,000 events per call and transaction, against a plain
   multi-row INSERT ... SELECT FROM unnest() of the same rows;
 * both again into a queue with a consumer group of 8 slots (``*.slot_index``),
@@ -56,6 +57,8 @@ create index {table}_txid_idx on {table} (ev_txid)
 _PLAIN_INSERT = (
     "insert into {table} (ev_type, ev_data, ev_extra1) values (%s, %s, %s) returning ev_id"
 )
+# The statement the Client sends for Client.send.
+_SEND = "select pgque.send(%s, %s, %s::text, %s)"
 _PLAIN_INSERT_MANY = (
     "insert into {table} (ev_type, ev_data, ev_extra1)"
     " select * from unnest(%b::text[], %b::text[], %b::text[]) returning ev_id"
@@ -121,6 +124,13 @@ class _Producers:
             ids = [self.client.send(queue, etype, data, partition_key=key)
                    for etype, data, key in itertools.islice(itertools.cycle(self.rows), count)]
             return len(set(ids))  # one new id per call, or the count comes out short
+        return run
+
+    def send_sql(self, queue: str) -> Workload:
+        def run(count: int) -> int:
+            ids = {self.plain.execute(_SEND, (queue, etype, encode_payload(data), key)).fetchone()
+                   for etype, data, key in itertools.islice(itertools.cycle(self.rows), count)}
+            return len(ids)
         return run
 
     def plain_insert(self, table: str) -> Workload:
@@ -192,7 +202,9 @@ def run(ctx: SuiteContext) -> SuiteResult:
     """Measure send, send_batch and drain with their baselines, one group after the other."""
     sizes = Sizes.for_run(ctx.quick)
     rows = _rows(POOL_SIZE)
-    with pgque.connect(ctx.dsn, pool_size=0) as client, \
+    # The Client as users get it (pgque.connect's defaults): its sends from this
+    # thread go on its own connection, its pool is for other threads'.
+    with pgque.connect(ctx.dsn) as client, \
             psycopg.connect(ctx.dsn, autocommit=True) as plain:
         for table in ("plain_send", "plain_batch"):
             plain.execute(f"create sequence {table}_seq")
@@ -212,6 +224,9 @@ def run(ctx: SuiteContext) -> SuiteResult:
         groups = [
             [Case("send", "pgque send, 1 event/tx", sizes.send, producers.send("send"),
                   warmup=_warmup(sizes.send, 1), baseline="send.plain"),
+             Case("send.sql", "select pgque.send(), 1 event/tx", sizes.send,
+                  producers.send_sql("send"), warmup=_warmup(sizes.send, 1),
+                  baseline="send.plain"),
              Case("send.plain", "plain INSERT, 1 row/tx", sizes.send,
                   producers.plain_insert("plain_send"), warmup=_warmup(sizes.send, 1)),
              Case("send.slot_index", f"pgque send, 1 event/tx, a group of {SLOTS} slots",
