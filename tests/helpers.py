@@ -92,6 +92,12 @@ def scalar(conn: Any, sql: str, params: tuple[Any, ...] = ()) -> Any:
     return row[0]
 
 
+def backends(conn: psycopg.Connection[Any]) -> int:
+    """Sessions on this database other than ``conn``'s own."""
+    return int(scalar(conn, "select count(*) from pg_stat_activity"
+                            " where datname = current_database() and pid <> pg_backend_pid()"))
+
+
 def refused(call: Callable[[], Any],
             error: type[Exception] = psycopg.errors.InsufficientPrivilege) -> bool:
     """Whether call raises error, or, for a raw psycopg call, the server error with

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import drain, scalar
+from helpers import backends, drain, scalar
 
 import pgque
 
@@ -66,12 +66,6 @@ def test_another_threads_send_does_not_join_the_transaction(outbox: pgque.Client
         producer.join(10)
         raise Rollback()
     assert [m.id for m in drain(outbox, "q", "c")] == sent
-
-
-def backends(conn: psycopg.Connection[Any]) -> int:
-    """Sessions on this database other than ``conn``'s own."""
-    return int(scalar(conn, "select count(*) from pg_stat_activity"
-                            " where datname = current_database() and pid <> pg_backend_pid()"))
 
 
 def test_the_owners_sends_commit_on_its_own_connection(outbox: pgque.Client,

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import psycopg
 import pytest
-from helpers import drain, refused, scalar, wait_for
+from helpers import backends, drain, refused, scalar, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -37,12 +37,6 @@ DEADLINE = 8.0  # seconds a call that should return at once may take before it c
 
 def dbname(dsn: str) -> str:
     return str(conninfo_to_dict(dsn)["dbname"])
-
-
-def backends(conn: psycopg.Connection[Any]) -> int:
-    """Sessions on this database other than ``conn``'s own."""
-    return int(scalar(conn, "select count(*) from pg_stat_activity"
-                            " where datname = current_database() and pid <> pg_backend_pid()"))
 
 
 def committed(conn: psycopg.Connection[Any], ids: list[int]) -> list[int]:
