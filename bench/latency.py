@@ -211,7 +211,7 @@ def _idle(client: pgque.Client, dsn: str, sizes: Sizes, repeats: int) -> dict[st
 def _server_counters(client: pgque.Client) -> dict[str, float]:
     """WAL position, next transaction id and commits of this database, to take deltas."""
     row = client.conn.execute(
-        "select pg_current_wal_lsn() - '0/0'::pg_lsn,"
+        "select pg_current_wal_insert_lsn() - '0/0'::pg_lsn,"
         # The next xid to be assigned, read without assigning one.
         "       pg_snapshot_xmax(pg_current_snapshot())::text::bigint,"
         "       (select xact_commit from pg_stat_database where datname = current_database())"
