@@ -157,8 +157,10 @@ declare
     n integer;
 begin
     -- Not while an install replaces the code this runs on (and no install
-    -- while queues are made): installs take this row FOR UPDATE.
-    perform from pgque.install_lock for share;
+    -- while queues are made): installs take this row FOR UPDATE. NO KEY
+    -- UPDATE, as drop_queue takes it too: one writer of the event writer at a
+    -- time (31_event_writer.sql), so queues are made and dropped one by one.
+    perform from pgque.install_lock for no key update;
     perform pgque._check_name('queue', p_queue);
     loop
         -- Looked up first, so that exist_ok on an existing queue writes nothing.
@@ -207,6 +209,7 @@ begin
     perform pgque._store_config(v_queue);
     -- No one else writes this reader before the queue row commits.
     perform pgque._sync_batch_reader(v_queue.queue_id);
+    perform pgque._sync_event_writer();
 
     perform pgque._make_tick(v_queue);
     return v_queue.queue_id;
@@ -263,7 +266,7 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_parent text := pgque._event_table(v_queue.queue_id);
 begin
-    perform from pgque.install_lock for share;  -- see create_queue
+    perform from pgque.install_lock for no key update;  -- see create_queue
     -- Locks in the order the ticker and maintenance take them (the queue's
     -- tick lock, then its maintenance lock, then the queue row, then
     -- tables), so a running ticker or maintenance never deadlocks with a
@@ -291,5 +294,6 @@ begin
     execute format('drop table pgque.%I cascade', v_parent);
     execute format('drop sequence pgque.%I cascade', v_parent || '_id_seq');
     perform pgque._drop_batch_reader(v_queue.queue_id);
+    perform pgque._sync_event_writer();
 end
 $$;
