@@ -139,9 +139,10 @@ $$;
 -- pgque.create_queue(queue, config, exist_ok): creates a queue with its event
 -- tables, sequence, lock rows and first tick; returns the queue id. An
 -- existing queue raises PQ006 unless exist_ok, in which case its id is
--- returned unchanged. Concurrent creators of one name need no lock of their
--- own: the insert of the queue row waits for another transaction's
--- uncommitted row of that name, and finds it once that one commits.
+-- returned unchanged. Queues are made and dropped one at a time in a
+-- database (install_lock, below): a creator waits for another creator's or
+-- dropper's transaction to end, and then finds a queue of its name made
+-- there. Raises PQ004 for a bad name, PQ007 for a bad setting.
 create or replace function pgque.create_queue(
     p_queue text, p_config jsonb default '{}', p_exist_ok boolean default false)
 returns integer
