@@ -177,3 +177,22 @@ def test_no_role_but_the_owner_may_call_the_writer(conn: psycopg.Connection[Any]
                       (signature,))
     assert scalar(conn, "select proconfig from pg_proc where oid = %s::regprocedure",
                   (signature,)) == ["search_path=pg_catalog, pg_temp"]
+
+
+def test_queues_beyond_the_writers_bound_are_sent_to_dynamically(
+        conn: psycopg.Connection[Any]) -> None:
+    """The writer holds the first _event_writer_max_queues() queues by id (a
+    session compiles it again after each change, longer the more it holds);
+    the others' sends go through dynamic SQL, into the same tables."""
+    conn.execute("create or replace function pgque._event_writer_max_queues() returns integer"
+                 " language sql immutable as 'select 2'")
+    ids = [scalar(conn, "select pgque.create_queue(%s)", (f"q{i}",)) for i in range(4)]
+    source = writer_source(conn)
+    assert [f"event_{queue_id}_0" in source for queue_id in ids] == [True, True, False, False]
+    assert scalar(conn, "select pgque._event_writer_source() like '%%for 2 queues%%'")
+    assert not scalar(conn, "select pgque._event_writer_due()")
+    for i, queue_id in enumerate(ids):
+        send_to_every_table(conn, f"q{i}", queue_id, 3)
+    conn.execute("select pgque.drop_queue('q0')")  # the next one moves in
+    assert f"event_{ids[2]}_0" in writer_source(conn)
+    assert f"event_{ids[3]}_0" not in writer_source(conn)

@@ -10,9 +10,12 @@
 -- table changes). It picks the queue in a binary tree of IFs on the queue id,
 -- then the table, so a send costs the same with 3 queues or 3,000.
 --
--- A queue or table the writer does not know (a writer that lags behind the
--- queues) gets null back, and send inserts with dynamic SQL as before:
--- slower, never wrong. create_queue and drop_queue write it again, holding
+-- It holds the first 256 queues by id (_event_writer_max_queues): each
+-- session compiles the writer again after every change of it, which takes
+-- about 40 ms at 256 queues and grows with them (0.5 s at 1,000). A queue or
+-- table the writer does not know (one beyond those, or a writer that lags
+-- behind the queues) gets null back, and send inserts with dynamic SQL as
+-- before: slower, never wrong. create_queue and drop_queue write it again, holding
 -- pgque.install_lock FOR NO KEY UPDATE, which keeps a second writer of it out
 -- (two concurrent CREATE OR REPLACE of one function fail with "tuple
 -- concurrently updated"); every install writes it from the current template
@@ -67,8 +70,16 @@ begin
 end
 $$;
 
+-- pgque._event_writer_max_queues(): how many queues the writer holds.
+create or replace function pgque._event_writer_max_queues()
+returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 256 $$;
+
 -- pgque._event_writer_source(): the body of pgque._write_event for the
--- queues that exist now (as this transaction sees them).
+-- queues that exist now (as this transaction sees them), the first
+-- _event_writer_max_queues() by id.
 create or replace function pgque._event_writer_source()
 returns text
 language sql stable
@@ -84,7 +95,8 @@ as $$
                   count(*),
                   pgque._event_writer_branches(array_agg(q.queue_id order by q.queue_id),
                                                array_agg(q.queue_ntables order by q.queue_id), 1))
-      from pgque.queue q
+      from (select q.queue_id, q.queue_ntables from pgque.queue q
+             order by q.queue_id limit pgque._event_writer_max_queues()) q
 $$;
 
 -- pgque._event_writer_due(): whether pgque._write_event is missing or differs
