@@ -139,10 +139,9 @@ $$;
 -- pgque.create_queue(queue, config, exist_ok): creates a queue with its event
 -- tables, sequence, lock rows and first tick; returns the queue id. An
 -- existing queue raises PQ006 unless exist_ok, in which case its id is
--- returned unchanged. Queues are made and dropped one at a time in a
--- database (install_lock, below): a creator waits for another creator's or
--- dropper's transaction to end, and then finds a queue of its name made
--- there. Raises PQ004 for a bad name, PQ007 for a bad setting.
+-- returned unchanged. Concurrent creators of one name need no lock of their
+-- own: the insert of the queue row waits for another transaction's
+-- uncommitted row of that name, and finds it once that one commits.
 create or replace function pgque.create_queue(
     p_queue text, p_config jsonb default '{}', p_exist_ok boolean default false)
 returns integer
@@ -158,10 +157,8 @@ declare
     n integer;
 begin
     -- Not while an install replaces the code this runs on (and no install
-    -- while queues are made): installs take this row FOR UPDATE. NO KEY
-    -- UPDATE, as drop_queue takes it too: one writer of the event writer at a
-    -- time (31_event_writer.sql), so queues are made and dropped one by one.
-    perform from pgque.install_lock for no key update;
+    -- while queues are made): installs take this row FOR UPDATE.
+    perform from pgque.install_lock for share;
     perform pgque._check_name('queue', p_queue);
     loop
         -- Looked up first, so that exist_ok on an existing queue writes nothing.
@@ -210,7 +207,7 @@ begin
     perform pgque._store_config(v_queue);
     -- No one else writes this reader before the queue row commits.
     perform pgque._sync_batch_reader(v_queue.queue_id);
-    perform pgque._sync_event_writer();
+    perform pgque._sync_event_writer(false);
 
     perform pgque._make_tick(v_queue);
     return v_queue.queue_id;
@@ -267,7 +264,7 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_parent text := pgque._event_table(v_queue.queue_id);
 begin
-    perform from pgque.install_lock for no key update;  -- see create_queue
+    perform from pgque.install_lock for share;  -- see create_queue
     -- Locks in the order the ticker and maintenance take them (the queue's
     -- tick lock, then its maintenance lock, then the queue row, then
     -- tables), so a running ticker or maintenance never deadlocks with a
@@ -295,6 +292,6 @@ begin
     execute format('drop table pgque.%I cascade', v_parent);
     execute format('drop sequence pgque.%I cascade', v_parent || '_id_seq');
     perform pgque._drop_batch_reader(v_queue.queue_id);
-    perform pgque._sync_event_writer();
+    perform pgque._sync_event_writer(false);
 end
 $$;

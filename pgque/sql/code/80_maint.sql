@@ -224,7 +224,8 @@ $$;
 -- when null) and reports what it did as rows (queue_name, step, amount).
 -- A queue whose maintenance is already running elsewhere (or that is being
 -- dropped) is skipped, and so, without taking any lock, is a queue where no
--- step has work (_maint_due).
+-- step has work (_maint_due). A pass over all queues also writes the event
+-- writer when it is due (step event_writer, queue_name null).
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
 language plpgsql
@@ -285,5 +286,14 @@ begin
             return next;
         end if;
     end loop;
+    -- The event writer (31_event_writer.sql) of every queue, when a
+    -- create_queue or drop_queue could not write it: on passes over them all.
+    if p_queue is null then
+        v_amount := pgque._sync_event_writer(false);
+        if v_amount > 0 then
+            queue_name := null; step := 'event_writer'; amount := v_amount;
+            return next;
+        end if;
+    end if;
 end
 $$;
