@@ -13,6 +13,8 @@ from helpers import scalar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pgque
+
 WRITE = "select pgque._write_event(%s, %s, 'e', '{}', null)"
 
 
@@ -185,3 +187,18 @@ def test_queues_beyond_the_writers_bound_are_sent_to_dynamically(
     conn.execute("select pgque.drop_queue('q0')")  # the next one moves in
     assert f"event_{ids[2]}_0" in writer_source(conn)
     assert f"event_{ids[3]}_0" not in writer_source(conn)
+
+
+def test_an_install_writes_the_writer_for_the_queues_there_are(
+        conn: psycopg.Connection[Any]) -> None:
+    """98_event_writer.sql: an install (an upgrade) writes the writer from the
+    current template for the existing queues, whatever was there before."""
+    queue_id = scalar(conn, "select pgque.create_queue('q')")
+    conn.execute("create or replace function pgque._write_event(p_queue_id integer,"
+                 " p_table integer, p_type text, p_data text, p_key text) returns bigint"
+                 " language sql as 'select null::bigint'")
+    assert scalar(conn, "select pgque._event_writer_due()")
+    pgque.install(conn)
+    assert not scalar(conn, "select pgque._event_writer_due()")
+    assert f"event_{queue_id}_0" in writer_source(conn)
+    send_to_every_table(conn, "q", queue_id, 3)

@@ -8,7 +8,8 @@
 -- pgque._write_event, generated from pgque.queue, holding each event table's
 -- INSERT as static SQL (prepared once per session, its plan kept until the
 -- table changes). It picks the queue in a binary tree of IFs on the queue id,
--- then the table, so a send costs the same with 3 queues or 3,000.
+-- then the table, so a send through it costs about the same whatever the
+-- number of queues it holds.
 --
 -- It holds the first queues by id up to 512 event tables
 -- (_event_writer_max_tables; about 170 queues of the default 3): each
