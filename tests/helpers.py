@@ -93,9 +93,11 @@ def scalar(conn: Any, sql: str, params: tuple[Any, ...] = ()) -> Any:
 
 
 def backends(conn: psycopg.Connection[Any]) -> int:
-    """Sessions on this database other than ``conn``'s own."""
+    """Client sessions on this database other than ``conn``'s own. An autovacuum
+    worker is listed with the database's name too, and comes and goes on its own."""
     return int(scalar(conn, "select count(*) from pg_stat_activity"
-                            " where datname = current_database() and pid <> pg_backend_pid()"))
+                            " where datname = current_database() and pid <> pg_backend_pid()"
+                            " and backend_type = 'client backend'"))
 
 
 def refused(call: Callable[[], Any],
