@@ -9,6 +9,11 @@ transaction:
 ``sql/migrations/NNNN_name.sql``
     The tables and their data, changed forward only: each migration runs once
     per database, in number order, and is recorded in ``pgque.migration``.
+    A 0.1.0 install predates that table, so it gets every migration: the
+    first creates only what is missing, since the two commits that called
+    themselves 0.1.0 made different tables (see guard.sql). A 0.1.0 that the
+    landed 0.2.0 upgraded has the first recorded without having had it, and
+    gets it again.
 ``sql/code/*.sql``
     Everything stateless (functions, procedures, views, grants), dropped and
     created again on every run, so an upgraded database has exactly a fresh

@@ -234,14 +234,31 @@ def test_install_refuses_an_object_someone_else_owns_in_its_schema(dsn: str) -> 
 
 # -- upgrades ----------------------------------------------------------------------------
 
-# The install script of pgque 0.1.0 as it was released, frozen: upgrades start from it.
-FROZEN_0_1 = Path(__file__).resolve().parent / "data" / "pgque-0.1.0.sql"
+# Two commits on main called themselves pgque 0.1.0, with different tables: 3bd2224
+# (the first, without pgque.batch_nack) and 09e6af5. Their install scripts, frozen,
+# by commit: upgrades start from either. The tests that need one 0.1.0 take the later.
+BASELINES_0_1 = {commit: Path(__file__).resolve().parent / "data" / f"pgque-0.1.0-{commit}.sql"
+                 for commit in ("3bd2224", "09e6af5")}
 
 
-def install_0_1(dsn: str) -> None:
+def install_0_1(dsn: str, commit: str = "09e6af5") -> None:
+    """Install the 0.1.0 of that commit, in one transaction, as its installer did."""
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-        conn.execute(FROZEN_0_1.read_bytes())
+        conn.execute(BASELINES_0_1[commit].read_bytes())
         assert scalar(conn, "select pgque.version()") == "0.1.0"
+
+
+# The install script of pgque 0.2.0 as it landed (2f0bb29), frozen: it installs 0.2.0
+# into an empty database and upgrades a 0.1.0 as that release did, wrongly over
+# 3bd2224 (it records migration 1 without making pgque.batch_nack).
+BASELINE_0_2 = Path(__file__).resolve().parent / "data" / "pgque-0.2.0-2f0bb29.sql"
+
+
+def install_0_2(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.2.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_2.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.2.0"
 
 
 @contextmanager

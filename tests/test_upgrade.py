@@ -1,5 +1,7 @@
-"""Upgrades: numbered migrations over the frozen 0.1.0 baseline, code recreated,
-and nothing lost on the way (pgque/schema.py, pgque/sql/)."""
+"""Upgrades: numbered migrations over every catalog a released version left (the
+0.1.0s of 3bd2224 and 09e6af5, the 0.2.0 that landed as 2f0bb29, and a 0.1.0 that
+0.2.0 upgraded), code recreated, and nothing lost on the way (pgque/schema.py,
+pgque/sql/)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,26 @@ import psycopg
 import pytest
 from helpers import drain, scalar, wait_for
 from test_cli import run_cli
-from test_install import catalog, install_0_1, scratch_database
+from test_install import BASELINES_0_1, catalog, install_0_1, install_0_2, scratch_database
 
 import pgque
 from pgque.schema import migrations
+
+# The migrations the landed 0.2.0 had, and so recorded as applied by "0.2.0".
+MIGRATIONS_0_2 = range(1, 6)
+
+
+def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
+    """pgque.migration as (number, the version that applied it), in order."""
+    return [(n, package) for n, package in conn.execute(
+        "select mig_number, mig_package from pgque.migration order by 1")]
+
+
+def applied(by_0_2: range) -> list[tuple[int, str]]:
+    """Every migration, recorded as applied by 0.2.0 when in by_0_2, else by this
+    pgque."""
+    return [(m.number, "0.2.0" if m.number in by_0_2 else pgque.__version__)
+            for m in migrations()]
 
 
 def pg_dump_schema(server: pgtest.PgServer, dsn: str) -> str | None:
@@ -36,50 +54,108 @@ def pg_dump_schema(server: pgtest.PgServer, dsn: str) -> str | None:
 def fill_0_1(dsn: str) -> dict[str, Any]:
     """Use a 0.1.0 install the way an application does, leaving state of every
     kind behind: an open batch half handed out, a retry waiting, a dead letter,
-    a slot never read, events not ticked yet. Returns what was sent and seen."""
-    with pgque.connect(dsn) as client:
-        client.create_queue("q", max_retries=1)
-        client.subscribe("q", "plain")
-        client.subscribe_slots("q", "g", slots=2)
-        first = client.send_batch("q", [("e", {"n": n}, f"k{n}") for n in range(10)])
-        client.tick("q")
+    a slot never read, events not ticked yet. Returns what was sent and seen.
+
+    Through the SQL functions both 0.1.0s have, on one session (it holds the
+    slot's lock): today's client calls functions the first 0.1.0 lacks."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def ids(sql: str, *params: Any) -> list[int]:
+            return [row[0] for row in conn.execute(sql, params)]
+
+        def send(numbers: range) -> list[int]:
+            return ids("select unnest(pgque.send_batch('q', %s, %s, %s))",
+                       ["e"] * len(numbers), [f'{{"n": {n}}}' for n in numbers],
+                       [f"k{n}" for n in numbers])
+
+        def batch(rows: list[tuple[Any, ...]]) -> tuple[int, list[int]]:
+            assert rows, "no batch"
+            return rows[0][0], [row[1] for row in rows]
+
+        conn.execute("""select pgque.create_queue('q', '{"max_retries": 1}'),
+                               pgque.subscribe('q', 'plain'),
+                               pgque.subscribe_slots('q', 'g', 2)""")
+        first = send(range(10))
+        conn.execute("select pgque.tick('q')")
         # plain: 4 of the 10 handed out and acked, one of them nacked: a retry.
-        piece = client.receive("q", "plain", max_events=4)
-        assert piece is not None and len(piece) == 4
-        client.ack(piece, nack=[piece.messages[0]], retry_after=0)
+        plain, handed = batch(conn.execute(
+            "select batch_id, ev_id from pgque.receive('q', 'plain', 4)").fetchall())
+        assert len(handed) == 4
+        conn.execute("select pgque.nack('q', 'plain', %s, %s), pgque.ack('q', 'plain', %s)",
+                     (plain, handed[:1], plain))
         # slot 0 of the group: one event fails twice and is dead-lettered.
-        assert client.claim_slot("q", "g", 0)
-        batch = client.receive_partitioned("q", "g", slot=0, slots=2)
-        assert batch is not None and len(batch) > 0
-        doomed = batch.messages[0].id
-        client.ack(batch, nack=[doomed], retry_after=0)
-        client.maintenance()
-        client.tick("q")
-        batch = client.receive_partitioned("q", "g", slot=0, slots=2)
-        assert batch is not None and [m.id for m in batch] == [doomed]
-        client.ack(batch, nack={doomed: "failed twice"}, retry_after=0)
+        assert scalar(conn, "select pgque.claim_slot('q', 'g', 0)")
+        receive_slot0 = "select batch_id, ev_id from pgque.receive_partitioned('q', 'g', 0, 2)"
+        fail_slot0 = ("select pgque.nack_partitioned('q', 'g', 0, 2, %s, %s, '0', %s), "
+                      "pgque.ack_partitioned('q', 'g', 0, 2, %s)")
+        slot_batch, events = batch(conn.execute(receive_slot0).fetchall())
+        doomed = events[0]
+        conn.execute(fail_slot0, (slot_batch, [doomed], None, slot_batch))
+        conn.execute("select pgque.maint()")
+        conn.execute("select pgque.tick('q')")
+        slot_batch, events = batch(conn.execute(receive_slot0).fetchall())
+        assert events == [doomed]
+        conn.execute(fail_slot0, (slot_batch, [doomed], "failed twice", slot_batch))
         slot0 = {ev for n, ev in enumerate(first)
-                 if scalar(client.conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0}
+                 if scalar(conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0}
         # Sent after the last tick: not in any batch yet.
-        later = client.send_batch("q", [("e", {"n": n}, f"k{n}") for n in range(10, 15)])
-        dead = [(d.id, d.consumer, d.event_id, d.reason) for d in client.dead_letters("q")]
+        later = send(range(10, 15))
+        dead = conn.execute("select dl_id, consumer, ev_id, reason "
+                            "from pgque.dead_letters('q')").fetchall()
         assert [d[2:] for d in dead] == [(doomed, "failed twice")]
-        return {"first": first, "later": later, "handed": [m.id for m in piece],
-                "retried": piece.messages[0].id, "slot0": slot0, "doomed": doomed,
-                "dead": dead}
+        return {"first": first, "later": later, "handed": handed, "retried": handed[0],
+                "slot0": slot0, "doomed": doomed, "dead": dead, "queues": ["q"]}
 
 
-def test_upgrade_from_0_1_0_loses_nothing_and_equals_a_fresh_install(
-        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
-    install_0_1(empty_dsn)
-    seen = fill_0_1(empty_dsn)
-    with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        assert pgque.install(conn) == "0.1.0"
-        assert conn.execute("select mig_number, mig_package from pgque.migration "
-                            "order by 1").fetchall() == [
-            (1, "0.1.0"), *((m.number, pgque.__version__) for m in migrations()[1:])]
+def fill_0_2(dsn: str) -> dict[str, Any]:
+    """fill_0_1's state, made by the landed 0.2.0, and what only 0.2 has: a
+    second group's epochs in pgque.slot_claim (slot 0's left to a session that
+    ended while it held the slot, slot 1's released), a second queue with a
+    send grant and an event waiting. Returns what fill_0_1 does, the later
+    events including those sent here, and the 0.2 state.
+
+    Through 0.2.0's SQL functions, as fill_0_1: today's client may call
+    functions, or signatures, that 0.2.0 lacks."""
+    seen = fill_0_1(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("""select pgque.subscribe_slots('q', 'h', 2),
+                               pgque.create_queue('q2', '{}'), pgque.subscribe('q2', 'c'),
+                               pgque.grant_queue('q2', 'pgque_writer', 'send')""")
+        more = [row[0] for row in conn.execute(
+            "select unnest(pgque.send_batch('q', %s, %s, %s))",
+            (["e"] * 5, [f'{{"n": {n}}}' for n in range(15, 20)],
+             [f"k{n}" for n in range(15, 20)]))]
+        conn.execute("select pgque.tick('q')")
+        # Each slot of h takes an epoch with its first receive, and acks what it got:
+        # fill_0_1's later events and these.
+        epochs: dict[str, int] = {}
+        for slot in (0, 1):
+            assert scalar(conn, "select pgque.claim_slot('q', 'h', %s)", (slot,))
+            rows = conn.execute("select batch_id, epoch from pgque.receive_partitioned("
+                                "'q', 'h', %s, 2)", (slot,)).fetchall()
+            assert rows, f"nothing for slot {slot} of h"
+            conn.execute("select pgque.ack_partitioned('q', 'h', %s, 2, %s)",
+                         (slot, rows[0][0]))
+            epochs[f"h#{slot}/2"] = rows[0][1]
+        assert scalar(conn, "select pgque.release_slot('q', 'h', 1)")
+        waiting = scalar(conn, """select pgque.send('q2', 'e', '"waiting"'::jsonb)""")
+        claims = conn.execute("""
+            select s.sub_consumer, c.sc_epoch, c.sc_pid is not null
+              from pgque.slot_claim c join pgque.subscription s on s.sub_id = c.sc_sub
+             order by 1""").fetchall()
+    # g's slot 0 took an epoch in fill_0_1; h's slot 1 is released, slot 0 not.
+    assert [name for name, _, _ in claims] == ["g#0/2", "h#0/2", "h#1/2"]
+    assert [(name, epoch) for name, epoch, _ in claims[1:]] == sorted(epochs.items())
+    assert [held for _, _, held in claims] == [True, True, False]
+    return {**seen, "later": seen["later"] + more, "queues": [*seen["queues"], "q2"],
+            "epochs": {name: epoch for name, epoch, _ in claims}, "waiting": waiting}
+
+
+def check_upgraded(dsn: str, pg_server: pgtest.PgServer, seen: dict[str, Any]) -> None:
+    """After the upgrade of a database fill_0_1 (or fill_0_2) filled: nothing it
+    left is lost or delivered twice, a send-receive-nack-ack cycle works, and the
+    catalog and pg_dump are those of a fresh install with the same queues."""
     everything = set(seen["first"]) | set(seen["later"])
-    with pgque.connect(empty_dsn) as client:
+    with pgque.connect(dsn) as client:
         assert scalar(client.conn, "select pgque.version()") == pgque.__version__
         # Every dead letter is still there, as it was.
         assert [(d.id, d.consumer, d.event_id, d.reason)
@@ -101,15 +177,35 @@ def test_upgrade_from_0_1_0_loses_nothing_and_equals_a_fresh_install(
         # Slot 0 had consumed its events of the first ten (the dead letter among
         # them); the rest is delivered exactly once.
         assert sorted(got) == sorted(everything - seen["slot0"])
+        # A send-receive-nack-ack cycle, by the plain consumer (nack, then ack) and
+        # by a slot (ack with the nack): each nack is one retry, delivered once more.
+        sent = client.send("q", "e", {"n": "after"}, partition_key="k0")
+        slot = scalar(client.conn, "select pgque.slot_of('k0', 2)")
+        client.tick("q")
+        plain = client.receive("q", "plain")
+        assert plain is not None and [m.id for m in plain] == [sent]
+        client.nack(plain, plain.messages)
+        client.ack(plain)
+        group = client.receive_partitioned("q", "g", slot=slot, slots=2)
+        assert group is not None and [m.id for m in group] == [sent]
+        client.ack(group, nack=group.messages)
+        assert ("q", "retry", 2) in client.maintenance()
+        assert [(m.id, m.retry_count) for m in drain(client, "q", "plain")] == [(sent, 1)]
+        group = client.receive_partitioned("q", "g", slot=slot, slots=2)
+        assert group is not None and [(m.id, m.retry_count) for m in group] == [(sent, 1)]
+        client.ack(group)
+        assert len(client.dead_letters("q")) == len(seen["dead"])
         # The ticker election and the new locks work on the old queue.
         assert client.claim_ticker()
         assert client.ticker() >= 0
         upgraded = catalog(client.conn)
-    upgraded_dump = pg_dump_schema(pg_server, empty_dsn)
+    upgraded_dump = pg_dump_schema(pg_server, dsn)
 
     with scratch_database(pg_server) as fresh_dsn, pgque.connect(fresh_dsn) as fresh:
         fresh.install()
         fresh.create_queue("q", max_retries=1)
+        for name in seen["queues"][1:]:
+            fresh.create_queue(name)
         # The same group: its slot count gives the event tables an index.
         fresh.subscribe_slots("q", "g", slots=2)
         fresh.maintenance()
@@ -120,6 +216,84 @@ def test_upgrade_from_0_1_0_loses_nothing_and_equals_a_fresh_install(
     # The same dump (a cluster of our own always has its pg_dump).
     assert upgraded_dump is not None or not isinstance(pg_server, pgtest.LocalServer)
     assert upgraded_dump == fresh_dump
+
+
+@pytest.mark.parametrize("commit", BASELINES_0_1)
+def test_upgrade_from_0_1_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer, commit: str) -> None:
+    install_0_1(empty_dsn, commit)
+    seen = fill_0_1(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.1.0"
+        # Migration 1 ran too: it created what this 0.1.0 lacked.
+        assert migration_record(conn) == applied(by_0_2=range(0))
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
+@pytest.mark.parametrize("commit", BASELINES_0_1)
+def test_upgrade_repairs_a_0_1_0_that_the_landed_0_2_0_upgraded(
+        empty_dsn: str, pg_server: pgtest.PgServer, commit: str) -> None:
+    """The landed 0.2.0 recorded a 0.1.0's tables as migration 1, applied by
+    "0.1.0", without running it: over 3bd2224 pgque.batch_nack was never made,
+    and that 0.2.0's nack and maint() fail. Today's install runs migration 1
+    again there (see guard.sql), and the database is a fresh install's."""
+    install_0_1(empty_dsn, commit)
+    seen = fill_0_1(empty_dsn)
+    install_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn) as conn:  # each check rolled back
+        assert migration_record(conn) == [(1, "0.1.0"),
+                                          *((n, "0.2.0") for n in MIGRATIONS_0_2[1:])]
+        if commit == "3bd2224":
+            assert scalar(conn, "select pg_catalog.to_regclass('pgque.batch_nack')") is None
+            row = conn.execute("select batch_id, ev_id from pgque.receive('q', 'plain', 1)"
+                               ).fetchone()
+            assert row is not None
+            with pytest.raises(psycopg.errors.UndefinedTable, match="batch_nack"):
+                conn.execute("select pgque.nack('q', 'plain', %s, %s)", (row[0], [row[1]]))
+            conn.rollback()
+            with pytest.raises(psycopg.errors.UndefinedTable, match="batch_nack"):
+                conn.execute("select pgque.maint()")
+            conn.rollback()
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.2.0"
+        # Migration 1 ran again, and is recorded as this pgque's.
+        assert migration_record(conn) == applied(by_0_2=range(2, 6))
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
+def test_upgrade_from_0_2_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    install_0_2(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.2.0"
+        assert migration_record(conn) == applied(by_0_2=MIGRATIONS_0_2)
+        # The epochs stay; the sessions that took them are unknown now.
+        assert conn.execute("""
+            select s.sub_consumer, c.sc_epoch, c.sc_session
+              from pgque.slot_claim c join pgque.subscription s on s.sub_id = c.sc_sub
+             order by 1""").fetchall() == [
+            (name, epoch, None) for name, epoch in seen["epochs"].items()]
+    check_upgraded(empty_dsn, pg_server, seen)
+    with pgque.connect(empty_dsn) as client:
+        # The second queue: its grant and its waiting event.
+        assert client.queue_grants("q2") == [("send", "pgque_writer")]
+        assert [m.id for m in drain(client, "q2", "c")] == [seen["waiting"]]
+        # An old epoch fences nothing in; the slot's next owner takes a later one.
+        old = pgque.Fence("q", "h", 0, seen["epochs"]["h#0/2"])
+        with pytest.raises(pgque.StaleEpoch):
+            client.check_fence(old)
+        key = next(f"k{n}" for n in range(20)
+                   if scalar(client.conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0)
+        sent = client.send("q", "e", {"n": "fenced"}, partition_key=key)
+        client.tick("q")
+        assert client.claim_slot("q", "h", 0)
+        batch = client.receive_partitioned("q", "h", slot=0, slots=2)
+        assert batch is not None and batch.fence is not None
+        assert sent in [m.id for m in batch]
+        assert batch.fence.epoch > max(seen["epochs"].values())
+        client.check_fence(batch.fence)
+        client.ack(batch)
 
 
 def test_install_refuses_a_database_a_newer_pgque_migrated(empty_dsn: str) -> None:
@@ -154,6 +328,7 @@ def test_the_cli_says_from_which_version_to_which(empty_dsn: str) -> None:
         0, f"pgque upgraded from 0.1.0 to {pgque.__version__}\n")
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_workers_keep_going_while_the_install_replaces_the_code(dsn: str) -> None:
     """Every install drops and recreates the functions the workers call: a running
     Worker and Ticker ride through repeated installs and deliver every event."""

@@ -133,8 +133,12 @@ end
 $roles$;
 
 -- One row per migration applied to this database: its number and name, and
--- the version of pgque that applied it. Installs of 0.1.0 predate this table:
--- they had the tables of migration 1, which is recorded as theirs.
+-- the version of pgque that applied it. An install of 0.1.0 predates this
+-- table, and gets it empty, like an empty database: so every migration runs
+-- over it, the first included. Its tables are not taken for migration 1's:
+-- two commits called themselves 0.1.0, and the first (3bd2224) lacks
+-- pgque.batch_nack. Migration 1 creates only what is missing (see its header),
+-- so over either 0.1.0 it adds what that one lacks and keeps the rest.
 do $migrations$
 begin
     if pg_catalog.to_regclass('pgque.migration') is null then
@@ -144,13 +148,25 @@ begin
             mig_package text not null,
             mig_applied timestamptz not null default pg_catalog.now()
         );
-        if pg_catalog.to_regclass('pgque.queue') is not null then
-            insert into pgque.migration (mig_number, mig_name, mig_package)
-            values (1, 'initial', '0.1.0');
-        end if;
     end if;
 end
 $migrations$;
+
+-- A database that the 0.2.0 which landed (2f0bb29) upgraded from 0.1.0 has
+-- migration 1 recorded as applied by '0.1.0', though it never ran: that
+-- release's guard took a 0.1.0's tables for migration 1's, and over 3bd2224
+-- the database never got pgque.batch_nack (nack and maint() fail there with
+-- UndefinedTable). Only that guard ever wrote such a row: migrations came with
+-- 0.2.0, and every migration step records the version running it. So the row
+-- is forgotten, and migration 1 runs again below and is recorded anew: it
+-- creates only what is missing and alters nothing, so over migrations 2 to 5
+-- (which drop or rename nothing of it) it adds what that 0.1.0 lacked and
+-- changes nothing else. This rather than a new migration making
+-- pgque.batch_nack: migration 1 is what those databases skipped, and it
+-- converges whatever a 0.1.0 catalog lacks from the one definition of its
+-- tables. It happens at most once, and before any migration after 5: every
+-- pgque that has one has this step, and none writes such a row again.
+delete from pgque.migration where mig_number = 1 and mig_package = '0.1.0';
 
 -- The version of pgque installed before this run, for the installer to report
 -- (read from this table, never by calling into schema pgque). 0.1.0 had no
