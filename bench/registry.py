@@ -17,7 +17,8 @@ from bench.measure import Measurement
 __all__ = ["Suite", "SuiteContext", "SuiteResult", "all_suites", "register"]
 
 # Imported by all_suites(), not at the top: the suite modules import this one.
-_SUITE_MODULES = ("bench.engine", "bench.partition", "bench.latency", "bench.peers")
+_SUITE_MODULES = (
+    "bench.engine", "bench.partition", "bench.latency", "bench.peers", "bench.ownership")
 
 
 @dataclass(frozen=True)

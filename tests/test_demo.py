@@ -67,6 +67,7 @@ def roles(conn: psycopg.Connection[Any]) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_demo_passes_every_check_and_leaves_nothing_behind(dsn: str) -> None:
     # The default run: transactional, with the rolling restart and the cut session.
     out = run_demo(dsn, "--events", "2000")

@@ -316,7 +316,7 @@ class Track:
 
 
 @pytest.fixture(scope="session")
-def tracks(pg_server: Any, template_db: str) -> Iterator[dict[tuple[Path, str], Track]]:
+def tracks(pg_server: Any, superuser_template: str) -> Iterator[dict[tuple[Path, str], Track]]:
     """One Track per (file, language). Each is closed after its last block ran, or
     at the end of the run (when a block failed, or only some blocks were selected)."""
     made: dict[tuple[Path, str], Track] = {}
@@ -324,7 +324,8 @@ def tracks(pg_server: Any, template_db: str) -> Iterator[dict[tuple[Path, str], 
         for language in RUNNABLE:
             mine = [b for b in blocks if b.language == language]
             if mine:
-                made[path, language] = Track(mine, pg_server, template_db)
+                # The examples install as the superuser, as a reader trying them would.
+                made[path, language] = Track(mine, pg_server, superuser_template)
     yield made
     for track in made.values():
         track.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import scalar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -189,6 +190,7 @@ def test_queues_beyond_the_writers_bound_are_sent_to_dynamically(
     assert f"event_{ids[3]}_0" not in writer_source(conn)
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_an_install_writes_the_writer_for_the_queues_there_are(
         conn: psycopg.Connection[Any]) -> None:
     """98_event_writer.sql: an install (an upgrade) writes the writer from the

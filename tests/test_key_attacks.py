@@ -66,10 +66,20 @@ def held_keys(conn: psycopg.Connection[Any], pid: int, mode: str) -> list[int]:
     return [(k + 2**63) % 2**64 - 2**63 for (k,) in rows]
 
 
-def wait_on_key(dsn: str, key: int, *, shared: bool = False) -> tuple[threading.Thread,
-                                                                    psycopg.Connection[Any]]:
-    """An attacker session that waits for the key (queued behind its holder) and then
-    keeps it for as long as the connection lives."""
+def member_keys(conn: psycopg.Connection[Any], pid: int) -> list[tuple[int, int]]:
+    """The two-integer advisory keys (a group member's) a backend holds, as any role
+    can read them in pg_locks."""
+    rows = conn.execute(
+        "select classid::bigint, objid::bigint from pg_locks "
+        "where locktype = 'advisory' and objsubid = 2 and granted and pid = %s",
+        (pid,)).fetchall()
+    return [tuple((k + 2**31) % 2**32 - 2**31 for k in row) for row in rows]  # type: ignore[misc]
+
+
+def wait_on_key(dsn: str, *key: int, shared: bool = False) -> tuple[threading.Thread,
+                                                                   psycopg.Connection[Any]]:
+    """An attacker session that waits for the key (a bigint, or two integers; queued
+    behind its holder) and then keeps it for as long as the connection lives."""
     conn = psycopg.connect(dsn, autocommit=True)
     conn.execute("set statement_timeout = 0")
     fn = "pg_advisory_lock_shared" if shared else "pg_advisory_lock"
@@ -77,7 +87,7 @@ def wait_on_key(dsn: str, key: int, *, shared: bool = False) -> tuple[threading.
     def take() -> None:
         # Fails when the test closes the connection under it; that is the end.
         with contextlib.suppress(psycopg.Error):
-            conn.execute(f"select {fn}(%s)", (key,))
+            conn.execute(f"select {fn}({', '.join(['%s'] * len(key))})", key)
     thread = threading.Thread(target=take, daemon=True)
     thread.start()
     return thread, conn
@@ -153,16 +163,18 @@ def test_a_reader_of_another_team_is_an_outsider_to_the_group(roles: dict[str, s
 
 def test_shared_holders_of_the_group_key_are_not_members(roles: dict[str, str]) -> None:
     """Seven outsider sessions holding the group's key in share mode shrank a worker's
-    fair share to zero in 0.1; they are not counted."""
+    fair share to zero in 0.1; they are not counted, nor are outsiders holding member
+    keys of the group's class (as members do since 0.3)."""
     with pgque.connect(roles["team"]) as team:
         team.subscribe_slots("q", "g", slots=8)
         assert team.join_group("q", "g")
         with attacker(roles["outsider"]) as probe:
-            (key,) = held_keys(probe, team.conn.info.backend_pid, "ShareLock")
+            ((group_class, member),) = member_keys(probe, team.conn.info.backend_pid)
         evil = [attacker(roles["outsider"]) for _ in range(7)]
         try:
-            for conn in evil:
-                assert scalar(conn, "select pg_try_advisory_lock_shared(%s)", (key,))
+            for n, conn in enumerate(evil):
+                assert scalar(conn, "select pg_try_advisory_lock(%s, %s)",
+                              (group_class, (member + n + 1 + 2**31) % 2**32 - 2**31))
             status = team.group_status("q", "g")
             assert status.members == 1 and status.my_rank == 0
             assert status.fair_share() == 8
@@ -173,23 +185,23 @@ def test_shared_holders_of_the_group_key_are_not_members(roles: dict[str, str]) 
 
 def test_an_outsider_queued_on_the_group_key_cannot_keep_workers_out(
         roles: dict[str, str]) -> None:
-    """An exclusive request queued on the group's key makes every new shared try fail.
-    join_group never waits (0.1's hung) and renews the key; the worker that joined
-    before is counted again once it joins again, which the Worker does itself."""
+    """A member's key is its own (two integers: the group's class, a random member
+    number), so a request queued on it blocks no join. With one shared key for
+    every member (0.2), an exclusive request queued on it made every later join
+    fail, and the renewal that got round that stopped counting the members there."""
     with pgque.connect(roles["team"]) as first, pgque.connect(roles["team"]) as second:
         first.subscribe_slots("q", "g", slots=2)
         assert first.join_group("q", "g")
         with attacker(roles["outsider"]) as probe:
-            (key,) = held_keys(probe, first.conn.info.backend_pid, "ShareLock")
-            thread, evil = wait_on_key(roles["outsider"], key)
+            (pair,) = member_keys(probe, first.conn.info.backend_pid)
+            thread, evil = wait_on_key(roles["outsider"], *pair)
             try:
                 wait_for(lambda: waiting(probe, evil.info.backend_pid),
                          what="the outsider to queue")
                 assert second.join_group("q", "g") is True
-                status = second.group_status("q", "g")
-                assert status.members == 1 and status.my_rank == 0
-                assert first.join_group("q", "g") is True  # on the new key
                 assert second.group_status("q", "g").members == 2
+                assert first.join_group("q", "g") is False  # still a member
+                assert first.group_status("q", "g").my_rank is not None
             finally:
                 evil.close()
         thread.join(5)

@@ -401,6 +401,7 @@ def test_concurrent_create_queue_of_one_name(conn: psycopg.Connection[Any], dsn:
 
 
 @pytest.mark.parametrize("order", ["install, uninstall", "uninstall, install"])
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_install_and_uninstall_wait_for_a_running_install(dsn: str, order: str) -> None:
     """Both wait for the install in progress, then run one after the other in the
     order they came: an install that waited behind an uninstall installs afresh."""

@@ -189,6 +189,21 @@ def test_group_status_counts_members(group: pgque.Client, dsn: str) -> None:
     wait_for(lambda: group.group_status("q", "g").members == 1, what="member to leave")
 
 
+def test_a_rolled_back_join_is_still_one_membership(group: pgque.Client) -> None:
+    """A member's number is remembered in a setting, which a rollback undoes while
+    its lock stays: the session finds the lock again rather than take another
+    (one more lock held for every rolled back join)."""
+    with pytest.raises(psycopg.errors.RaiseException), group.conn.transaction():
+        assert group.join_group("q", "g") is True
+        group.conn.execute("do $$ begin raise 'undo'; end $$")
+    assert group.join_group("q", "g") is False  # a member still
+    assert group.join_group("q", "g") is False
+    held = scalar(group.conn, "select count(*) from pg_locks where locktype = 'advisory'"
+                              " and objsubid = 2 and pid = pg_backend_pid()")
+    assert held == 1
+    assert group.group_status("q", "g").members == 1
+
+
 def test_other_databases_slots_are_not_ours(group: pgque.Client, dsn: str, pg_server: Any,
                                             template_db: str) -> None:
     """Advisory locks are per database while pg_locks shows the whole cluster: the

@@ -56,6 +56,7 @@ def _install_while(dsn: str, during: Any) -> dict[str, str]:
     return result
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_an_install_does_not_deadlock_with_a_maintenance_pass_over_several_queues(
         dsn: str) -> None:
     """Severity medium. The Ticker's maint() takes the maintenance lock of each queue
@@ -86,6 +87,7 @@ def test_an_install_does_not_deadlock_with_a_maintenance_pass_over_several_queue
     assert result.get("install") == "ok", result
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_an_install_waits_for_a_maintenance_that_rewrote_a_reader(dsn: str) -> None:
     """Held: the other order (the reader rewritten, uncommitted, before the install
     drops it): the install waits, then succeeds."""
@@ -481,6 +483,7 @@ def test_ack_slots_refuses_a_null_slot_list_as_receive_slots_does(
     assert info.value.sqlstate == "22023"
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_an_upgraded_0_1_install_gets_readers_for_its_groups(empty_dsn: str) -> None:
     from test_install import install_0_1
     install_0_1(empty_dsn)
@@ -534,6 +537,7 @@ def test_a_session_reads_a_queue_dropped_and_made_again_under_its_name(
             client.drop_queue("q", force=True)
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_concurrent_churn_loses_and_duplicates_nothing(dsn: str) -> None:
     """A consumer draining with receive_slots / ack_slots (and pending_slots)
     while another session sends, ticks, runs maintenance that rotates and
@@ -617,6 +621,7 @@ def test_concurrent_churn_loses_and_duplicates_nothing(dsn: str) -> None:
     assert not [e for e in errors if not e.startswith("worker")], errors
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_installing_again_with_queues_and_groups_changes_no_catalog_row(dsn: str) -> None:
     from test_install import catalog
     with pgque.connect(dsn) as client:

@@ -153,6 +153,7 @@ def _events(conn: psycopg.Connection[Any], queue_id: int) -> dict[int, tuple[str
         f"select ev_id, tableoid::regclass::text, ev_data from pgque.event_{queue_id}")}
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_sends_during_creates_drops_rotations_and_installs_land_in_their_table(
         dsn: str, conn: psycopg.Connection[Any]) -> None:
     """Guard. Producers sending while other sessions create and drop queues, rotate
@@ -277,6 +278,7 @@ def role_dsn(dsn: str) -> Any:
             su.execute(f"drop role {role}")
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_a_writer_role_can_neither_call_nor_pin_away_the_writer(
         conn: psycopg.Connection[Any], role_dsn: Any) -> None:
     """Guard. pgque_writer/reader may not execute _write_event; a SQL-standard
@@ -303,6 +305,7 @@ def test_a_writer_role_can_neither_call_nor_pin_away_the_writer(
     assert refused.value.sqlstate == "PQ017" and "pin()" in str(refused.value)
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_installs_under_create_and_drop_queue(dsn: str) -> None:
     """Guard. Installs while another session creates, sends to and drops queues:
     no "tuple concurrently updated", no deadlock, the writer up to date after."""

@@ -64,6 +64,7 @@ def test_the_index_formula_routes_any_key_like_slot_of(conn: psycopg.Connection[
     assert differ == 0
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
 def test_a_group_gives_every_event_table_an_index_for_its_slot_count(
         client: pgque.Client) -> None:
     queue_id = client.create_queue("q")

@@ -6,6 +6,9 @@
 * :meth:`PgServer.create_template` makes a template database with pgque
   installed, and :meth:`PgServer.scratch_database` a copy of it for one test,
   in a few milliseconds;
+* :class:`Deployment` makes the deployment docs/operations.md recommends
+  (pgque installed by a database owner who is no superuser, producers,
+  workers, the ticker and an outsider on roles of their own);
 * :func:`run_worker` runs a real Worker until it has handled so many events, or
   drained its group, and says what it handled.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from pgque.testing._deployment import Deployment
 from pgque.testing._server import (
     ContainerServer,
     ExternalServer,
@@ -41,6 +45,7 @@ from pgque.testing._worker import WorkerRun, run_worker
 
 __all__ = [
     "ContainerServer",
+    "Deployment",
     "ExternalServer",
     "LocalServer",
     "PgServer",

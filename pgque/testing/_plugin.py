@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import pytest
 
 import pgque
+from pgque.testing._deployment import Deployment
 from pgque.testing._server import PgServer, ServerSettings, TemplateSetup, open_server
 
 __all__ = [
     "pgque_client",
+    "pgque_deployment",
+    "pgque_deployment_template",
     "pgque_dsn",
     "pgque_server",
     "pgque_server_settings",
@@ -132,3 +135,24 @@ def pgque_client(pgque_dsn: str) -> Iterator[pgque.Client]:
     the test."""
     with pgque.connect(pgque_dsn) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def pgque_deployment_template(pgque_server: PgServer,
+                              pgque_template_setup: TemplateSetup | None
+                              ) -> Iterator[Deployment]:
+    """The recommended deployment's roles and template (a :class:`~pgque.testing.Deployment`):
+    pgque installed by a database owner who is no superuser, then
+    ``pgque_template_setup`` run as that owner. Made once per run."""
+    deployment = Deployment.create(pgque_server, setup=pgque_template_setup)
+    yield deployment
+    deployment.drop()
+
+
+@pytest.fixture
+def pgque_deployment(pgque_deployment_template: Deployment) -> Iterator[Deployment]:
+    """The recommended deployment with a database of the test's own (a copy of
+    the template): ``.dsn(role)`` connects as its owner, ticker, producer, a
+    team's login (``.login(team)``) or the outsider."""
+    with pgque_deployment_template.database() as deployment:
+        yield deployment

@@ -124,19 +124,30 @@ class PgServer:
             conn.execute(sql.SQL("drop database if exists {} with (force)").format(ident))
 
     def create_template(self, name: str | None = None, *,
-                        setup: TemplateSetup | None = None) -> str:
+                        setup: TemplateSetup | None = None,
+                        installer: str | None = None,
+                        installer_password: str | None = None) -> str:
         """Create a template database with pgque installed and return its name.
 
         ``name`` defaults to a fresh ``pgque_template_<hex>``; a database that
-        has the name already is dropped first. ``setup``, when given, is called
-        with an autocommit connection to the template after the install. The
-        template then takes no connections, which is what lets
-        ``create database ... template`` copy it in a few milliseconds.
+        has the name already is dropped first. ``installer``, a login role,
+        owns the database and installs pgque (as the docs recommend: a
+        database owner who is no superuser; ``installer_password`` when the
+        server asks for one); by default the superuser does.
+        ``setup``, when given, is called with an autocommit connection to the
+        template after the install, as the installer. The template then takes
+        no connections, which is what lets ``create database ... template``
+        copy it in a few milliseconds.
         """
         name = name or scratch_name("pgque_template")
         self.drop_database(name)
         dsn = self.create_database(name)
         try:
+            if installer is not None:
+                with self.admin() as conn:
+                    conn.execute(sql.SQL("alter database {} owner to {}").format(
+                        sql.Identifier(name), sql.Identifier(installer)))
+                dsn = make_conninfo(dsn, user=installer, password=installer_password)
             with psycopg.connect(dsn, autocommit=True) as conn:
                 install(conn)
                 if setup is not None:

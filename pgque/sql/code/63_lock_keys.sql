@@ -1,27 +1,34 @@
 -- pgque: session advisory lock keys.
 --
--- Slot ownership, group membership and the ticker election are session
--- advisory locks on random bigint keys stored in pgque's tables (see
--- 65_partition.sql and 68_election.sql). These helpers find who holds a key.
--- pg_locks shows a bigint key k as classid = high 32 bits, objid = low 32
--- bits, objsubid = 1.
+-- Slot ownership and the ticker election are exclusive session advisory
+-- locks on random bigint keys stored in pgque's tables (see 65_partition.sql
+-- and 68_election.sql; group membership, which uses keys of two integers, is
+-- there too). These helpers take, check and release such keys and find who
+-- holds one. pg_locks shows a bigint key k as classid = high 32 bits, objid
+-- = low 32 bits, objsubid = 1.
 
--- pgque._holds_key(key, mode): whether this session holds the bigint advisory
--- lock key at session level in mode ('ExclusiveLock' or 'ShareLock'). Only an
--- exclusive hold of a slot's key is ownership: two share holders would both
--- pass a mode-blind check.
+-- Every key pgque takes, it takes twice (_take_key, _session_key): a
+-- session lock is re-entrant, and while a session holds a key more than once, giving one hold back and taking it again is bookkeeping in the
+-- session's own memory that never reaches the server's lock table. That is
+-- what lets _holds_key ask the lock manager without ever releasing the key:
+-- a release that reached the lock table would grant the key at once to any
+-- session waiting on it, and pg_locks shows held keys to every role.
+
+-- pgque._holds_key(key): whether this session holds the bigint advisory lock
+-- key exclusively at session level (a shared hold is not ownership: two
+-- share holders would both pass).
 --
--- It asks the lock manager, not pg_locks: releasing the lock in that mode
--- succeeds exactly when the session holds it, and the hold is taken back at
--- once (one hold of a re-entrant lock: the count is unchanged). Reading
--- pg_locks copies the server's whole lock table, ~0.3 ms, on every receive
--- and ack. In the microseconds between the two calls another session could
--- take the key; then the hold is not taken back and the answer is false:
--- the session does not own it any more, which is the truth, never the
--- reverse. The release warns when there is no hold, hence the
--- client_min_messages. A transaction-level hold (pg_advisory_xact_lock) is
--- not ownership: claims take session locks.
-create or replace function pgque._holds_key(p_key bigint, p_mode text)
+-- It gives one hold back and takes it again: the release succeeds exactly
+-- when the session holds the key, and with pgque's two holds both steps stay
+-- in the session's memory (see above), so no waiter gets the key in between
+-- and the answer costs no look at the server's lock table (pg_locks copies
+-- all of it, ~0.3 ms, on every receive and ack). A key held once only (taken
+-- by hand, or by pgque 0.2 before an upgrade) is released and taken again
+-- for real: another session may get it in between, and the answer is then
+-- false, the truth, never the reverse. The release warns when there is no
+-- hold, hence the client_min_messages. A transaction-level hold
+-- (pg_advisory_xact_lock) is not ownership: claims take session locks.
+create or replace function pgque._holds_key(p_key bigint)
 returns boolean
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
@@ -30,16 +37,26 @@ as $$
 begin
     -- Two statements, not one AND: SQL does not promise to evaluate the
     -- release first, nor to skip the take when the release finds no hold.
-    if p_mode = 'ShareLock' then
-        if not pg_advisory_unlock_shared(p_key) then
-            return false;
-        end if;
-        return pg_try_advisory_lock_shared(p_key);
-    end if;
     if not pg_advisory_unlock(p_key) then
         return false;
     end if;
     return pg_try_advisory_lock(p_key);
+end
+$$;
+
+-- pgque._holds_pair(key1, key2): _holds_key for a two-integer key (a group
+-- member's, 65_partition.sql, or a session key, 66_fence.sql).
+create or replace function pgque._holds_pair(p_key1 integer, p_key2 integer)
+returns boolean
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+set client_min_messages = error
+as $$
+begin
+    if not pg_advisory_unlock(p_key1, p_key2) then
+        return false;
+    end if;
+    return pg_try_advisory_lock(p_key1, p_key2);
 end
 $$;
 
@@ -63,24 +80,19 @@ as $$
        and l.objid = (p_key & 4294967295)::oid
 $$;
 
--- pgque._unlock_key(key, shared): releases every hold of this session on the
--- key in that mode; true when there was one. (Unlocking a lock not held makes
--- the server warn, hence the check.)
-create or replace function pgque._unlock_key(p_key bigint, p_shared boolean)
+-- pgque._unlock_key(key): releases every exclusive hold of this session on
+-- the bigint key; true when there was one. (Unlocking a lock not held makes
+-- the server warn, hence the client_min_messages.)
+create or replace function pgque._unlock_key(p_key bigint)
 returns boolean
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
+set client_min_messages = error
 as $$
 declare
-    v_mode text := case when p_shared then 'ShareLock' else 'ExclusiveLock' end;
     v_released boolean := false;
 begin
-    while pgque._holds_key(p_key, v_mode) loop
-        if p_shared then
-            perform pg_advisory_unlock_shared(p_key);
-        else
-            perform pg_advisory_unlock(p_key);
-        end if;
+    while pg_advisory_unlock(p_key) loop
         v_released := true;
     end loop;
     return v_released;
@@ -99,9 +111,8 @@ begin
 end
 $$;
 
--- pgque._current_key(kind, id): the current key of a slot ('slot', its sub_id),
--- of a group's membership ('group', its cg_id) or of the ticker election
--- ('ticker', id ignored).
+-- pgque._current_key(kind, id): the current key of a slot ('slot', its sub_id)
+-- or of the ticker election ('ticker', id ignored).
 create or replace function pgque._current_key(p_kind text, p_id integer)
 returns bigint
 language plpgsql stable
@@ -110,15 +121,14 @@ as $$
 begin
     return case p_kind
         when 'slot' then (select s.sub_lock_key from pgque.subscription s where s.sub_id = p_id)
-        when 'group' then (select g.cg_lock_key from pgque.consumer_group g where g.cg_id = p_id)
         else (select e.te_key from pgque.ticker_election e)
     end;
 end
 $$;
 
 -- pgque._counts_on_key(kind, role, queue, group): whether sessions of login
--- role (an oid) count on such a key: for a slot or group, if the role may use
--- the group; for the election, if it may tick.
+-- role (an oid) count on such a key: for a slot, if the role may use the
+-- group; for the election, if it may tick.
 create or replace function pgque._counts_on_key(
     p_kind text, p_role oid, p_queue pgque.queue, p_group pgque.consumer_group)
 returns boolean
@@ -133,16 +143,16 @@ begin
 end
 $$;
 
--- pgque._take_key(kind, id, shared, queue, group): tries, without waiting, to
--- take the session lock on the current key of a slot, a group's membership or
--- the election (see _current_key), shared or exclusive; true when this
--- session now holds it. When the key is held or awaited only by sessions that
--- do not count (_counts_on_key), and by no counting session exclusively, it
--- draws a new key and tries that: pg_locks shows keys to everyone, and
--- advisory locks need no privilege. A lock taken on a key that a concurrent
--- caller renewed meanwhile is let go: it owns nothing.
+-- pgque._take_key(kind, id, queue, group): tries, without waiting, to take
+-- the exclusive session lock on the current key of a slot or the election
+-- (see _current_key); true when this session now holds it, twice (see the
+-- top of this file). When the key is held or awaited only by sessions that
+-- do not count (_counts_on_key), and by no counting session, it draws a new
+-- key and tries that: pg_locks shows keys to everyone, and advisory locks
+-- need no privilege. A lock taken on a key that a concurrent caller renewed
+-- meanwhile is let go: it owns nothing.
 create or replace function pgque._take_key(
-    p_kind text, p_id integer, p_shared boolean,
+    p_kind text, p_id integer,
     p_queue pgque.queue default null, p_group pgque.consumer_group default null)
 returns boolean
 language plpgsql volatile
@@ -151,17 +161,15 @@ as $$
 declare
     v_key bigint := pgque._current_key(p_kind, p_id);
     v_now bigint;
-    v_got boolean;
 begin
     for attempt in 1 .. 3 loop
-        v_got := case when p_shared then pg_try_advisory_lock_shared(v_key)
-                      else pg_try_advisory_lock(v_key) end;
-        if v_got then
+        if pg_try_advisory_lock(v_key) then
             v_now := pgque._current_key(p_kind, p_id);
             if v_now = v_key then
-                return true;
+                -- The second hold: re-entrant, so it is granted at once.
+                return pg_try_advisory_lock(v_key);
             end if;
-            perform pgque._unlock_key(v_key, p_shared);
+            perform pgque._unlock_key(v_key);
             v_key := v_now;
             continue;
         end if;
@@ -173,17 +181,13 @@ begin
                       where k.granted and k.mode = 'ExclusiveLock'
                         and pgque._counts_on_key(p_kind, k.role, p_queue, p_group));
         -- Only where the key is still the one seen: one renewal per round.
-        case p_kind
-            when 'slot' then
-                update pgque.subscription set sub_lock_key = pgque._random_key()
-                 where sub_id = p_id and sub_lock_key = v_key;
-            when 'group' then
-                update pgque.consumer_group set cg_lock_key = pgque._random_key()
-                 where cg_id = p_id and cg_lock_key = v_key;
-            else
-                update pgque.ticker_election set te_key = pgque._random_key()
-                 where te_key = v_key;
-        end case;
+        if p_kind = 'slot' then
+            update pgque.subscription set sub_lock_key = pgque._random_key()
+             where sub_id = p_id and sub_lock_key = v_key;
+        else
+            update pgque.ticker_election set te_key = pgque._random_key()
+             where te_key = v_key;
+        end if;
         v_key := pgque._current_key(p_kind, p_id);
     end loop;
     return false;

@@ -11,14 +11,24 @@
 -- the calling session holds that lock, so a worker whose session died (and
 -- with it the lock) can never ack a batch another worker now owns.
 --
--- Keys: every slot, and every group's membership lock, has its own random
--- key, stored with it, so no role can take a slot's lock before a worker
--- does. pg_locks shows held keys to everyone, though, and advisory locks need
--- no privilege: a role without rights on the consumer could wait on a key it
--- saw and get the lock when its worker goes. So a session counts as owner or
--- member only if its role may use the consumer (_may_consume), and a claim
--- that finds a slot's key held or awaited only by sessions that do not count
--- renews the key (a new random value) and takes the new one.
+-- Keys: every slot has its own random key, stored with it, so no role can
+-- take a slot's lock before a worker does. pg_locks shows held keys to
+-- everyone, though, and advisory locks need no privilege: a role without
+-- rights on the consumer could wait on a key it saw and get the lock when its
+-- worker goes. So a session counts as owner or member only if its role may
+-- use the consumer (_may_consume), and a claim that finds a slot's key held
+-- or awaited only by sessions that do not count renews the key (a new random
+-- value) and takes the new one. Checks of a lock this session holds never
+-- release it (63_lock_keys.sql), so a session waiting on a held key waits
+-- until its holder lets go.
+--
+-- Membership: each member of a group holds a lock of its own, the
+-- two-integer advisory key (the group's class, a random member number),
+-- exclusively. No member ever waits for or blocks another, and a session
+-- queued on a member's key blocks nobody's join: a joiner draws another
+-- number. (One shared key for all members, as in 0.2, let any session queued
+-- on it exclusively refuse every later join, and the renewal that got round
+-- that dropped the members already there.)
 --
 -- Errors (see pgque/errors.py): PQ020 to PQ024; PQ026 in 66_fence.sql.
 
@@ -105,6 +115,26 @@ begin
 end
 $$;
 
+-- pgque._new_group_key(): a random key for a new group whose member class
+-- (_member_class) no other group of the database has, so that no group counts
+-- another's members.
+create or replace function pgque._new_group_key()
+returns bigint
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key bigint;
+begin
+    loop
+        v_key := pgque._random_key();
+        exit when not exists (select 1 from pgque.consumer_group g
+                               where g.cg_lock_key & 2147483647 = v_key & 2147483647);
+    end loop;
+    return v_key;
+end
+$$;
+
 -- pgque._ensure_group(queue, consumer, slot, slots): validates the name, the
 -- slot and the count, and registers the group, owned by the caller, with its
 -- count and a random membership key unless it exists; returns the group row
@@ -124,7 +154,7 @@ begin
     perform pgque._require_queue(p_queue, 'consume');
     insert into pgque.consumer_group (cg_queue, cg_consumer, cg_slots, cg_owner, cg_lock_key)
     values (p_queue.queue_id, p_consumer, p_slots, pgque._role_id(pgque._caller()),
-            pgque._random_key())
+            pgque._new_group_key())
     on conflict (cg_queue, cg_consumer) do nothing;
     return pgque._group(p_queue, p_consumer, p_slots);
 end
@@ -352,7 +382,7 @@ language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return pgque._holds_key(p_sub.sub_lock_key, 'ExclusiveLock');
+    return pgque._holds_key(p_sub.sub_lock_key);
 end
 $$;
 
@@ -391,7 +421,7 @@ begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
     perform pgque._require_counting_session(v.queue, v.grp);
     return pgque._holds_slot(v.sub)
-        or pgque._take_key('slot', (v.sub).sub_id, false, v.queue, v.grp);
+        or pgque._take_key('slot', (v.sub).sub_id, v.queue, v.grp);
 end
 $$;
 
@@ -411,7 +441,7 @@ begin
     if pgque._holds_slot(v.sub) then
         perform pgque._end_epoch(v.sub);
     end if;
-    return pgque._unlock_key((v.sub).sub_lock_key, false);
+    return pgque._unlock_key((v.sub).sub_lock_key);
 end
 $$;
 
@@ -659,14 +689,24 @@ begin
 end
 $$;
 
+-- pgque._member_class(group): the first integer of the group's member keys:
+-- 31 random bits of its key (cg_lock_key), so that pg_locks shows it as the
+-- same non-negative number (classid); no two groups of the database share it
+-- (_new_group_key; groups made before 0.3 do with odds of 2^-31 a pair).
+create or replace function pgque._member_class(p_group pgque.consumer_group)
+returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select (p_group.cg_lock_key & 2147483647)::integer $$;
+
 -- pgque.join_group(queue, consumer): registers this session as a live
--- member of the group with a shared session advisory lock on the group's
--- membership key, so workers can count each other (see group_status) and
--- share slots fairly. Never waits: when the key is held or awaited
--- exclusively by sessions whose roles may not use the group, the key is
--- renewed and the new one taken (members on the old key then count no
--- more and join again). True when this session joined now, false when it
--- was a member already or could not join.
+-- member of the group, with a session advisory lock on a member key of its
+-- own (see the top of this file), so workers can count each other (see
+-- group_status) and share slots fairly. Never waits. The session remembers
+-- its member number in a setting (pgque.member_<group id>), and finds it in
+-- pg_locks when a rollback or RESET lost the setting. True when this session
+-- joined now, false when it was a member already; PQ014 unless its login role
+-- may use the group.
 create or replace function pgque.join_group(p_queue text, p_consumer text)
 returns boolean
 language plpgsql
@@ -676,12 +716,36 @@ as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
+    v_class integer := pgque._member_class(v_group);
+    v_setting text := 'pgque.member_' || v_group.cg_id;
+    v_member integer := nullif(current_setting(v_setting, true), '')::integer;
+    v_held bigint;
 begin
     perform pgque._require_counting_session(v_queue, v_group);
-    if pgque._holds_key(v_group.cg_lock_key, 'ShareLock') then
+    if v_member is not null and pgque._holds_pair(v_class, v_member) then
         return false;
     end if;
-    return pgque._take_key('group', v_group.cg_id, true, v_queue, v_group);
+    -- The setting was rolled back (or RESET) while the lock stayed: a member
+    -- already. Drawing a new number would leave a lock behind for each rollback.
+    select l.objid::bigint into v_held from pg_locks l
+     where l.locktype = 'advisory' and l.objsubid = 2 and l.pid = pg_backend_pid()
+       and l.granted and l.mode = 'ExclusiveLock' and l.classid = v_class::oid
+       and l.database = (select oid from pg_database where datname = current_database())
+     limit 1;
+    if v_held is not null then
+        perform set_config(v_setting, ((v_held + 2147483648) % 4294967296 - 2147483648)::text,
+                           false);
+        return false;
+    end if;
+    loop
+        -- A number held or awaited by another session is refused at once:
+        -- draw another (2^32 of them).
+        v_member := (pgque._random_key() & 4294967295) - 2147483648;
+        exit when pg_try_advisory_lock(v_class, v_member);
+    end loop;
+    perform pg_try_advisory_lock(v_class, v_member);  -- the second hold: granted at once
+    perform set_config(v_setting, v_member::text, false);
+    return true;
 end
 $$;
 
@@ -708,10 +772,8 @@ declare
 begin
     perform pg_stat_clear_snapshot();  -- see _key_sessions
     with keys as materialized (
-        -- The group's keys: its membership key, then one per slot.
-        select null::integer as key_slot, v_group.cg_lock_key as key
-        union all
-        select n, s.sub_lock_key
+        -- The slots' keys, one per slot.
+        select n as key_slot, s.sub_lock_key as key
           from generate_series(0, v_group.cg_slots - 1) n
           join pgque.subscription s
             on s.sub_queue = v_queue.queue_id
@@ -719,25 +781,33 @@ begin
     locks as materialized (
         -- Advisory locks are per database, but pg_locks shows the whole
         -- cluster: without the database, another one's locks would count.
-        select l.classid, l.objid, l.pid, l.mode from pg_locks l
-         where l.locktype = 'advisory' and l.granted and l.objsubid = 1
+        -- objsubid 1: a bigint key; 2: a two-integer key (a member's).
+        select l.classid, l.objid, l.objsubid, l.pid from pg_locks l
+         where l.locktype = 'advisory' and l.granted and l.mode = 'ExclusiveLock'
            and l.database = (select oid from pg_database where datname = current_database())),
     holders as materialized (
-        select keys.key_slot, locks.pid, locks.mode
-          from keys
-          join locks on locks.classid = ((keys.key >> 32) & 4294967295)::oid
-                    and locks.objid = (keys.key & 4294967295)::oid
-          join pg_stat_activity a on a.pid = locks.pid
+        -- The slots' owners, then the members (slot null).
+        select h.key_slot, h.pid
+          from (select keys.key_slot, locks.pid
+                  from keys
+                  join locks on locks.objsubid = 1
+                            and locks.classid = ((keys.key >> 32) & 4294967295)::oid
+                            and locks.objid = (keys.key & 4294967295)::oid
+                union all
+                select null, locks.pid from locks
+                 where locks.objsubid = 2
+                   and locks.classid = pgque._member_class(v_group)::oid) h
+          join pg_stat_activity a on a.pid = h.pid
          where pgque._may_consume(a.usesysid, v_queue, v_group.cg_owner, v_group.cg_grantees)),
     member_pids as (
         select array_agg(distinct h.pid order by h.pid) as pids from holders h
-         where h.key_slot is null and h.mode = 'ShareLock')
+         where h.key_slot is null)
     select coalesce(cardinality(m.pids), 0),
            array_position(m.pids, pg_backend_pid()) - 1,
            pg_backend_pid(),
            (select array_agg(o.pid order by n)
               from generate_series(0, v_group.cg_slots - 1) n
-              left join holders o on o.key_slot = n and o.mode = 'ExclusiveLock')
+              left join holders o on o.key_slot = n)
       into members, my_rank, my_pid, owner_pids
       from member_pids m;
 end

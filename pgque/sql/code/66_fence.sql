@@ -19,15 +19,104 @@
 -- client's watchdog): while the row is locked, its receive returns nothing,
 -- as when no batch is ready, and it tries again at its next poll.
 
--- pgque._backend_start(pid): when the backend with that pid started; with the
--- pid it names one session (pids are reused).
-create or replace function pgque._backend_start(p_pid integer)
-returns timestamptz
-language plpgsql stable
+-- A session is named by its pid and a session key: the second integer of a
+-- two-integer advisory key (_session_class(), a random number) that the
+-- session takes (twice, see 63_lock_keys.sql) when it first takes an epoch
+-- and holds until it ends. Pids are reused, but the key dies with the
+-- session, so "pid P holds session key K" names one session, and any session
+-- may check it in pg_locks. (The backend's start time would do too, but
+-- pg_stat_activity hides it from roles without pg_read_all_stats, which the
+-- database owner who installs pgque usually lacks: every receive then took a
+-- new epoch, and no fence passed.) The session remembers its key in a
+-- setting; a rolled back transaction or RESET may lose that, but not the
+-- lock, so the key is then looked up in pg_locks rather than drawn again
+-- (which would leave a lock behind for every rollback).
+
+-- pgque._session_class(): the first integer of every session key: negative,
+-- so that it is never a group's member class (65_partition.sql).
+create or replace function pgque._session_class()
+returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select -2023406815 $$;
+
+-- pgque._own_session_key(): this session's key, or null when its setting
+-- does not name one it holds. No wait, no write, no look at pg_locks.
+create or replace function pgque._own_session_key()
+returns integer
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key integer := nullif(current_setting('pgque.session_key', true), '')::integer;
+begin
+    if v_key is not null and pgque._holds_pair(pgque._session_class(), v_key) then
+        return v_key;
+    end if;
+    return null;
+end
+$$;
+
+-- pgque._session_key(): this session's key: the one it holds, else a new one
+-- drawn and taken.
+create or replace function pgque._session_key()
+returns integer
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key integer := pgque._own_session_key();
+    v_held bigint;
+begin
+    if v_key is not null then
+        return v_key;
+    end if;
+    select l.objid::bigint into v_held from pg_locks l
+     where l.locktype = 'advisory' and l.objsubid = 2 and l.pid = pg_backend_pid()
+       and l.granted and l.mode = 'ExclusiveLock'
+       and l.classid = (pgque._session_class()::bigint & 4294967295)::oid
+       and l.database = (select oid from pg_database where datname = current_database())
+     limit 1;
+    if v_held is not null then
+        v_key := (v_held + 2147483648) % 4294967296 - 2147483648;  -- the oid as a signed integer
+    else
+        loop
+            -- A number another session holds or awaits is refused at once: draw again.
+            v_key := (pgque._random_key() & 4294967295) - 2147483648;
+            exit when pg_try_advisory_lock(pgque._session_class(), v_key);
+        end loop;
+        perform pg_try_advisory_lock(pgque._session_class(), v_key);  -- the second hold
+    end if;
+    perform set_config('pgque.session_key', v_key::text, false);
+    return v_key;
+end
+$$;
+
+-- pgque._session_holds(pid, session, key): whether the session named by pid
+-- and its session key holds the bigint key exclusively: on this session's
+-- own locks when it is this one, else in pg_locks (one read of it).
+create or replace function pgque._session_holds(p_pid integer, p_session bigint, p_key bigint)
+returns boolean
+language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return (select a.backend_start from pg_stat_get_activity(p_pid) a);
+    if p_pid is null or p_session is null then
+        return false;
+    end if;
+    if p_pid = pg_backend_pid() then
+        return pgque._own_session_key() = p_session and pgque._holds_key(p_key);
+    end if;
+    return (select count(*) = 2 from pg_locks l
+             where l.locktype = 'advisory' and l.pid = p_pid
+               and l.granted and l.mode = 'ExclusiveLock'
+               and l.database = (select oid from pg_database where datname = current_database())
+               and ((l.objsubid = 2
+                     and l.classid = (pgque._session_class()::bigint & 4294967295)::oid
+                     and l.objid = (p_session & 4294967295)::oid)
+                    or (l.objsubid = 1
+                        and l.classid = ((p_key >> 32) & 4294967295)::oid
+                        and l.objid = (p_key & 4294967295)::oid)));
 end
 $$;
 
@@ -35,13 +124,15 @@ $$;
 -- it, else null. Reads only: no wait, no write.
 create or replace function pgque._held_epoch(p_sub pgque.subscription)
 returns bigint
-language plpgsql stable
+language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_session integer := pgque._own_session_key();
 begin
     return (select c.sc_epoch from pgque.slot_claim c
              where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid()
-               and c.sc_backend_start = pgque._backend_start(pg_backend_pid()));
+               and c.sc_session = v_session);
 end
 $$;
 
@@ -58,7 +149,7 @@ declare
 begin
     v_claim.sc_epoch := pgque._held_epoch(p_sub);
     if v_claim.sc_epoch is not null then
-        return v_claim.sc_epoch;  -- the usual case: one look, one _backend_start
+        return v_claim.sc_epoch;  -- the usual case: one look
     end if;
     select * into v_claim from pgque.slot_claim where sc_sub = p_sub.sub_id;
     if found then
@@ -70,12 +161,11 @@ begin
     end if;
     -- A first row of the slot, or the row locked above. (Two sessions cannot
     -- both get here for one slot: only its owner receives.)
-    insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid, sc_backend_start)
-    values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid(),
-            pgque._backend_start(pg_backend_pid()))
+    insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid, sc_session)
+    values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid(), pgque._session_key())
     on conflict (sc_sub) do update
        set sc_epoch = excluded.sc_epoch, sc_pid = excluded.sc_pid,
-           sc_backend_start = excluded.sc_backend_start, sc_time = now()
+           sc_session = excluded.sc_session, sc_time = now()
     returning sc_epoch into v_claim.sc_epoch;
     return v_claim.sc_epoch;
 end
@@ -90,13 +180,13 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_start timestamptz := pgque._backend_start(pg_backend_pid());
+    v_session integer := pgque._own_session_key();
     v_epochs bigint[];
 begin
     select array_agg(c.sc_epoch order by t.ordinality) into v_epochs
       from unnest(p_subs) with ordinality as t
       join pgque.slot_claim c on c.sc_sub = t.sub_id
-     where c.sc_pid = pg_backend_pid() and c.sc_backend_start = v_start;
+     where c.sc_pid = pg_backend_pid() and c.sc_session = v_session;
     if cardinality(v_epochs) = cardinality(p_subs) then
         return v_epochs;
     end if;
@@ -152,10 +242,7 @@ begin
                              coalesce(v_claim.sc_epoch::text, 'none')),
             hint = 'The slot passed to another owner: this handler must not write its effects.';
     end if;
-    if v_claim.sc_pid is null or not exists (
-           select 1 from pgque._key_sessions((v.sub).sub_lock_key) k
-            where k.pid = v_claim.sc_pid and k.granted and k.mode = 'ExclusiveLock'
-              and pgque._backend_start(k.pid) = v_claim.sc_backend_start) then
+    if not pgque._session_holds(v_claim.sc_pid, v_claim.sc_session, (v.sub).sub_lock_key) then
         raise exception using errcode = 'PQ026',
             message = format('epoch %s of slot %L is stale: the session that took it no '
                              'longer owns the slot', p_epoch, (v.sub).sub_consumer),

@@ -45,8 +45,8 @@ begin
             hint = 'The election judges sessions by their login role: grant the login role '
                    '(or a role it is a member of) pgque_admin.';
     end if;
-    return pgque._holds_key(pgque._ticker_key(), 'ExclusiveLock')
-        or pgque._take_key('ticker', null, false);
+    return pgque._holds_key(pgque._ticker_key())
+        or pgque._take_key('ticker', null);
 end
 $$;
 
@@ -57,7 +57,7 @@ returns boolean
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
-as $$ select pgque._unlock_key(pgque._ticker_key(), false) $$;
+as $$ select pgque._unlock_key(pgque._ticker_key()) $$;
 
 -- pgque.active_ticker(): the backend pid of the active ticker, or null. Only
 -- sessions that may tick count.
