@@ -23,6 +23,7 @@ from pgque.errors import (
     HandlerReturnedAwaitable,
     InvalidArgument,
     InvalidConfig,
+    InvalidDSN,
     InvalidGrant,
     InvalidName,
     InvalidSlot,
@@ -43,7 +44,15 @@ from pgque.errors import (
     SlotSubscriptionError,
     StaleEpoch,
 )
-from pgque.info import ConsumerInfo, GroupStatus, QueueInfo, SlotOwner, SlotStatus
+from pgque.info import (
+    ConsumerInfo,
+    GroupInfo,
+    GroupStatus,
+    QueueInfo,
+    SlotOwner,
+    SlotStatus,
+    TickerInfo,
+)
 from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
 from pgque.types import Batch, DeadLetter, Event, Fence, Message
@@ -68,11 +77,13 @@ __all__ = [
     "Event",
     "EventNotInBatch",
     "Fence",
+    "GroupInfo",
     "GroupStatus",
     "HandlerEndedTransaction",
     "HandlerReturnedAwaitable",
     "InvalidArgument",
     "InvalidConfig",
+    "InvalidDSN",
     "InvalidGrant",
     "InvalidName",
     "InvalidSlot",
@@ -97,6 +108,7 @@ __all__ = [
     "SlotSubscriptionError",
     "StaleEpoch",
     "Ticker",
+    "TickerInfo",
     "Worker",
     "__version__",
     "connect",

@@ -10,7 +10,7 @@ document the contract; the clients' ``install`` and ``uninstall`` call these.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import Connection
@@ -30,22 +30,61 @@ _RETRIED = (psycopg.errors.UniqueViolation, psycopg.errors.UndefinedTable,
             psycopg.errors.InvalidSchemaName)
 
 
-def install(conn: Connection[Any]) -> str | None:
-    """Install or upgrade pgque in one transaction; the version installed before."""
+# pgque's roles that may use schema pgque. Every install drops and creates
+# pgque's functions and views, their grants with them; the schema's USAGE is
+# the one grant that lasts from one install to the next. So a role that lacks
+# it before an install and has it after is one the install granted pgque's
+# privileges to: one created since the last install (by a superuser, where the
+# installer may not create roles), or whose grant was revoked. Read before the
+# guard takes the install lock: an installer that waited for another's grants
+# reports them too.
+_ROLES_WITH_USAGE = """
+    select r.rolname::text
+      from pg_catalog.pg_roles r
+     where r.rolname in ('pgque_reader', 'pgque_writer', 'pgque_admin')
+       and exists (select from pg_catalog.pg_namespace n, pg_catalog.aclexplode(n.nspacl) a
+                    where n.nspname = 'pgque' and a.grantee = r.oid
+                      and a.privilege_type = 'USAGE')
+     order by 1"""
+
+
+class Installed(NamedTuple):
+    """What one install did."""
+
+    before: str | None
+    """The version installed before (None: pgque was not installed)."""
+    granted: tuple[str, ...]
+    """pgque's roles that got their grants in this install, having had none
+    (every role of a first install)."""
+
+
+def install_report(conn: Connection[Any]) -> Installed:
+    """Install or upgrade pgque in one transaction; the version installed before,
+    and the roles it granted pgque's privileges to that had none."""
     script = install_script().encode()
     for attempt in range(1, _INSTALL_ATTEMPTS + 1):
         try:
             with conn.transaction(), conn.cursor() as cur:
                 cur.execute(PIN_SEARCH_PATH)
+                cur.execute(_ROLES_WITH_USAGE)
+                had_usage = {row[0] for row in cur.fetchall()}
                 cur.execute(script)
                 # Set by the guard, after it checked who owns schema pgque.
                 cur.execute("select pg_catalog.current_setting('pgque.installed_before')")
                 row = cur.fetchone()
-            return (row[0] if row else "") or None
+                cur.execute(_ROLES_WITH_USAGE)
+                granted = tuple(r[0] for r in cur.fetchall() if r[0] not in had_usage)
+            return Installed((row[0] if row else "") or None, granted)
         except _RETRIED:
             if attempt == _INSTALL_ATTEMPTS:
                 raise
-    return None  # not reached
+    raise AssertionError("not reached")
+
+
+def install(conn: Connection[Any]) -> str | None:
+    """Install or upgrade pgque in one transaction; the version installed before."""
+    report = install_report(conn)
+    return report.before
 
 
 def uninstall(conn: Connection[Any]) -> None:

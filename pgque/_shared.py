@@ -7,7 +7,9 @@ into records, DSN redaction, the connection-type check.
 
 from __future__ import annotations
 
+import functools
 import re
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -16,7 +18,7 @@ import msgspec
 import psycopg
 
 from pgque.codec import encode_payload
-from pgque.errors import SessionUnstable
+from pgque.errors import ConnectError, InvalidDSN, SessionUnstable
 from pgque.info import GroupStatus, SlotOwner
 from pgque.types import Batch, DeadLetter, Event, Fence, Message
 
@@ -86,6 +88,16 @@ def seconds(value: float | timedelta) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+# -- passwords in DSNs ------------------------------------------------------------------
+#
+# libpq quotes pieces of a DSN it rejects in its errors, and where the DSN is
+# malformed it cannot say which piece is the password: a password with an
+# unquoted space ends at the space, and libpq then quotes the rest as a
+# keyword; one with an unencoded '@' or '/' in a URI spills into the host or
+# port. So the text that may be a password is taken generously (the "secret
+# spans" of the DSN below), and every quoted piece of a message that overlaps
+# it is masked.
+
 # A password in a key=value DSN (quoted or not) or in a URI's query string...
 _KEY_VALUE_PASSWORD = re.compile(r"""(?i)\b(password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&'"]+)""")
 # ...and in a URI's user info: scheme://user:password@host.
@@ -93,30 +105,240 @@ _URI_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@]*:)[^\s@]*@")
 # A known password shorter than this is not hunted for in free text (it would
 # garble every message); the patterns above still hide it where it is a password.
 _MIN_QUOTED_PASSWORD = 3
+# The keyword and '=' of a secret setting (sslpassword: the client key's).
+_SECRET_KEY = re.compile(r"(?i)(?<![\w-])(?:ssl)?password\s*=\s*")
+# A key=value DSN starts with a keyword and '='; anything else is read as a URI
+# here, even one libpq reads as key=value for a missing slash.
+_KEY_VALUE_DSN = re.compile(r"\s*[\w.-]*\s*=")
+_SCHEME = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*:")
+# Where a value may end: before the next known keyword and '=' (in a URI's
+# query, after '&').
+_NEXT_KEY_VALUE = re.compile(r"\s+(\w+)\s*=")
+_NEXT_QUERY = re.compile(r"&(\w+)=")
+# A piece of a message in quotes: libpq's "...", psycopg's '...' (repr).
+_QUOTED = (re.compile(r'"((?:[^"\\]|\\.)*)"'), re.compile(r"'((?:[^'\\]|\\.)*)'"))
+_MASK = "***"
 
 
-def redact(text: str, dsn: str | None = None) -> str:
-    """``text`` with every password hidden (``***``): in key=value and URI DSNs it
-    holds, and, when the ``dsn`` it came from is given, wherever that DSN's
-    password appears (libpq quotes fragments of a malformed DSN in its errors)."""
-    secrets_found: list[str] = []
+@functools.cache
+def _keywords() -> frozenset[str]:
+    """libpq's connection keywords."""
+    return frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
+
+
+def _value_end(dsn: str, start: int, pattern: re.Pattern[str]) -> int:
+    """Where a value starting at ``start`` may end: at the next known keyword
+    (what follows a space or '&' in a password is part of it until then)."""
+    for match in pattern.finditer(dsn, start):
+        if match[1] in _keywords():
+            return match.start()
+    return len(dsn)
+
+
+def _quoted_end(dsn: str, start: int) -> int:
+    """The end of the quoted value at ``start`` (past its closing quote), or of
+    the DSN when the quote is never closed."""
+    index = start + 1
+    while index < len(dsn):
+        if dsn[index] == "\\":
+            index += 2
+        elif dsn[index] == "'":
+            return index + 1
+        else:
+            index += 1
+    return len(dsn)
+
+
+def secret_spans(dsn: str) -> list[tuple[int, int]]:
+    """Where in ``dsn`` a password may be, as (start, end) offsets, taken
+    generously: the values of ``password`` and ``sslpassword`` up to the next
+    known keyword, and in a URI everything between the user name's ':' and
+    the last '@'."""
+    spans: list[tuple[int, int]] = []
+    is_uri = not _KEY_VALUE_DSN.match(dsn)
+    if is_uri:
+        at = dsn.rfind("@")
+        scheme = _SCHEME.match(dsn)
+        colon = dsn.find(":", scheme.end() if scheme else 0, max(at, 0))
+        if colon >= 0:
+            spans.append((colon + 1, at))
+    for match in _SECRET_KEY.finditer(dsn):
+        start = match.end()
+        if is_uri:
+            end = _value_end(dsn, start, _NEXT_QUERY)
+        elif dsn.startswith("'", start):
+            end = _quoted_end(dsn, start)
+        else:
+            end = _value_end(dsn, start, _NEXT_KEY_VALUE)
+        spans.append((start, end))
+    return spans
+
+
+def _secrets_of(dsn: str, spans: list[tuple[int, int]], given: Iterable[str]) -> list[str]:
+    """The texts to hide wherever they appear, longest first: the spans as
+    written, unquoted and percent-decoded, and their words; the password libpq
+    parses; the ``given`` ones."""
+    found = [*given]
+    for start, end in spans:
+        text = dsn[start:end].strip()
+        found += [text, text.strip("'"), urllib.parse.unquote(text)]
+        found += re.split(r"[\s@/&=']+", text)
+    try:
+        password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
+    except psycopg.Error:
+        password = None
+    if isinstance(password, str):
+        found.append(password)
+    return sorted({s for s in found if len(s) >= _MIN_QUOTED_PASSWORD}, key=len, reverse=True)
+
+
+def _masked_slice(dsn: str, start: int, end: int, spans: list[tuple[int, int]]) -> str:
+    """``dsn[start:end]`` with what overlaps a span shown as ***."""
+    parts: list[str] = []
+    position = start
+    for span_start, span_end in sorted(spans):
+        span_start, span_end = max(span_start, position), min(span_end, end)
+        if span_start < span_end:
+            parts += [dsn[position:span_start], _MASK]
+            position = span_end
+    parts.append(dsn[position:end])
+    return "".join(parts)
+
+
+def _masked_piece(piece: str, dsn: str, spans: list[tuple[int, int]],
+                  secrets_found: list[str]) -> str:
+    """A piece of a message that libpq or psycopg quoted, with what may be a
+    password masked: where the piece is text of the DSN that overlaps a span,
+    that part; a piece not from the DSN (decoded, joined) that holds a secret,
+    or is part of one, whole."""
+    overlapping: tuple[int, int] | None = None
+    outside = False
+    start = dsn.find(piece)
+    while start >= 0:
+        end = start + len(piece)
+        if any(s < end and start < e for s, e in spans):
+            overlapping = overlapping or (start, end)
+        else:
+            outside = True
+        start = dsn.find(piece, start + 1)
+    if overlapping is not None:
+        # A piece too short to tell anything, found outside the password too
+        # (a user "u" of a password with a "u"), is that other text.
+        if outside and len(piece) < _MIN_QUOTED_PASSWORD:
+            return piece
+        return _masked_slice(dsn, *overlapping, spans)
+    if outside:
+        return piece
+    if any(s in piece or (len(piece) >= _MIN_QUOTED_PASSWORD and piece in s)
+           for s in secrets_found):
+        return _MASK
+    return piece
+
+
+def redact(text: str, dsn: str | None = None, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every password hidden (``***``): in key=value and URI DSNs
+    it holds; when the ``dsn`` it came from is given, every quoted piece of
+    that DSN that may belong to its password (libpq quotes pieces of a DSN it
+    rejects), and its password wherever it appears; and ``secrets`` (passwords
+    given apart from the DSN) wherever they appear."""
+    spans = secret_spans(dsn) if dsn else []
+    secrets_found = _secrets_of(dsn or "", spans, secrets)
     if dsn:
-        try:
-            password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
-        except psycopg.Error:
-            password = None
-        if isinstance(password, str):
-            secrets_found.append(password)
-        for match in _KEY_VALUE_PASSWORD.finditer(dsn):
-            secrets_found.append(match.group(2).strip("'"))
-        for match in _URI_PASSWORD.finditer(dsn):
-            secrets_found.append(dsn[match.end(1):match.end() - 1])
-    text = _URI_PASSWORD.sub(r"\1***@", text)
-    text = _KEY_VALUE_PASSWORD.sub(r"\1***", text)
-    for secret in sorted(set(secrets_found), key=len, reverse=True):
-        if len(secret) >= _MIN_QUOTED_PASSWORD:
-            text = text.replace(secret, "***")
+        def mask(match: re.Match[str]) -> str:
+            quote = match[0][0]
+            piece = _masked_piece(match[1], dsn, spans, secrets_found) if match[1] else ""
+            return f"{quote}{piece}{quote}"
+
+        for pattern in _QUOTED:
+            text = pattern.sub(mask, text)
+    text = _URI_PASSWORD.sub(rf"\1{_MASK}@", text)
+    text = _KEY_VALUE_PASSWORD.sub(rf"\1{_MASK}", text)
+    for secret in secrets_found:
+        text = text.replace(secret, _MASK)
     return text
+
+
+def _given_secrets(settings: Mapping[str, Any] | None) -> list[str]:
+    """The secrets among psycopg.connect's keyword arguments."""
+    return [value for key, value in (settings or {}).items()
+            if key in ("password", "sslpassword") and isinstance(value, str)]
+
+
+def _invalid_dsn(problem: str, dsn: str, secrets_given: list[str], advice: str) -> InvalidDSN:
+    """InvalidDSN saying ``problem`` masked; when something was masked, it says
+    so, with ``advice``."""
+    text = redact(problem, dsn, secrets_given)
+    if _MASK in text:
+        text += f" ({_MASK} hides what may be part of a password{advice})"
+    return InvalidDSN(f"invalid DSN: {text}")
+
+
+def _rejected(exc: psycopg.ProgrammingError, dsn: str, secrets_given: list[str]) -> InvalidDSN:
+    """InvalidDSN for a DSN (or setting) that psycopg rejected with ``exc``."""
+    advice = "; quote one with blanks: password='...'" if _KEY_VALUE_DSN.match(dsn) else ""
+    return _invalid_dsn(str(exc).strip(), dsn, secrets_given, advice)
+
+
+def connect_error(exc: psycopg.Error, dsn: str,
+                  settings: Mapping[str, Any] | None = None) -> ConnectError:
+    """The pgque error for psycopg's failure to connect with ``dsn`` (and the
+    keyword arguments ``settings``), every password in its text masked:
+    InvalidDSN when psycopg rejected the DSN or a setting (ProgrammingError),
+    else ConnectError, ``transient`` by the SQLSTATE. Raise it outside the
+    ``except`` that caught ``exc``, so that ``exc``, whose text can quote the
+    DSN, is not even its ``__context__``."""
+    secrets_given = _given_secrets(settings)
+    if isinstance(exc, psycopg.ProgrammingError):
+        return _rejected(exc, dsn, secrets_given)
+    error = ConnectError(redact(f"cannot connect to PostgreSQL: {str(exc).strip()}", dsn,
+                                secrets_given))
+    error.transient = exc.sqlstate in TRANSIENT_STATES
+    return error
+
+
+# A port libpq may accept (strtol's sign and blanks); an empty one is the default.
+_PORT = re.compile(r"\s*(?:[+-]?\d+\s*)?")
+
+
+def _misplaced_piece(params: Mapping[str, Any]) -> str | None:
+    """What is wrong with a host or port that cannot be one, or None.
+
+    A URI's password holding an unencoded '/' or '@' spills into the port or
+    host, and psycopg would look that host up (a DNS query) and log it with
+    the port (at DEBUG) before libpq refuses it. A host holding '@' (not
+    first: an abstract socket) or a blank, or a port that is not a number,
+    libpq would refuse anyway."""
+    if not params.get("hostaddr"):
+        for host in str(params.get("host") or "").split(","):
+            absolute = host.startswith(("/", "@")) or host[1:2] == ":"  # C:\... too
+            if not absolute and re.search(r"[@\s]", host):
+                return f'host "{host}" is not a host name'
+    for port in str(params.get("port") or "").split(","):
+        if not _PORT.fullmatch(port):
+            return f'port "{port}" is not a number'
+    return None
+
+
+def check_dsn(dsn: str, settings: Mapping[str, Any] | None = None) -> None:
+    """Raise InvalidDSN, its text masking every password, unless libpq parses
+    ``dsn`` and its hosts and ports (``settings`` override them) can be hosts
+    and ports. Checked before psycopg connects: psycopg would look up and log
+    a host that holds part of a password."""
+    error: InvalidDSN | None = None
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        error = _rejected(exc, dsn, _given_secrets(settings))
+    else:
+        params.update({k: v for k, v in (settings or {}).items()
+                       if k in ("host", "hostaddr", "port") and v is not None})
+        problem = _misplaced_piece(params)
+        if problem is not None:
+            advice = ("" if _KEY_VALUE_DSN.match(dsn) else
+                      "; write '@' and '/' in a URI's password as %40 and %2F")
+            error = _invalid_dsn(problem, dsn, _given_secrets(settings), advice)
+    if error is not None:
+        raise error  # here, not in the except: psycopg's error quotes the DSN
 
 
 def config_json(config: dict[str, float | timedelta | str]) -> str:

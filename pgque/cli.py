@@ -3,7 +3,8 @@
 Every command that talks to a database takes ``--dsn`` (default: the
 ``PGQUE_DSN`` environment variable) and ``--connect-timeout``. Errors end as one
 line on stderr, ``error: ...``, with exit code 1 (2 for bad usage); ``--debug``
-or ``PGQUE_DEBUG=1`` shows the traceback instead.
+or ``PGQUE_DEBUG=1`` shows the traceback instead. Neither shows the DSN's
+password, even of a DSN libpq cannot parse (see :func:`pgque.client.redact`).
 
 Here are the commands and their options; how things are shown is in
 :mod:`pgque.display`, and the long-running commands are services
@@ -12,7 +13,9 @@ Here are the commands and their options; how things are shown is in
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -33,15 +36,17 @@ from rich.json import JSON
 from rich.live import Live
 
 import pgque
-from pgque import display
+from pgque import _install, display
+from pgque._acompat import _is_coroutine_function
 from pgque.client import redact
 from pgque.errors import translated
-from pgque.tail import ConsumerLeftBehind, Tail, queue_info
+from pgque.tail import ConsumerLeftBehind, Tail
 
 __all__ = ["cli", "main"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-Handler = Callable[[pgque.Message[Any]], object]
+#: A handler: FUNCTION(message), or (message, conn) with --transactional; or async.
+Handler = Callable[..., Any]
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 SEND_CHUNK = 1000  # events per send_batch round trip when reading stdin
@@ -102,10 +107,11 @@ def _set_connect_timeout(ctx: click.Context, param: click.Parameter, value: floa
     ctx.ensure_object(State).connect_timeout = value
 
 
-def db_options(command: F) -> F:
-    """Add ``--dsn`` and ``--connect-timeout`` to a command (stored in its State)."""
+def db_options(command: F, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> F:
+    """Add ``--dsn`` and ``--connect-timeout`` (default ``connect_timeout``) to a
+    command (stored in its State)."""
     command = click.option(
-        "--connect-timeout", type=click.FloatRange(min=0), default=DEFAULT_CONNECT_TIMEOUT,
+        "--connect-timeout", type=click.FloatRange(min=0), default=connect_timeout,
         show_default=True, expose_value=False, callback=_set_connect_timeout,
         help="Seconds to wait for the server before giving up.")(command)
     command = click.option(
@@ -165,16 +171,29 @@ def install(state: State, print_script: bool) -> None:
     client.conn.add_notice_handler(_echo_notice)
     try:
         with translated():
-            before = pgque.install(client.conn)
+            before, granted = _install.install_report(client.conn)
         version = pgque.__version__
     finally:
         client.conn.remove_notice_handler(_echo_notice)
     if before is None:
         click.echo(f"pgque {version} installed")
-    elif before == version:
-        click.echo(f"pgque {version} was installed already: nothing changed")
+        return
+    # After a first install, a role granted pgque's privileges is one created
+    # since (by a superuser, where the installer may not create roles; see 'The
+    # three roles' in docs/operations.md) or whose grants were revoked. Over
+    # the current version, that is all the install changed.
+    grants = f"granted its privileges to {_and(granted)}, which had none" if granted else ""
+    if before == version:
+        click.echo(f"pgque {version} was installed already: "
+                   + (f"only {grants}" if grants else "nothing changed"))
     else:
-        click.echo(f"pgque upgraded from {before} to {version}")
+        click.echo(f"pgque upgraded from {before} to {version}"
+                   + (f", and {grants}" if grants else ""))
+
+
+def _and(names: Sequence[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 # What CREATE ... IF NOT EXISTS says each time the idempotent script runs again:
@@ -429,17 +448,14 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def load_handler(path: str) -> Handler:
-    """Import ``module:function`` (the function may be a dotted attribute path).
-
-    Raises click.BadParameter saying what failed: the format, the import, a
-    missing attribute or something that is not callable.
-    """
-    hint = "'MODULE:FUNCTION'"
+def _import_object(path: str, metavar: str, example: str, hint: str) -> Any:
+    """Import ``module:name`` (the name may be a dotted attribute path); a
+    click.BadParameter of parameter ``hint`` says what failed: the format, the
+    import or a missing attribute."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
-        raise click.BadParameter(f"expected MODULE:FUNCTION, e.g. myapp.handlers:handle, "
-                                 f"not {path!r}", param_hint=hint)
+        raise click.BadParameter(f"expected {metavar}, e.g. {example}, not {path!r}",
+                                 param_hint=hint)
     # A console script's sys.path starts at its bin directory; handlers usually
     # live next to where the command is run, as with python -m.
     if "" not in sys.path and os.getcwd() not in sys.path:
@@ -461,11 +477,55 @@ def load_handler(path: str) -> Handler:
         except AttributeError as exc:
             raise click.BadParameter(f"module {module_name!r} has no attribute {attribute!r}",
                                      param_hint=hint) from exc
+    return target
+
+
+def load_handler(path: str) -> Handler:
+    """Import ``module:function`` (the function may be a dotted attribute path).
+
+    Raises click.BadParameter saying what failed: the format, the import, a
+    missing attribute or something that is not callable.
+    """
+    hint = "'MODULE:FUNCTION'"
+    target = _import_object(path, "MODULE:FUNCTION", "myapp.handlers:handle", hint)
     if not callable(target):
         raise click.BadParameter(f"{path!r} is not callable (it is a {type(target).__name__})",
                                  param_hint=hint)
     handler: Handler = target
     return handler
+
+
+def load_payload_type(path: str) -> Any:
+    """Import ``module:type``, a type payloads can be decoded into (see
+    :mod:`pgque.codec`); click.BadParameter otherwise."""
+    hint = "'--payload-type'"
+    target = _import_object(path, "MODULE:TYPE", "myapp.events:Order", hint)
+    try:
+        msgspec.json.Decoder(target)
+    except TypeError as exc:  # what msgspec raises for a type it cannot decode into
+        raise click.BadParameter(f"{path!r} is not a payload type: {exc}",
+                                 param_hint=hint) from exc
+    return target
+
+
+#: The Worker's parameters that have defaults, with them: the worker command's
+#: options default to these, so that it runs as the library does.
+_WORKER_DEFAULTS: dict[str, Any] = {
+    name: param.default for name, param in inspect.signature(pgque.Worker).parameters.items()
+    if param.default is not inspect.Parameter.empty}
+
+
+def _worker_db_options(command: F) -> F:
+    # A worker waits for the server as long as the library's does (a service
+    # may well start before its database), not an interactive command's 5 s.
+    return db_options(command, connect_timeout=_WORKER_DEFAULTS["connect_timeout"])
+
+
+def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) -> Callable[[F], F]:
+    """A worker option in seconds, defaulting to the library's parameter ``name``."""
+    return click.option(f"--{name.replace('_', '-')}", name, metavar="SECONDS",
+                        type=click.FloatRange(min=minimum, min_open=min_open),
+                        default=_WORKER_DEFAULTS[name], show_default=True, help=text)
 
 
 @cli.command()
@@ -474,22 +534,61 @@ def load_handler(path: str) -> Handler:
 @click.option("--consumer", required=True, help="Consumer group name.")
 @click.option("--slots", type=click.IntRange(min=1), required=True,
               help="Slots of the group (fixed once the group exists).")
+@click.option("--transactional", is_flag=True,
+              help="Call FUNCTION(message, conn) inside the transaction that acks: what it "
+                   "writes on conn commits with the ack, exactly once.")
 @click.option("--concurrency", type=click.IntRange(min=1),
-              help="Slots handled at the same time [default: all owned].")
-@click.option("--max-events", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Events per receive of a slot.")
-@click.option("--ticker/--no-ticker", "run_ticker", default=True, show_default=True,
+              help="Slots handled at the same time, each on a session of its own "
+                   "[default: --slots].")
+@click.option("--key-concurrency", type=click.IntRange(min=1),
+              default=_WORKER_DEFAULTS["key_concurrency"], show_default=True,
+              help="Events of different keys of a slot's batch handled at the same time "
+                   "(never two of one key; not with --transactional).")
+@click.option("--payload-type", "payload_path", metavar="MODULE:TYPE",
+              help="Decode payloads into this type (a msgspec Struct, a dataclass...) "
+                   "[default: any JSON].")
+@click.option("--max-events", type=click.IntRange(min=1), default=_WORKER_DEFAULTS["max_events"],
+              show_default=True, help="Events per receive of a slot.")
+@_seconds("retry_after", "Wait before a failed event comes back.", min_open=False)
+@_seconds("poll_interval", "Poll an idle slot this often (the fallback for a lost "
+                           "tick notification).")
+@_seconds("rebalance_interval", "Check the worker's fair share of slots this often.")
+@click.option("--ticker/--no-ticker", "run_ticker", default=_WORKER_DEFAULTS["ticker"],
+              show_default=True,
               help="Also run a ticker (standing by while another one is active).")
+@click.option("--listen/--no-listen", default=_WORKER_DEFAULTS["listen"], show_default=True,
+              help="Wake on tick notifications (LISTEN), not only by polling.")
+@_seconds("network_timeout", "Keep the slots this long at most once the network went "
+                             "silent (at least 2).", minimum=2, min_open=False)
+@click.option("--name", help="Name in logs, threads and session names "
+                             "[default: pgque-worker-QUEUE-CONSUMER].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               default="info", show_default=True)
-@db_options
+@_worker_db_options
 @pass_state
-def worker(state: State, handler_path: str, queue_name: str, consumer: str, slots: int,
-           concurrency: int | None, max_events: int, run_ticker: bool, log_level: str) -> None:
+def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, slots: int,
+           run_ticker: bool, payload_path: str | None, log_level: str, **options: Any) -> None:
     """Run a worker of consumer group --consumer that calls MODULE:FUNCTION with each
-    message, until SIGTERM or Ctrl-C (it finishes its batches and releases its slots)."""
+    message, until SIGTERM or Ctrl-C (it finishes its batches and releases its slots).
+
+    An async function (async def) runs under an AsyncWorker, awaited on one event
+    loop; a plain one under a Worker, on threads. A worker that stops for good (a
+    dropped queue, a missing privilege, a server it never reached) ends the
+    command with its error and exit code 1.
+    """
     handler = load_handler(handler_path)
+    payload_type = None if payload_path is None else load_payload_type(payload_path)
     dsn = state.require_dsn()
+    # The library's own test for an async handler, so the choice is always one
+    # the chosen class accepts (each refuses the other kind).
+    worker_class = pgque.AsyncWorker if _is_coroutine_function(handler) else pgque.Worker
+    try:
+        # The other options are named as the Worker's parameters.
+        service = worker_class(dsn, queue=queue_name, consumer=consumer, slots=slots,
+                               handler=handler, payload_type=payload_type, ticker=run_ticker,
+                               connect_timeout=state.connect_timeout, **options)
+    except ValueError as exc:  # the library's word on the options, e.g. two that conflict
+        raise click.UsageError(str(exc), click.get_current_context()) from None
     # Check the DSN, the queue and the slot count before logging starts, so a
     # mistake is one line; the worker stops on such errors by itself too (run()
     # raises them) but only after its log lines. Subscribing is idempotent.
@@ -498,23 +597,46 @@ def worker(state: State, handler_path: str, queue_name: str, consumer: str, slot
     _setup_logging(log_level)
     # Runs until SIGTERM or Ctrl-C; raises what cannot heal (a pooler, a
     # dropped queue), which main() reports as one line with a non-zero exit.
-    pgque.Worker(dsn, queue=queue_name, consumer=consumer, slots=slots, handler=handler,
-                 concurrency=concurrency, max_events=max_events, ticker=run_ticker).run()
+    if isinstance(service, pgque.AsyncWorker):
+        logging.getLogger("pgque.cli").info("%s is an async function: running an AsyncWorker",
+                                            handler_path)
+        asyncio.run(service.run())
+    else:
+        service.run()
+
+
+#: The Ticker's parameters that have defaults, with them: the ticker command's
+#: options default to these, so that it runs as the library's does.
+_TICKER_DEFAULTS: dict[str, Any] = {
+    name: param.default for name, param in inspect.signature(pgque.Ticker).parameters.items()
+    if param.default is not inspect.Parameter.empty}
+
+
+def _ticker_seconds(name: str, text: str, minimum: float = 0) -> Callable[[F], F]:
+    """A ticker option in seconds, defaulting to the library's parameter ``name``."""
+    return click.option(f"--{name.replace('_', '-')}", name, metavar="SECONDS",
+                        type=click.FloatRange(min=minimum, min_open=minimum == 0),
+                        default=_TICKER_DEFAULTS[name], show_default=True, help=text)
 
 
 @cli.command()
-@click.option("--min-interval", type=click.FloatRange(min=0.001), default=0.005,
-              show_default=True, help="Shortest time between two ticks of a queue (seconds).")
-@click.option("--idle-interval", type=click.FloatRange(min=0.001), default=0.05,
-              show_default=True, help="Poll interval once idle (seconds).")
-@click.option("--maintenance-interval", type=click.FloatRange(min=0.01), default=1.0,
-              show_default=True, help="Run maintenance this often (seconds).")
+@_ticker_seconds("min_interval", "Shortest time between two ticks of a queue.")
+@_ticker_seconds("idle_interval", "Poll interval once idle.")
+@_ticker_seconds("idle_after", "Idle after this long without a tick.")
+@_ticker_seconds("standby_interval", "How often a standby checks the active ticker.")
+@_ticker_seconds("overdue_after", "A standby ticks a queue whose tick is this late.")
+@_ticker_seconds("maintenance_interval", "Run maintenance this often.")
+@_ticker_seconds("network_timeout", "Give up a session whose network went silent this long.",
+                 minimum=2)
+@click.option("--name", default=_TICKER_DEFAULTS["name"], show_default=True,
+              help="The ticker's name, in logs and as its sessions' application_name.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               default="info", show_default=True)
-@db_options
+@_worker_db_options  # a ticker too waits for its server as long as the library's does
 @pass_state
-def ticker(state: State, min_interval: float, idle_interval: float,
-           maintenance_interval: float, log_level: str) -> None:
+def ticker(state: State, min_interval: float, idle_interval: float, idle_after: float,
+           standby_interval: float, overdue_after: float, maintenance_interval: float,
+           network_timeout: float, name: str, log_level: str) -> None:
     """Keep every queue ticking (and maintained) until SIGTERM or Ctrl-C.
 
     Any number may run: one is active, the others stand by and take over.
@@ -524,7 +646,11 @@ def ticker(state: State, min_interval: float, idle_interval: float,
     state.close()
     _setup_logging(log_level)
     runner = pgque.Ticker(dsn, min_interval=min_interval, idle_interval=idle_interval,
-                          maintenance_interval=maintenance_interval, name="pgque-ticker")
+                          idle_after=idle_after, standby_interval=standby_interval,
+                          overdue_after=overdue_after,
+                          maintenance_interval=maintenance_interval,
+                          connect_timeout=state.connect_timeout,
+                          network_timeout=network_timeout, name=name)
     try:
         runner.run()  # until SIGTERM or Ctrl-C; raises what cannot heal
     finally:
@@ -535,48 +661,68 @@ def ticker(state: State, min_interval: float, idle_interval: float,
 
 
 class _Status(NamedTuple):
-    """What ``pgque status`` shows."""
+    """What ``pgque status`` shows: all the caller may see, and only that."""
 
+    ticker: pgque.TickerInfo
     queues: list[pgque.QueueInfo]
     consumers: list[pgque.ConsumerInfo]
+    groups: list[pgque.GroupInfo]
     slots: list[pgque.SlotStatus]
 
 
-def _status(client: pgque.Client, queue_name: str | None) -> _Status:
-    queues = client.queue_info() if queue_name is None else [queue_info(client, queue_name)]
-    return _Status(queues, client.consumer_info(queue_name),
-                   client.partition_slot_status(queue_name))
+def _status(client: pgque.Client, queue_name: str | None,
+            stalled_after: float | str | None) -> _Status:
+    queues = client.queue_info(queue_name, stalled_after=stalled_after)
+    if queue_name is not None and not queues:
+        raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
+    return _Status(client.ticker_info(), queues, client.consumer_info(queue_name),
+                   client.group_info(queue_name),
+                   client.partition_slot_status(queue_name, stalled_after=stalled_after))
 
 
 @cli.command()
 @click.argument("queue_name", metavar="[QUEUE]", required=False)
+@click.option("--stalled-after", callback=_duration, metavar="DURATION",
+              help="Call a queue or slot stalled once events have waited this long "
+                   "(seconds or interval) [default: each queue's own, twice its "
+                   "ticker_idle_period and at least 10 seconds].")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON document (with --watch: one per line and refresh).")
 @click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
               help="Refresh every SECONDS until Ctrl-C.")
 @db_options
 @pass_state
-def status(state: State, queue_name: str | None, as_json: bool, watch: float | None) -> None:
-    """Queues, consumers and the slots of every consumer group (owner, pending
-    events, oldest unconsumed age; STALLED when a slot's events wait and nobody
-    moves it)."""
+def status(state: State, queue_name: str | None, stalled_after: float | str | None,
+           as_json: bool, watch: float | None) -> None:
+    """What the queues, consumers and consumer groups you may use are doing.
+
+    A summary (counts, and the active ticker), then queues (STALLED: events
+    wait for a tick that nobody makes), plain consumers, consumer groups
+    (members, owned slots, newest epoch) and their slots (owner by the
+    application name its session set, epoch, pending events, oldest unconsumed
+    age; STALLED: an event waits and nobody owns or moves the slot).
+    """
     client = state.client()
+
+    def look() -> _Status:
+        return _status(client, queue_name, stalled_after)
+
     if watch is None:
         if as_json:
-            click.echo(display.dumps(_status(client, queue_name)._asdict()))
+            click.echo(display.dumps(look()._asdict()))
         else:
-            display.console().print(display.status_view(*_status(client, queue_name)))
+            display.console().print(display.status_view(*look()))
         return
     try:
         if as_json:
             while True:
-                click.echo(display.dumps(_status(client, queue_name)._asdict(), indent=None))
+                click.echo(display.dumps(look()._asdict(), indent=None))
                 time.sleep(watch)
-        with Live(display.status_view(*_status(client, queue_name)), console=display.console(),
+        with Live(display.status_view(*look()), console=display.console(),
                   auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(display.status_view(*_status(client, queue_name)), refresh=True)
+                live.update(display.status_view(*look()), refresh=True)
     except KeyboardInterrupt:  # the way to leave --watch
         return
 
@@ -588,6 +734,36 @@ def _letter_dict(letter: pgque.DeadLetter) -> dict[str, Any]:
     document: dict[str, Any] = msgspec.structs.asdict(letter)
     document["payload"] = display.payload(document.pop("data"))
     return document
+
+
+@contextmanager
+def _dead_letter_refusal(state: State, action: str, queue_name: str) -> Iterator[None]:
+    """Say what a role that may not call the dead-letter functions at all lacks.
+
+    The engine's own refusals (PQ014 for the consumer, PQ015 for the queue's
+    grants) name it already; a role without pgque's privileges gets only
+    PostgreSQL's "permission denied" (42501), which does not.
+    """
+    try:
+        yield
+    except psycopg.errors.InsufficientPrivilege as exc:
+        if state.debug:
+            raise  # the traceback, as --debug promises
+        raise click.ClickException(
+            f"role {_session_role(state)} may not {action} dead letters of queue "
+            f"{queue_name!r}: it needs to be in pgque_reader and own the consumer or be "
+            "granted it (pgque.grant_consumer), or be in pgque_admin") from exc
+
+
+def _session_role(state: State) -> str:
+    """The role the session acts as (as pgque judges it), or the login when the
+    session cannot say."""
+    client = state.client()
+    with suppress(psycopg.Error):
+        row = client.conn.execute("select current_user").fetchone()
+        if row is not None:
+            return str(row[0])
+    return client.conn.info.user
 
 
 @cli.group()
@@ -605,7 +781,8 @@ def dlq() -> None:
 def dlq_list(state: State, queue_name: str, consumer: str | None, limit: int,
              as_json: bool) -> None:
     """List the dead letters of QUEUE, oldest first."""
-    letters = state.client().dead_letters(queue_name, consumer, limit=limit)
+    with _dead_letter_refusal(state, "list", queue_name):
+        letters = state.client().dead_letters(queue_name, consumer, limit=limit)
     if as_json:
         click.echo(display.dumps([_letter_dict(letter) for letter in letters]))
         return
@@ -624,7 +801,8 @@ def dlq_list(state: State, queue_name: str, consumer: str | None, limit: int,
 def dlq_show(state: State, queue_name: str, letter_id: int, as_json: bool) -> None:
     """Show dead letter ID of QUEUE with its payload."""
     # No get-one call in the client: the first letter after ID - 1 is ID if it exists.
-    found = state.client().dead_letters(queue_name, limit=1, after_id=letter_id - 1)
+    with _dead_letter_refusal(state, "show", queue_name):
+        found = state.client().dead_letters(queue_name, limit=1, after_id=letter_id - 1)
     if not found or found[0].id != letter_id:
         raise pgque.DeadLetterNotFound(f"queue {queue_name!r} has no dead letter {letter_id}")
     document = _letter_dict(found[0])
@@ -646,7 +824,7 @@ def dlq_replay(state: State, queue_name: str, letter_ids: tuple[int, ...]) -> No
     """Put dead letters back into the log for their consumers (all or none)."""
     client = state.client()
     replayed: list[tuple[int, int]] = []
-    with client.conn.transaction():
+    with _dead_letter_refusal(state, "replay", queue_name), client.conn.transaction():
         for letter_id in letter_ids:
             replayed.append((letter_id, client.replay_dead_letter(queue_name, letter_id)))
     for letter_id, event_id in replayed:
@@ -668,7 +846,8 @@ def dlq_purge(state: State, queue_name: str, consumer: str | None,
         what = (f"{len(letter_ids)} dead letter(s)" if letter_ids else "all dead letters")
         whose = f" of consumer {consumer}" if consumer else ""
         click.confirm(f"Delete {what}{whose} of queue {queue_name}?", abort=True, err=True)
-    count = client.purge_dead_letters(queue_name, consumer, list(letter_ids) or None)
+    with _dead_letter_refusal(state, "purge", queue_name):
+        count = client.purge_dead_letters(queue_name, consumer, list(letter_ids) or None)
     click.echo(f"purged {count} dead letter{'' if count == 1 else 's'}")
 
 

@@ -39,7 +39,9 @@ from pgque._shared import (
     EventLike,
     batch_from_rows,
     check_connection,
+    check_dsn,
     config_json,
+    connect_error,
     dead_letters_from_rows,
     event_columns,
     group_status_from_row,
@@ -52,7 +54,15 @@ from pgque._shared import (
 )
 from pgque.codec import encode_payload
 from pgque.errors import ConnectError, translated
-from pgque.info import ConsumerInfo, GroupStatus, QueueInfo, SlotStatus, from_row
+from pgque.info import (
+    ConsumerInfo,
+    GroupInfo,
+    GroupStatus,
+    QueueInfo,
+    SlotStatus,
+    TickerInfo,
+    from_row,
+)
 from pgque.types import Batch, DeadLetter, Fence, Message
 
 __all__ = ["AsyncClient", "connect_async", "open_connection_async", "redact"]
@@ -60,6 +70,18 @@ __all__ = ["AsyncClient", "connect_async", "open_connection_async", "redact"]
 T = TypeVar("T")
 R = TypeVar("R", bound=msgspec.Struct)
 AsyncConn = AsyncConnection[Any]
+#: A span of time: seconds, a timedelta, or an interval literal for the server to read.
+Duration = float | timedelta | str
+
+# An optional interval argument, from (text, seconds): either or neither is given.
+_STALLED_AFTER = "coalesce(%s::interval, make_interval(secs => %s::float8))"
+
+
+def _interval_params(value: Duration | None) -> tuple[str | None, float | None]:
+    """The parameters of an interval argument written as ``_STALLED_AFTER``."""
+    if value is None or isinstance(value, str):
+        return value, None
+    return None, seconds(value)
 
 
 async def open_connection_async(dsn: str, *, timeout: float = 30.0,
@@ -68,7 +90,8 @@ async def open_connection_async(dsn: str, *, timeout: float = 30.0,
 
     Retries with capped exponential backoff for up to ``timeout`` seconds when
     the server refuses connections, says it is starting, or the connection
-    fails without an SQLSTATE; fails at once on a malformed DSN. libpq reports
+    fails without an SQLSTATE; fails at once, with InvalidDSN, on a DSN that
+    libpq cannot parse or whose host or port cannot be one. libpq reports
     every failure to connect without an SQLSTATE, a missing database or role
     and bad credentials too, and pgque maps errors by SQLSTATE, never by
     message text: so those are retried until ``timeout`` like a server that is
@@ -76,32 +99,33 @@ async def open_connection_async(dsn: str, *, timeout: float = 30.0,
     set ``stop`` event ends the retries early. Raises ConnectError
     (``transient`` tells which kind). Each attempt is bounded (libpq
     ``connect_timeout``, from ``timeout`` unless given), so a server that drops
-    packets cannot hold it for minutes.
+    packets cannot hold it for minutes. No error names a password: what may
+    be one is masked, and psycopg's error is not chained (its text can quote
+    the DSN).
     """
     deadline = time.monotonic() + timeout
     delay = 0.05
     kwargs.setdefault("autocommit", True)
     kwargs.setdefault("connect_timeout", max(2, min(int(timeout), 10)))
+    check_dsn(dsn, kwargs)
     while True:
+        error: ConnectError | None = None
+        left = 0.0
         try:
             return await AsyncConnection.connect(dsn, **kwargs)
-        except psycopg.ProgrammingError as exc:  # malformed DSN
-            # The error names no password, and its cause is left out: psycopg's
-            # text can quote the DSN, password and all.
-            error = ConnectError(redact(f"invalid DSN: {exc}", dsn))
-            error.transient = False
-            raise error from None
+        except psycopg.ProgrammingError as exc:  # a setting psycopg rejects
+            error = connect_error(exc, dsn, kwargs)
         except psycopg.OperationalError as exc:
-            transient = exc.sqlstate in TRANSIENT_STATES
             left = deadline - time.monotonic()
-            if not transient or left <= 0:
-                error = ConnectError(redact(f"cannot connect to PostgreSQL: {exc}".strip(), dsn))
-                error.transient = transient
-                raise error from None
-            if await apause(min(delay, left), stop):  # a last attempt at the deadline
-                error = ConnectError("stopped while connecting")
-                raise error from None
-            delay = min(delay * 2, 1.0)
+            if exc.sqlstate not in TRANSIENT_STATES or left <= 0:
+                error = connect_error(exc, dsn, kwargs)
+        if error is not None:
+            # Raised here, not in the except: psycopg's error, whose text can
+            # quote the DSN, password and all, is then not even its __context__.
+            raise error
+        if await apause(min(delay, left), stop):  # a last attempt at the deadline
+            raise ConnectError("stopped while connecting")
+        delay = min(delay * 2, 1.0)
 
 
 async def connect_async(dsn: str, *, timeout: float = 30.0, pool_size: int = 4,
@@ -133,6 +157,10 @@ class AsyncClient:
         connect_kwargs: dict[str, Any] | None = None,
     ) -> None:
         check_connection(conn, AsyncConnection, "AsyncClient")
+        if dsn is not None and pool_size > 0:
+            # Now, not when the pool opens: the pool would log psycopg's error,
+            # which can quote the DSN's password, on every attempt.
+            check_dsn(dsn, connect_kwargs)
         self.conn = conn
         self._dsn = dsn
         self._connect_kwargs = {**(connect_kwargs or {}), "autocommit": True}
@@ -712,40 +740,72 @@ class AsyncClient:
                                                      retry_after=retry_after)
         return [finished[id(b)] for b in batches]
 
-    async def partition_slot_status(self, queue: str | None = None) -> list[SlotStatus]:
-        """Every slot of every consumer group (of one queue): owner pid, pending
-        events, oldest unconsumed age, stalled flag."""
+    async def partition_slot_status(self, queue: str | None = None, *,
+                                    stalled_after: Duration | None = None) -> list[SlotStatus]:
+        """Every slot of every consumer group (of one queue): owner (pid and
+        application name), epoch, pending events, oldest unconsumed age, and
+        whether it looks stalled by ``stalled_after`` (seconds, a timedelta or an
+        interval literal such as ``"5 minutes"``; None: each queue's own)."""
         return await self._records(
-            SlotStatus, "select * from pgque.partition_slot_status where %s::text is null "
-            "or queue_name = %s order by queue_name, consumer_name, slot", (queue, queue))
+            SlotStatus, f"select * from pgque.get_partition_slot_status({_STALLED_AFTER}) "
+            "where %s::text is null or queue_name = %s "
+            "order by queue_name, consumer_name, slot",
+            (*_interval_params(stalled_after), queue, queue))
+
+    async def group_info(self, queue: str | None = None) -> list[GroupInfo]:
+        """Every consumer group (of one queue): slot count, live members, owned
+        slots, newest epoch."""
+        return await self._records(
+            GroupInfo, "select * from pgque.group_info where %s::text is null "
+            "or queue_name = %s order by queue_name, consumer_name", (queue, queue))
 
     # -- dead letters ----------------------------------------------------
 
     async def dead_letters(self, queue: str, consumer: str | None = None, *, limit: int = 100,
                            after_id: int = 0) -> list[DeadLetter]:
-        """Dead letters of a queue (of one consumer), oldest first."""
+        """Dead letters of a queue (of one consumer), oldest first. A role that
+        is not an admin gets those of the consumers it may use only."""
         rows = await self._rows("select * from pgque.dead_letters(%s, %s, %s, %s)",
                                 (queue, consumer, limit, after_id), by_name=True)
         return dead_letters_from_rows(rows)
 
     async def replay_dead_letter(self, queue: str, dead_letter_id: int) -> int:
-        """Put a dead letter back into the log for its consumer; returns the event id."""
+        """Put a dead letter back into the log for its consumer; returns the event id.
+
+        Admins may replay any; another role those of the consumers it owns or
+        was granted, while they are subscribed (ConsumerAccessDenied otherwise).
+        """
         return int(await self._value("select pgque.replay_dead_letter(%s, %s)",
                                      (queue, dead_letter_id)))
 
     async def purge_dead_letters(self, queue: str, consumer: str | None = None,
                                  ids: Sequence[int] | None = None) -> int:
-        """Delete dead letters (the given ids, or all of the queue or consumer)."""
+        """Delete dead letters (the given ids, or all of the queue or consumer).
+
+        A role that is not an admin purges those of the consumers it may use;
+        naming another consumer, or an id of its dead letters, is refused
+        (ConsumerAccessDenied) and purges nothing.
+        """
         return int(await self._value("select pgque.purge_dead_letters(%s, %s, %s::bigint[])",
                                      (queue, consumer, None if ids is None else list(ids))))
 
     # -- information -----------------------------------------------------
 
-    async def queue_info(self, queue: str | None = None) -> list[QueueInfo]:
-        """Every queue (or the one named): settings, newest tick, events since that tick."""
+    async def queue_info(self, queue: str | None = None, *,
+                         stalled_after: Duration | None = None) -> list[QueueInfo]:
+        """Every queue (or the one named): settings, newest tick, events since that
+        tick, subscriptions, and whether nobody ticks it, by ``stalled_after`` (as
+        for :meth:`partition_slot_status`)."""
         return await self._records(
-            QueueInfo, "select * from pgque.queue_info where %s::text is null "
-            "or queue_name = %s order by queue_name", (queue, queue))
+            QueueInfo, f"select * from pgque.get_queue_info({_STALLED_AFTER}) "
+            "where %s::text is null or queue_name = %s order by queue_name",
+            (*_interval_params(stalled_after), queue, queue))
+
+    async def ticker_info(self) -> TickerInfo:
+        """The database's active ticker (pid and application name), or a record of
+        Nones when no ticker is active. Unlike :meth:`active_ticker`, readers may ask."""
+        (record,) = await self._records(TickerInfo, "select * from pgque.ticker_info")
+        return record
 
     async def consumer_info(self, queue: str | None = None) -> list[ConsumerInfo]:
         """Every subscription (of one queue): cursor, lag, open batch, oldest

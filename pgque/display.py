@@ -23,7 +23,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from pgque.info import ConsumerInfo, QueueInfo, SlotStatus
+from pgque.info import ConsumerInfo, GroupInfo, QueueInfo, SlotStatus, TickerInfo
 from pgque.types import Message
 
 __all__ = [
@@ -39,6 +39,8 @@ __all__ = [
     "one_line",
     "payload",
     "queues_table",
+    "session_name",
+    "state",
     "status_view",
     "table",
 ]
@@ -147,22 +149,53 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
     return result
 
 
+def state(stalled: bool) -> Text:
+    """The state cell of a queue or slot: STALLED, or ok."""
+    return Text("STALLED", style="bold red") if stalled else Text("ok", style="dim")
+
+
+def session_name(pid: int | None, name: str | None, nobody: str) -> Text:
+    """A session as people know it: the application name it set (a Worker's lane,
+    a ticker), else its pid; ``nobody`` when there is no session."""
+    if pid is None:
+        return Text(nobody, style="dim")
+    return Text(escape(name)) if name else Text(f"pid {pid}")
+
+
 def queues_table(queues: Sequence[QueueInfo], title: str | None = None) -> Table:
-    """Queues, as ``queue list`` and ``status`` show them."""
+    """Queues, as ``queue list`` and ``status`` show them: STALLED when events
+    wait for a tick that nobody has made for ``stalled after``."""
     return table(
         title,
         ["queue", "consumers", "last tick", "tick age", "since tick", "tables", "rotation",
-         "max retries"],
+         "max retries", "stalled after", "state"],
         ([q.queue_name, q.consumers, q.last_tick_id, q.last_tick_age,
           q.events_since_last_tick, f"{q.current_table}/{q.event_tables}",
-          q.rotation_period, q.max_retries] for q in queues))
+          q.rotation_period, q.max_retries, q.stalled_after, state(q.stalled)]
+         for q in queues))
 
 
-def status_view(queues: Sequence[QueueInfo], consumers: Sequence[ConsumerInfo],
+def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
+                consumers: Sequence[ConsumerInfo], groups: Sequence[GroupInfo],
                 slots: Sequence[SlotStatus]) -> RenderableType:
-    """The tables of ``pgque status``: queues, plain consumers, consumer group slots."""
+    """The tables of ``pgque status``: a summary (counts of what the caller may see,
+    and the active ticker), queues, plain consumers, consumer groups and their
+    slots (owners by name)."""
     # Slot subscriptions (group#k/N) are shown per slot below, not as consumers.
     plain = [c for c in consumers if "#" not in c.consumer_name]
+    stalled_queues = sum(q.stalled for q in queues)
+    nobody_ticks = ticker.active_pid is None
+    # No ticker is a warning (something may tick by hand, pg_cron pauses between
+    # runs), and an alarm once events wait for a tick.
+    ticker_cell = (Text("none active", style="bold red" if stalled_queues else "yellow")
+                   if nobody_ticks else session_name(ticker.active_pid, ticker.active_name, ""))
+    summary = table(
+        "summary",
+        ["queues", "stalled queues", "consumers", "groups", "slots", "owned slots",
+         "stalled slots", "ticker"],
+        [[len(queues), stalled_queues, len(plain), len(groups), len(slots),
+          sum(s.owner_pid is not None for s in slots), sum(s.stalled for s in slots),
+          ticker_cell]])
     consumer_table = table(
         "consumers",
         ["queue", "consumer", "lag", "ticks behind", "pending", "oldest unconsumed",
@@ -170,18 +203,37 @@ def status_view(queues: Sequence[QueueInfo], consumers: Sequence[ConsumerInfo],
         ([c.queue_name, c.consumer_name, c.lag, c.ticks_behind, c.pending_events,
           c.oldest_unconsumed_age, c.open_batch_id, c.retries_waiting, c.dead_letters]
          for c in plain))
+    slots_of: dict[tuple[str, str], list[SlotStatus]] = {}
+    for slot in slots:
+        slots_of.setdefault((slot.queue_name, slot.consumer_name), []).append(slot)
+    group_table = table(
+        "consumer groups",
+        ["queue", "group", "slots", "members", "owned", "pending", "stalled slots",
+         "newest epoch"],
+        ([g.queue_name, g.consumer_name, g.slots, g.members, f"{g.owned_slots}/{g.slots}",
+          sum(s.pending_events for s in slots_of.get((g.queue_name, g.consumer_name), [])),
+          sum(s.stalled for s in slots_of.get((g.queue_name, g.consumer_name), [])),
+          g.newest_epoch]
+         for g in groups))
     slot_table = table(
         "consumer group slots",
-        ["queue", "group", "slot", "owner pid", "pending", "oldest unconsumed", "ticks behind",
-         "retries", "dead letters", ""],
+        ["queue", "group", "slot", "owner", "epoch", "pending", "oldest unconsumed",
+         "ticks behind", "retries", "dead letters", "state"],
         ([s.queue_name, s.consumer_name, f"{s.slot}/{s.slots}",
-          s.owner_pid if s.owner_pid is not None else Text("unowned", style="dim"),
-          s.pending_events, s.oldest_unconsumed_age, s.ticks_behind, s.retries_waiting,
-          s.dead_letters, Text("STALLED", style="bold red") if s.stalled else Text("")]
+          session_name(s.owner_pid, s.owner_name, "unowned"), s.epoch, s.pending_events,
+          s.oldest_unconsumed_age, s.ticks_behind, s.retries_waiting, s.dead_letters,
+          state(s.stalled)]
          for s in slots))
-    parts: list[RenderableType] = [queues_table(queues, "queues")]
+    parts: list[RenderableType] = [summary]
+    if nobody_ticks and stalled_queues:
+        parts.append(Text("No ticker is active and events wait for a tick: run 'pgque ticker', "
+                          "a Worker whose login may tick (pgque_admin), or pg_cron.",
+                          style="bold red"))
+    parts.append(queues_table(queues, "queues"))
     if plain:
         parts.append(consumer_table)
+    if groups:
+        parts.append(group_table)
     if slots:
         parts.append(slot_table)
     return Group(*parts)

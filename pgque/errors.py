@@ -26,6 +26,7 @@ __all__ = [
     "HandlerReturnedAwaitable",
     "InvalidArgument",
     "InvalidConfig",
+    "InvalidDSN",
     "InvalidGrant",
     "InvalidName",
     "InvalidSlot",
@@ -59,7 +60,8 @@ class PgqueError(Exception):
 
 
 class ConnectError(PgqueError):
-    """The database could not be reached (bad DSN, or not up within the timeout).
+    """The database could not be reached (a bad DSN, see :class:`InvalidDSN`, or
+    a server not up within the timeout). Its text never holds a password.
 
     ``transient`` tells whether trying again later may help (the server is
     down or starting, or libpq gave no SQLSTATE) or not (a malformed DSN, a
@@ -72,6 +74,18 @@ class ConnectError(PgqueError):
     """
 
     transient: bool = True
+
+
+class InvalidDSN(ConnectError, ValueError):
+    """libpq (or psycopg) rejected the DSN, or a connection setting, before any
+    attempt to connect: no retry can help (``transient`` is False).
+
+    The message is libpq's, with every piece of the DSN that may belong to a
+    password shown as ``***``; the psycopg error is not chained, since its text
+    can quote the password.
+    """
+
+    transient = False
 
 
 class QueueNotFound(PgqueError):

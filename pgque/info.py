@@ -1,7 +1,9 @@
 """What operators look at: the records of the info calls and of group_status.
 
 Each record is one row of a view or function in ``pgque/sql/code/90_info.sql``
-and ``65_partition.sql``; its fields are the columns, by name. They are frozen
+and ``65_partition.sql``; its fields are the columns, by name. ``stalled``
+fields are judged against ``stalled_after``: the threshold the call was given,
+else the queue's own (twice its ``ticker_idle_period``, at least 10 seconds). They are frozen
 msgspec structs: typed, cheap, and encodable as JSON with
 ``msgspec.json.encode`` (intervals as ISO 8601 durations) or
 ``msgspec.structs.asdict``.
@@ -14,7 +16,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-__all__ = ["ConsumerInfo", "GroupStatus", "QueueInfo", "SlotOwner", "SlotStatus", "from_row"]
+__all__ = ["ConsumerInfo", "GroupInfo", "GroupStatus", "QueueInfo", "SlotOwner", "SlotStatus",
+           "TickerInfo", "from_row"]
 
 R = TypeVar("R", bound=msgspec.Struct)
 
@@ -26,7 +29,9 @@ def from_row(record: type[R], row: dict[str, Any]) -> R:
 
 
 class QueueInfo(msgspec.Struct, frozen=True):
-    """A queue: its settings, its newest tick and how much was sent since."""
+    """A queue: its settings, its newest tick and how much was sent since, its
+    subscriptions (those the caller may use, unless it is an admin), and whether
+    it is stalled: events wait for a tick that nobody makes."""
 
     queue_name: str
     queue_id: int
@@ -44,6 +49,8 @@ class QueueInfo(msgspec.Struct, frozen=True):
     event_seq: int
     events_since_last_tick: int
     consumers: int
+    stalled_after: timedelta
+    stalled: bool
 
 
 class ConsumerInfo(msgspec.Struct, frozen=True):
@@ -66,14 +73,18 @@ class ConsumerInfo(msgspec.Struct, frozen=True):
 
 
 class SlotStatus(msgspec.Struct, frozen=True):
-    """One slot of a consumer group: its owner, its backlog, and whether it looks
-    stalled (events waiting over a minute while nobody owns or moves it)."""
+    """One slot of a consumer group: its owner (backend pid, and the application
+    name its session set: a Worker's lane is ``<worker name>-lane<n>``), its
+    current fencing epoch, its backlog, and whether it looks stalled (an event
+    waited longer than ``stalled_after`` while nobody owns or moves the slot)."""
 
     queue_name: str
     consumer_name: str
     slot: int
     slots: int
     owner_pid: int | None
+    owner_name: str | None
+    epoch: int | None
     pending_events: int
     ticks_behind: int
     oldest_unconsumed_age: timedelta | None
@@ -82,7 +93,30 @@ class SlotStatus(msgspec.Struct, frozen=True):
     last_active: datetime | None
     retries_waiting: int
     dead_letters: int
+    stalled_after: timedelta
     stalled: bool
+
+
+class GroupInfo(msgspec.Struct, frozen=True):
+    """A consumer group: its slot count, its live members (sessions that joined it:
+    one per Worker), how many slots have an owner, and the newest epoch of its
+    slots (None before any slot received)."""
+
+    queue_name: str
+    consumer_name: str
+    slots: int
+    members: int
+    owned_slots: int
+    newest_epoch: int | None
+
+
+class TickerInfo(msgspec.Struct, frozen=True):
+    """The database's active ticker: its backend pid and the application name its
+    session set (a Worker's is ``<worker name>-ticker``); both None when no
+    ticker is active."""
+
+    active_pid: int | None
+    active_name: str | None
 
 
 class SlotOwner(msgspec.Struct, frozen=True):

@@ -25,7 +25,8 @@ Two promises live here so that no service has to remember them:
 * **What cannot heal is not retried.** A wrong slot count, an unknown queue,
   a bad name, missing privileges, a session that a pooler swaps underneath:
   retrying changes nothing, so the service stops, keeps the exception in
-  :attr:`Service.error`, and ``run()`` raises it. A service may draw that
+  :attr:`Service.error`, and raises it to whoever waits for it: ``run()``,
+  the end of a ``with`` block, :meth:`Service.wait`. A service may draw that
   line elsewhere (:meth:`Service.retryable`).
 * **A service that never connected gives up.** libpq reports every failure
   to connect without an SQLSTATE (a missing database or role, bad
@@ -47,9 +48,10 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -86,6 +88,7 @@ from pgque.errors import (
 
 __all__ = [
     "STOP_LATENCY",
+    "WAIT_POLL",
     "CallWatch",
     "Service",
     "Stopped",
@@ -97,6 +100,11 @@ __all__ = [
 
 #: The longest a service takes to notice a stop in its own waits, in seconds.
 STOP_LATENCY = 0.2
+
+#: How often :meth:`Service.wait` asks its condition, in seconds. The
+#: condition may be anything (a count, the slots owned), so it is polled; the
+#: service's end wakes the wait at once.
+WAIT_POLL = 0.02
 
 S = TypeVar("S", bound="Service")
 
@@ -186,8 +194,41 @@ class Service:
             join(self._thread, timeout)
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
-        """Block until the service has ended; False on timeout."""
+        """Block until the service has ended; False on timeout. Never raises: see
+        :meth:`wait` for a wait that does."""
         return pause(timeout, self._stopped)
+
+    def wait(self, until: Callable[[], object] | None = None, *,
+             timeout: float | None = None) -> bool:
+        """Block until ``until()`` is true, or the service has ended; raise the
+        error that ended it, if one did.
+
+        Returns True once ``until()`` holds (without ``until``: once the service
+        has ended); False when ``timeout`` seconds pass first, or when the
+        service ended cleanly (a stop, a signal) before ``until()`` held. Raises
+        :attr:`error` as soon as the service has ended with one, also when
+        ``until()`` holds by then, and again at every call, as
+        ``concurrent.futures.Future.result`` does. ``until`` is called in the
+        waiting thread (under asyncio, task) every :data:`WAIT_POLL` seconds::
+
+            with Worker(...) as worker:
+                worker.wait(lambda: worker.handled >= 20, timeout=60)
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ended = self._stopped.is_set()  # error is final once it is (see _main)
+            if ended and self.error is not None:
+                raise self.error
+            if until is not None and until():
+                return True
+            if ended:
+                return until is None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if until is not None:
+                left = WAIT_POLL if left is None else min(left, WAIT_POLL)
+            pause(left, self._stopped)
 
     @property
     def alive(self) -> bool:
@@ -214,7 +255,18 @@ class Service:
 
     def __exit__(self, exc_type: type[BaseException] | None,
                  exc: BaseException | None, tb: TracebackType | None) -> None:
+        """Stop the service and wait for it (see :meth:`stop`); then raise the error
+        that ended it, if one did, as ``run()`` would. An exception the body
+        raised goes on instead, unchanged but for a note naming the service's
+        error (Python 3.11 and later): the body's is what its caller handles."""
         self.stop()
+        error = self.error
+        if error is None or exc is error:  # exc: the body let wait()'s through
+            return
+        if exc is None:
+            raise error
+        if sys.version_info >= (3, 11):
+            exc.add_note(f"{self.name} had stopped with {_describe(error)}")
 
     # -- for subclasses ------------------------------------------------------
 

@@ -23,6 +23,12 @@ events have waited ``overdue_after`` seconds, and run maintenance while they
 have to: delivery and retries go on, a little slower, until the active
 ticker's session ends. Ticks of one queue are serialized in the database, so
 the two never collide.
+
+Ticking needs ``pgque_admin``. A Ticker refused for its role stops with the
+privilege error, unless it is not ``required``: then it says so once (at
+INFO) and ends without an error. A Worker's own Ticker is made so, so that a
+worker of a role that may not tick runs without ticking while another process
+ticks.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ class Ticker(Service):
     """Keep every queue of the database at ``dsn`` ticking; see the module docstring.
 
     ``network_timeout`` bounds how long a ticker whose network went silent
-    keeps the election (see :class:`~pgque.Worker`).
+    keeps the election (see :class:`~pgque.Worker`). With ``required=False``, a
+    role that may not tick ends the ticker quietly (said once at INFO, no
+    :attr:`error`) instead of with the privilege error.
     """
 
     log = logging.getLogger("pgque.ticker")
@@ -61,8 +69,12 @@ class Ticker(Service):
         connect_timeout: float = 30.0,
         network_timeout: float = 30.0,
         name: str = "pgque-ticker",
+        required: bool = True,
     ) -> None:
         super().__init__(name, connect_timeout=connect_timeout)
+        #: Whether a role that may not tick is an error (True) or ends the ticker
+        #: quietly (False: a Worker's own, where another process may tick).
+        self.required = required
         self.dsn = dsn
         self.min_interval = min_interval
         self.idle_interval = idle_interval
@@ -100,9 +112,17 @@ class Ticker(Service):
                 self.backend_pid = client.pin_session(settings)
             self._elect(client, watch)
         except psycopg.errors.InsufficientPrivilege as exc:
-            self.log.error("%s: this role may not tick (%s). Run workers with ticker=False "
-                           "and tick with a pgque_admin role.", self.name,
-                           str(exc).strip())
+            if not self.required:
+                # Not this process's job, then: retrying cannot change the role,
+                # so end (as a stop would) rather than fail whoever runs it.
+                self.log.info("%s: this role may not tick (%s); not ticking. Another "
+                              "process must tick this database: a Ticker or Worker of a "
+                              "pgque_admin role, `pgque ticker`, or pg_cron.", self.name,
+                              str(exc).strip())
+                self.request_stop()
+                return
+            self.log.error("%s: this role may not tick (%s). Tick with a pgque_admin role.",
+                           self.name, str(exc).strip())
             raise
         finally:
             self._active.clear()

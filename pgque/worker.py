@@ -55,7 +55,8 @@ batch stops at the next event as soon as its session is seen gone (a check of
 the idle socket between events, no round trip). Errors that retrying cannot
 heal (a wrong slot count, an unknown queue, a pooler swapping the session, a
 threaded worker's handler that returns a coroutine instead of handling)
-stop the worker: ``run()`` raises them and :attr:`Worker.error` keeps them.
+stop the worker: :attr:`Worker.error` keeps them, and ``run()``, the end of a
+``with`` block and :meth:`Worker.wait` raise them.
 
 Network
 -------
@@ -171,12 +172,23 @@ class Worker(Service, Generic[T]):
     By default the worker also runs a :class:`~pgque.Ticker` (pass
     ``ticker=False`` when something else ticks, or a configured Ticker) and
     listens for tick notifications (``listen``), with ``poll_interval`` as the
-    fallback when a notification is lost.
+    fallback when a notification is lost. Under a role that may not tick, that
+    Ticker says so once (at INFO) and ends, and the worker runs without
+    ticking: another process must tick.
 
     ``run()`` blocks until :meth:`stop` (or SIGTERM / SIGINT when run in the
     main thread) and raises the error that stopped the worker, if any;
-    ``start()`` runs the same loop in a background thread (see ``error``). A
-    Worker is also a context manager: start on enter, stop on exit.
+    ``start()`` runs the same loop in a background thread. A Worker is also a
+    context manager: start on enter, stop on exit, and then raise the error
+    that stopped the worker, if one did (an exception of the body goes on
+    instead). The body waits with :meth:`wait`, which raises that error as
+    soon as the worker has stopped with it::
+
+        with Worker(dsn, queue="q", consumer="g", slots=4, handler=handle) as worker:
+            worker.wait(lambda: worker.handled >= 100, timeout=60)
+
+    :attr:`error` keeps the error; :meth:`stop` and :meth:`wait_stopped` never
+    raise it.
     """
 
     log = logging.getLogger("pgque.worker")
@@ -241,9 +253,12 @@ class Worker(Service, Generic[T]):
         if isinstance(ticker, Ticker):
             self.ticker = ticker
         else:
+            # Not required: under a role that may not tick the worker runs without
+            # ticking (it says so once), relying on another process to tick.
             self.ticker = Ticker(dsn, name=f"{self.name}-ticker",
                                  connect_timeout=connect_timeout,
-                                 network_timeout=network_timeout) if ticker else None
+                                 network_timeout=network_timeout,
+                                 required=False) if ticker else None
 
         self._lock = threading.Lock()  # lanes, their slots and requests, the counters
         self._lanes: list[_Lane[T]] = []

@@ -207,12 +207,15 @@ class SyncedWorker:
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return bool(self.loop.run(self.target.wait_stopped(timeout)))
 
+    def wait(self, until: Any = None, *, timeout: float | None = None) -> bool:
+        return bool(self.loop.run(self.target.wait(until, timeout=timeout)))
+
     def __enter__(self) -> SyncedWorker:
         self.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self.loop.run(self.target.__aexit__(*exc))  # the AsyncWorker's own exit
 
     def __class_getitem__(cls, item: Any) -> Any:
         return cls  # pgque.Worker[Any](...)

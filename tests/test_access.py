@@ -236,8 +236,8 @@ def test_a_worker_of_another_team_stops_with_the_refusal(teams: dict[str, Team])
     a.client.subscribe_slots("q", "ga", slots=2)
     worker = pgque.Worker(b.client.conn.info.dsn, queue="q", consumer="ga", slots=2,
                           handler=lambda message: None, ticker=False)
-    with worker:
-        assert worker.wait_stopped(10)
+    with pytest.raises(pgque.ConsumerAccessDenied), worker:
+        worker.wait(timeout=10)
     assert isinstance(worker.error, pgque.ConsumerAccessDenied)
     # Granted the group, the same worker runs and owns both slots.
     a.client.grant_consumer("q", "ga", b.role)

@@ -23,6 +23,8 @@ from helpers import drain, scalar, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
+from pgque import cli
+from pgque.testing import Deployment
 
 CLI = [sys.executable, "-m", "pgque.cli"]
 TESTS_DIR = str(Path(__file__).resolve().parent)
@@ -249,6 +251,21 @@ def test_install_is_idempotent_and_prints_the_version(empty_dsn: str) -> None:
     assert ok(second) == f"pgque {version} was installed already: nothing changed\n"
     # Running the script again is no news: its "already exists, skipping" is not shown.
     assert first.stderr == second.stderr == ""
+
+
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_install_says_when_it_only_granted(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Run again once a role has appeared (made by a superuser after an owner
+    that may not create roles installed; here: its grant revoked), the install
+    changes only the grants, and says so."""
+    conn.execute("revoke usage on schema pgque from pgque_writer, pgque_reader")
+    version = pgque.__version__
+    assert ok(run_cli("install", "--dsn", dsn)) == (
+        f"pgque {version} was installed already: only granted its privileges to "
+        "pgque_reader and pgque_writer, which had none\n")
+    assert scalar(conn, "select has_schema_privilege('pgque_reader', 'pgque', 'usage')")
+    assert ok(run_cli("install", "--dsn", dsn)) == (
+        f"pgque {version} was installed already: nothing changed\n")
 
 
 def test_install_prints_the_servers_notices(dsn: str) -> None:
@@ -566,7 +583,9 @@ def test_worker_exits_with_the_error_when_its_queue_goes_away(client: pgque.Clie
         client.drop_queue("q", force=True)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1, err
-    assert "'q' does not exist" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err  # the worker's log lines, then the error
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "'q' does not exist" in last, err
 
 
 def test_ticker_ticks_until_sigterm(client: pgque.Client, dsn: str) -> None:
@@ -586,37 +605,164 @@ def test_ticker_ticks_until_sigterm(client: pgque.Client, dsn: str) -> None:
 # -- status -----------------------------------------------------------------------------------
 
 
+def status(capsys: pytest.CaptureFixture[str], dsn: str, *args: str) -> str:
+    """The stdout of ``pgque status ARGS``, run in this process: no interpreter to
+    start for each look."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["status", "--dsn", dsn, *args])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0, (exited.value.code, out, err)
+    return out
+
+
+def status_json(capsys: pytest.CaptureFixture[str], dsn: str, *args: str) -> Any:
+    return json.loads(status(capsys, dsn, "--json", *args))
+
+
+def table_headers(text: str) -> list[list[str]]:
+    """The column headers of every table in rich output."""
+    return [[cell.strip() for cell in line.strip().strip("┃").split("┃")]
+            for line in text.splitlines() if "┃" in line]
+
+
 def test_status_json_shows_owners_and_pending_per_slot(client: pgque.Client, dsn: str,
-                                                       conn: psycopg.Connection[Any]) -> None:
+                                                       conn: psycopg.Connection[Any],
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
     client.create_queue("q")
     client.subscribe("q", "audit")
     client.subscribe_slots("q", "g", slots=2)
-    assert client.claim_slot("q", "g", 0)
     keys = slot_keys(conn, 1, 2, 3)
     client.send_batch("q", [("e", {"n": n}, key) for n, key in enumerate(keys)])
 
-    document = json.loads(ok(run_cli("status", "q", "--json", "--dsn", dsn)))
-    assert set(document) == {"queues", "consumers", "slots"}
+    with pgque.connect(dsn, application_name="billing-7") as owner:
+        assert owner.claim_slot("q", "g", 0)
+        owner_pid = owner.conn.info.backend_pid
+        document = json.loads(ok(run_cli("status", "q", "--json", "--dsn", dsn)))
+        text = status(capsys, dsn)
+    assert set(document) == {"ticker", "queues", "consumers", "groups", "slots"}
     assert [q["queue_name"] for q in document["queues"]] == ["q"]
     consumers = {c["consumer_name"]: c for c in document["consumers"]}
     assert set(consumers) == {"audit", "g#0/2", "g#1/2"}
     assert consumers["audit"]["pending_events"] == 3
     slot0, slot1 = document["slots"]
     assert (slot0["consumer_name"], slot0["slot"], slot1["slot"]) == ("g", 0, 1)
-    assert slot0["owner_pid"] == client.conn.info.backend_pid
-    assert slot1["owner_pid"] is None
+    assert slot0["owner_pid"] == owner_pid
+    assert (slot0["owner_name"], slot1["owner_name"], slot1["owner_pid"]) == ("billing-7",
+                                                                             None, None)
     assert (slot0["pending_events"], slot1["pending_events"]) == (0, 3)
     assert isinstance(slot1["oldest_unconsumed_age"], float)  # seconds, not a string
     assert slot1["oldest_unconsumed_age"] >= 0
     assert slot1["stalled"] is False
 
-    text = ok(run_cli("status", "--dsn", dsn))
-    assert str(client.conn.info.backend_pid) in text and "unowned" in text
+    # People see the owner's name (the application name its session set), not its pid.
+    rows = table_rows(text, "consumer group slots")
+    assert [(r["slot"], r["owner"]) for r in rows] == [("0/2", "billing-7"), ("1/2", "unowned")]
+    assert str(owner_pid) not in text
     assert "STALLED" not in text
+    headers = table_headers(text)  # summary, queues, consumers, groups, slots
+    assert len(headers) == 5 and all(all(header) for header in headers), headers
+
+
+def test_status_names_the_workers_and_shows_members_and_epochs(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    client.send_batch("q", [("e", {}, key) for slot in (0, 1) for key in slot_keys(conn, slot,
+                                                                                   2, 1)])
+    client.tick("q")
+    with pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=lambda m: None,
+                      ticker=False, name="billing-7") as worker:
+        assert worker.wait(lambda: worker.handled == 2, timeout=30)  # epochs come with batches
+        document = status_json(capsys, dsn)
+        text = status(capsys, dsn)
+
+    slots = document["slots"]
+    assert all(s["owner_name"].startswith("billing-7-lane") for s in slots), slots
+    epochs = [s["epoch"] for s in slots]
+    assert all(isinstance(e, int) for e in epochs), epochs
+    [group] = document["groups"]
+    assert group == {"queue_name": "q", "consumer_name": "g", "slots": 2, "members": 1,
+                     "owned_slots": 2, "newest_epoch": max(epochs)}
+    [row] = table_rows(text, "consumer groups")
+    assert (row["group"], row["members"], row["owned"], row["newest epoch"]) == (
+        "g", "1", "2/2", str(max(epochs)))
+    rows = table_rows(text, "consumer group slots")
+    assert [r["owner"] for r in rows] == [s["owner_name"] for s in slots]
+    assert [r["epoch"] for r in rows] == [str(e) for e in epochs]
+    # Every column of every table says what it is.
+    headers = table_headers(text)
+    assert len(headers) == 4 and all(all(header) for header in headers), headers
+
+
+def test_status_stalled_after_defaults_to_the_queues_tick_settings(
+        client: pgque.Client, dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    client.create_queue("q", ticker_idle_period=3600)
+    client.create_queue("brisk", ticker_idle_period=1)
+    client.subscribe_slots("q", "g", slots=1)
+    client.send("q", "e", {}, partition_key="k")  # nobody ticks: it waits for a tick
+
+    # By default: twice the queue's ticker_idle_period, at least 10 seconds.
+    document = status_json(capsys, dsn)
+    brisk, q = document["queues"]
+    assert (brisk["stalled_after"], q["stalled_after"]) == (10.0, 7200.0)
+    assert not brisk["stalled"] and not q["stalled"]
+    [slot] = document["slots"]
+    assert (slot["stalled_after"], slot["stalled"]) == (7200.0, False)
+
+    # Given: the event waits for a tick longer than that, in an unowned slot.
+    document = status_json(capsys, dsn, "--stalled-after", "0")
+    brisk, q = document["queues"]
+    assert (q["stalled_after"], q["stalled"], brisk["stalled"]) == (0.0, True, False)
+    [slot] = document["slots"]
+    assert (slot["stalled_after"], slot["stalled"]) == (0.0, True)
+    text = status(capsys, dsn, "--stalled-after", "0")
+    assert [(r["queue"], r["state"]) for r in table_rows(text, "queues")] == [
+        ("brisk", "ok"), ("q", "STALLED")]
+    assert [r["state"] for r in table_rows(text, "consumer group slots")] == ["STALLED"]
+    [summary] = table_rows(text, "summary")
+    assert (summary["queues"], summary["stalled queues"], summary["slots"],
+            summary["stalled slots"]) == ("2", "1", "1", "1")
+
+    # Ticked, the queue is fine; the slot still waits for a worker.
+    client.tick("q")
+    document = status_json(capsys, dsn, "--stalled-after", "0")
+    assert [q["stalled"] for q in document["queues"]] == [False, False]
+    assert [s["stalled"] for s in document["slots"]] == [True]
+    document = status_json(capsys, dsn, "--stalled-after", "5 minutes")
+    assert [s["stalled_after"] for s in document["slots"]] == [300.0]
+    assert [s["stalled"] for s in document["slots"]] == [False]
+
+
+def test_status_refuses_a_negative_stalled_after(dsn: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["status", "--dsn", dsn, "--stalled-after", "-1"])
+    out, err = capsys.readouterr()
+    assert (exited.value.code, out) == (1, "")
+    assert err.startswith("error: ") and "stalled_after" in err and len(err.splitlines()) == 1
+
+
+def test_status_says_which_ticker_is_active(client: pgque.Client, dsn: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    client.create_queue("q")
+    document = status_json(capsys, dsn)
+    assert document["ticker"] == {"active_pid": None, "active_name": None}
+    [summary] = table_rows(status(capsys, dsn), "summary")
+    assert summary["ticker"] == "none active"
+    with pgque.Ticker(dsn, name="ops-ticker") as ticker:
+        assert ticker.wait_active(timeout=10)
+        document = status_json(capsys, dsn)
+        [summary] = table_rows(status(capsys, dsn), "summary")
+        assert document["ticker"] == {"active_pid": ticker.backend_pid,
+                                      "active_name": "ops-ticker"}
+    assert summary["ticker"] == "ops-ticker"
 
 
 def test_status_counts_dead_letters_per_slot(client: pgque.Client, dsn: str,
-                                            conn: psycopg.Connection[Any]) -> None:
+                                            conn: psycopg.Connection[Any],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     client.create_queue("q", max_retries=0)
     client.subscribe_slots("q", "g", slots=2)
     [key] = slot_keys(conn, 1, 2, 1)
@@ -628,14 +774,75 @@ def test_status_counts_dead_letters_per_slot(client: pgque.Client, dsn: str,
     assert client.nack(batch, batch.messages, reason="broken") == 1  # a dead letter at once
     client.ack(batch)
 
-    rows = table_rows(ok(run_cli("status", "--dsn", dsn)), "consumer group slots")
+    rows = table_rows(status(capsys, dsn), "consumer group slots")
     assert [(r["slot"], r["dead letters"]) for r in rows] == [("0/2", "0"), ("1/2", "1")]
-    document = json.loads(ok(run_cli("status", "q", "--json", "--dsn", dsn)))
+    document = status_json(capsys, dsn, "q")
     assert [s["dead_letters"] for s in document["slots"]] == [0, 1]
 
 
 def test_status_of_unknown_queue_fails(dsn: str) -> None:
     assert "nosuch" in assert_one_line_error(run_cli("status", "nosuch", "--dsn", dsn), 1)
+
+
+def test_status_of_a_team_counts_what_the_team_may_see(pgque_deployment: Deployment,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """In the recommended deployment (a non-superuser installed pgque): a team's
+    worker runs without ticking, and everyone sees that nothing ticks; each team
+    sees, and counts, only its own consumers; the owners' names reach every role."""
+    dep = pgque_deployment
+    billing, shipping = dep.teams
+    with pgque.connect(dep.dsn(dep.owner)) as owner:
+        owner.create_queue("orders")
+        owner.create_queue("invoices")
+        for privilege in ("send", "consume"):
+            owner.grant_queue("invoices", billing, privilege)
+    for team, subscribe in ((billing, lambda c: (c.subscribe_slots("orders", "charge", slots=2),
+                                                 c.subscribe("invoices", "book"))),
+                            (shipping, lambda c: c.subscribe("orders", "audit"))):
+        with pgque.connect(dep.dsn(dep.login(team))) as client:
+            client.conn.execute(f"set role {team}")
+            subscribe(client)
+    as_owner, as_billing, as_shipping = (
+        dep.dsn(dep.owner), dep.dsn(dep.login(billing)), dep.dsn(dep.login(shipping)))
+
+    # The billing worker logs in as a reader: it may not tick, and runs without.
+    with pgque.Worker(as_billing, queue="orders", consumer="charge", slots=2,
+                      handler=lambda m: None, name="billing-charge") as worker:
+        wait_for(lambda: all(s["owner_name"] for s in status_json(capsys, as_owner)["slots"]),
+                 timeout=30, what="the worker to own both slots")
+        with pgque.connect(dep.dsn(dep.producer)) as producer:
+            producer.send("orders", "OrderPlaced", {"order": 1}, partition_key="c-1")
+        seen = {who: status_json(capsys, dsn, "--stalled-after", "0")
+                for who, dsn in (("owner", as_owner), ("billing", as_billing),
+                                 ("shipping", as_shipping))}
+        shipping_text = status(capsys, as_shipping, "--stalled-after", "0")
+        assert worker.error is None
+
+    for document in seen.values():
+        assert document["ticker"] == {"active_pid": None, "active_name": None}
+        orders = next(q for q in document["queues"] if q["queue_name"] == "orders")
+        assert orders["stalled"] is True  # an event waits, and nothing ticks
+
+    def counts(who: str) -> dict[str, int]:
+        return {q["queue_name"]: q["consumers"] for q in seen[who]["queues"]}
+
+    # Subscriptions: audit, charge's two slots, book.
+    assert counts("owner") == {"invoices": 1, "orders": 3}
+    assert counts("billing") == {"invoices": 1, "orders": 2}
+    assert counts("shipping") == {"orders": 1}
+    assert [c["consumer_name"] for c in seen["shipping"]["consumers"]] == ["audit"]
+    assert seen["shipping"]["groups"] == seen["shipping"]["slots"] == []
+    for who in ("owner", "billing"):
+        [group] = seen[who]["groups"]
+        assert (group["consumer_name"], group["members"], group["owned_slots"]) == (
+            "charge", 1, 2)
+        assert all(s["owner_name"].startswith("billing-charge-lane")
+                   for s in seen[who]["slots"]), seen[who]["slots"]
+    [summary] = table_rows(shipping_text, "summary")
+    assert summary == {"queues": "1", "stalled queues": "1", "consumers": "1", "groups": "0",
+                       "slots": "0", "owned slots": "0", "stalled slots": "0",
+                       "ticker": "none active"}
 
 
 # -- dead letters ------------------------------------------------------------------------------
@@ -799,14 +1006,21 @@ def test_dlq_list_escapes_control_characters(client: pgque.Client, dsn: str) -> 
     "postgresql://u:hunter2-pw@[bad/db",
     "host=127.0.0.1 port=1 user=u password=hunter2-pw dbname=x",
     "host=127.0.0.1 password=hunter2-pw user",
+    # libpq quotes what follows an unquoted blank, or takes it for the host.
+    "host=127.0.0.1 port=1 user=u password=hunter2-pw s3cret-pw dbname=x",
+    "postgresql://u:hunter2-pw@s3cret-pw@127.0.0.1:1/db",
 ])
 def test_status_never_prints_the_dsns_password(bad_dsn: str, debug: bool) -> None:
+    """Run for real (tests/test_dsn_secrets.py runs many more DSNs in-process)."""
     result = run_cli(*(["--debug"] if debug else []), "status", "--dsn", bad_dsn,
                      "--connect-timeout", "1")
     assert result.returncode == 1
     assert ("Traceback" in result.stderr) == debug
-    assert "hunter2-pw" not in result.stdout + result.stderr
+    shown = result.stdout + result.stderr
+    assert "hunter2-pw" not in shown and "s3cret-pw" not in shown, shown
     # The same from the environment (an unreachable server is retried until the timeout).
     result = run_cli("status", "--connect-timeout", "1", PGQUE_DSN=bad_dsn,
                      PGQUE_DEBUG="1" if debug else "0")
-    assert result.returncode == 1 and "hunter2-pw" not in result.stdout + result.stderr
+    shown = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "hunter2-pw" not in shown and "s3cret-pw" not in shown, shown

@@ -1,12 +1,14 @@
 """The lifecycle of long-running services (Worker, Ticker): a stop is noticed
 within a second also while the database is unreachable, errors that cannot heal
-stop the service instead of looping, and a worker whose session is gone stops
-handling its batch at the next event."""
+stop the service instead of looping and reach the caller (run(), the with
+block's end, wait()), a worker whose role may not tick runs without ticking, and
+a worker whose session is gone stops handling its batch at the next event."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +24,7 @@ import faults
 import psycopg
 import pytest
 from helpers import scalar, wait_for
+from psycopg.conninfo import make_conninfo
 
 import pgque
 
@@ -213,18 +217,18 @@ def test_privileges_revoked_while_running_stop_the_worker(
     params["user"] = "pgque_revoked"
     worker = pgque.Worker(psycopg.conninfo.make_conninfo(**params), queue="q", consumer="g",
                           slots=2, handler=noop, ticker=False, rebalance_interval=0.1)
+    # Refused by the server in a receive, or found out at the next rebalance
+    # (a session whose role may not receive counts as no member): it stops.
+    refused = (psycopg.errors.InsufficientPrivilege, pgque.ConsumerAccessDenied)
     try:
-        with worker:
+        with pytest.raises(refused), worker:
             wait_for(lambda: len(worker.owned_slots) == 2, timeout=20, what="slots claimed")
             # Fails in the slots' receive (a slot step), not in the main loop.
             conn.execute("revoke execute on function pgque.receive_partitioned("
                          "text, text, integer, integer, integer) from pgque_reader")
             client.send("q", "e", 1)
-            assert worker.wait_stopped(10)
-        # Refused by the server in a receive, or found out at the next rebalance
-        # (a session whose role may not receive counts as no member): it stops.
-        assert isinstance(worker.error, (psycopg.errors.InsufficientPrivilege,
-                                         pgque.ConsumerAccessDenied))
+            worker.wait(timeout=10)
+        assert isinstance(worker.error, refused)
     finally:
         conn.execute("drop owned by pgque_revoked")
         conn.execute("drop role pgque_revoked")
@@ -374,3 +378,106 @@ def test_the_check_between_events_sees_a_terminated_session_both_twins(
     finally:
         sync_conn.close()
     assert CallWatch(sync_conn, deadline=30.0).gone()  # a closed connection is gone
+
+
+def test_a_worker_that_gave_up_raises_its_error_as_its_with_block_ends(
+        client: pgque.Client, dsn: str) -> None:
+    """A fatal error (a slot count other than the group's) ends the worker: the
+    with block's end raises it, as run() does, and wait() raises it too. An
+    exception of the body's own goes on instead, never replaced by the worker's."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=8)
+
+    def wrong_count() -> pgque.Worker[Any]:
+        return pgque.Worker(dsn, queue="q", consumer="g", slots=4, handler=noop, ticker=False)
+
+    worker = wrong_count()
+    with pytest.raises(pgque.SlotCountMismatch) as raised, worker:
+        assert worker.wait_stopped(10)
+    assert raised.value is worker.error
+    with pytest.raises(pgque.SlotCountMismatch):
+        worker.wait(timeout=0)  # at once: the worker has stopped
+
+    worker = wrong_count()
+    with pytest.raises(LookupError) as body, worker:
+        assert worker.wait_stopped(10)
+        raise LookupError("the body's own")
+    assert isinstance(worker.error, pgque.SlotCountMismatch)
+    if sys.version_info >= (3, 11):  # add_note; the worker's error is named there
+        assert any("SlotCountMismatch" in note for note in body.value.__notes__)
+
+
+def test_a_body_waiting_on_the_worker_is_woken_by_its_failure(
+        client: pgque.Client, dsn: str) -> None:
+    """The body waits for a count the worker never reaches: its handler returns a
+    coroutine instead of handling (HandlerReturnedAwaitable, fatal), and wait()
+    raises that as soon as the worker has stopped, not at its timeout."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=1)
+
+    async def work() -> None:
+        pass
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=lambda m: work(),
+                          poll_interval=0.05)
+    returned: list[bool] = []
+    with pytest.raises(pgque.HandlerReturnedAwaitable) as raised, worker:
+        client.send("q", "e", 1, partition_key="k")
+        started = time.monotonic()
+        returned.append(worker.wait(lambda: worker.handled >= 1, timeout=60))
+    assert returned == []  # wait() raised: the body went no further
+    assert time.monotonic() - started < 30
+    assert raised.value is worker.error
+    assert worker.handled == 0
+
+
+def test_wait_returns_when_its_condition_holds_or_the_worker_has_stopped(
+        client: pgque.Client, dsn: str) -> None:
+    """wait(): True once its condition holds, False at its timeout; after a clean
+    stop, at once: True without a condition, False with one that does not hold."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=2)
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=noop,
+                          poll_interval=0.05)
+    with worker:
+        client.send_batch("q", [("e", n, f"k{n}") for n in range(10)])
+        assert worker.wait(lambda: worker.handled >= 10, timeout=30)
+        assert not worker.wait(lambda: False, timeout=0.05)  # the timeout passed
+    assert worker.error is None
+    assert worker.wait(timeout=0)  # stopped cleanly: True, nothing raised
+    assert not worker.wait(lambda: False)  # stopped before it held: False, at once
+
+
+def test_a_worker_whose_role_may_not_tick_runs_without_ticking(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A login role with the consumer's grants (pgque_reader, the group granted)
+    but not pgque_admin: the worker's own Ticker is refused the election; the
+    worker neither stops nor needs ticker=False. It says so once, at INFO, and
+    handles what another session's Ticker ticks."""
+    role = f"pgque_no_tick_{uuid.uuid4().hex[:8]}"
+    conn.execute(f"create role {role} login in role pgque_reader")
+    caplog.set_level(logging.INFO, logger="pgque")
+    try:
+        client.create_queue("q", ticker_max_lag=0)
+        client.subscribe_slots("q", "g", slots=2)
+        client.grant_consumer("q", "g", role)
+        worker = pgque.Worker(make_conninfo(dsn, user=role), queue="q", consumer="g", slots=2,
+                              handler=noop, poll_interval=0.05, rebalance_interval=0.1)
+        with worker, pgque.Ticker(dsn):
+            own = worker.ticker
+            assert own is not None
+            wait_for(lambda: not own.alive, timeout=20, what="its own ticker to stand down",
+                     dsn=dsn)
+            assert own.error is None and own.ticks == 0
+            ids = client.send_batch("q", [("e", n, f"k{n}") for n in range(20)])
+            assert worker.wait(lambda: worker.handled >= len(ids), timeout=30)
+            assert worker.alive and worker.error is None
+    finally:
+        conn.execute(f"drop owned by {role}")
+        conn.execute(f"drop role {role}")
+    said = [r for r in caplog.records
+            if r.name == "pgque.ticker" and "may not tick" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
+    assert [r.getMessage() for r in caplog.records
+            if r.name.startswith("pgque") and r.levelno >= logging.WARNING] == []

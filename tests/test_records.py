@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 
 import msgspec
 import pytest
-from helpers import scalar
+from helpers import scalar, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,6 +52,18 @@ def test_info_calls_return_typed_records(client: pgque.Client) -> None:
         (n, 2, 1 if n == slot else 0) for n in range(2)]
     assert [s.owner_pid for s in slots if s.slot == slot] == [client.conn.info.backend_pid]
     assert not any(s.stalled for s in slots)
+    # The slot's epoch came with its batch; the other slot has none yet.
+    assert batch.fence is not None
+    assert [s.epoch for s in slots] == [batch.fence.epoch if n == slot else None
+                                        for n in range(2)]
+    assert all(s.stalled_after == timedelta(minutes=2) for s in slots)
+    assert queue.stalled_after == timedelta(minutes=2) and queue.stalled is False
+    [group] = client.group_info("q")
+    assert isinstance(group, pgque.GroupInfo)
+    assert (group.consumer_name, group.slots, group.members, group.owned_slots,
+            group.newest_epoch) == ("g", 2, 0, 1, batch.fence.epoch)
+    ticker = client.ticker_info()
+    assert isinstance(ticker, pgque.TickerInfo) and ticker.active_pid is None
 
     # Records are plain data: a dict, or JSON.
     document = msgspec.json.decode(msgspec.json.encode(slots[slot]))
@@ -96,6 +108,61 @@ def test_group_status_states_the_group_once(client: pgque.Client, dsn: str) -> N
     with pgque.connect(dsn) as outsider:
         status = outsider.group_status("q", "g")
         assert status.my_rank is None and status.fair_share() == 0 and status.owned == []
+
+
+def test_stalled_after_is_the_callers_or_the_queues(client: pgque.Client) -> None:
+    """The info calls judge stalls by the threshold given, else by the queue's own:
+    twice its ticker_idle_period, at least 10 seconds."""
+    client.create_queue("q", ticker_idle_period=30)
+    client.create_queue("brisk", ticker_idle_period=0.5)
+    client.subscribe_slots("q", "g", slots=1)
+    client.send("q", "e", 1)  # not ticked
+
+    assert [(q.queue_name, q.stalled_after, q.stalled) for q in client.queue_info()] == [
+        ("brisk", timedelta(seconds=10), False), ("q", timedelta(minutes=1), False)]
+    [slot] = client.partition_slot_status("q")
+    assert (slot.stalled_after, slot.stalled) == (timedelta(minutes=1), False)
+
+    for after in (0, timedelta(0), "0 seconds"):
+        assert [q.stalled for q in client.queue_info(stalled_after=after)] == [False, True]
+        [slot] = client.partition_slot_status("q", stalled_after=after)
+        assert (slot.stalled_after, slot.stalled) == (timedelta(0), True)
+    # In SQL: the functions under the views take it; the views use the queue's.
+    assert client.conn.execute(
+        "select stalled_after, stalled from pgque.get_queue_info('1 hour') "
+        "where queue_name = 'q'").fetchall() == [(timedelta(hours=1), False)]
+    assert client.conn.execute(
+        "select stalled from pgque.get_partition_slot_status('0')").fetchall() == [(True,)]
+    assert client.conn.execute(
+        "select stalled from pgque.partition_slot_status").fetchall() == [(False,)]
+    for call in (lambda: client.queue_info(stalled_after=-1),
+                 lambda: client.partition_slot_status(stalled_after=timedelta(seconds=-1))):
+        with pytest.raises(pgque.InvalidArgument, match="stalled_after"):
+            call()
+
+
+def test_group_info_counts_members_and_owned_slots(client: pgque.Client, dsn: str) -> None:
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=3)
+    client.subscribe_slots("q", "idle", slots=2)
+    assert client.join_group("q", "g") and client.claim_slot("q", "g", 1)
+    with pgque.connect(dsn) as other:
+        assert other.join_group("q", "g") and other.claim_slot("q", "g", 2)
+        infos = client.group_info()
+        assert [(i.consumer_name, i.slots, i.members, i.owned_slots, i.newest_epoch)
+                for i in infos] == [("g", 3, 2, 2, None), ("idle", 2, 0, 0, None)]
+        assert client.group_info("other") == []
+    # The other session's locks go when its backend has ended, a moment after the close.
+    wait_for(lambda: client.group_info("q")[0].members == 1, what="the other member gone")
+    assert client.group_info("q")[0].owned_slots == 1
+
+
+def test_ticker_info_names_the_active_ticker(client: pgque.Client, dsn: str) -> None:
+    assert client.ticker_info() == pgque.TickerInfo(None, None)
+    with pgque.connect(dsn, application_name="ops-ticker") as ticker:
+        assert ticker.claim_ticker()
+        assert client.ticker_info() == pgque.TickerInfo(ticker.conn.info.backend_pid,
+                                                        "ops-ticker")
 
 
 @given(slots=st.integers(1, 64), members=st.integers(1, 70))

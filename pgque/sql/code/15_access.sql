@@ -6,9 +6,11 @@
 --
 --   * A consumer (a plain subscription or a consumer group) belongs to the
 --     role that subscribed it. Receiving, acking, nacking, claiming its
---     slots, reading its dead letters and unsubscribing it are refused
---     (PQ014) to every other role, except admins and the roles its owner
---     granted access to (grant_consumer).
+--     slots, listing, replaying and purging its dead letters and
+--     unsubscribing it are refused (PQ014) to every other role, except
+--     admins and the roles its owner granted access to (grant_consumer).
+--     Dead letters of a consumer that was unsubscribed are the admins' alone
+--     (see 70_retry.sql).
 --   * A queue may be restricted: once a role is granted 'send' on it
 --     (grant_queue), only the granted roles may send to it; once one is
 --     granted 'consume', only those may subscribe to it and consume from it
@@ -374,8 +376,9 @@ $$;
 
 -- pgque.grant_consumer(queue, consumer, role): lets role (and its members)
 -- use consumer (a plain consumer or a consumer group) as its owner does:
--- receive, ack, nack, claim slots, read dead letters, unsubscribe. True when
--- role was not granted it yet. The owner or an admin only.
+-- receive, ack, nack, claim slots, list, replay and purge its dead letters,
+-- unsubscribe. True when role was not granted it yet. The owner or an admin
+-- only.
 create or replace function pgque.grant_consumer(p_queue text, p_consumer text, p_role text)
 returns boolean
 language sql

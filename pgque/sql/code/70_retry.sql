@@ -61,13 +61,20 @@ as $$
                       and pgque._may_consume(p_role, p_queue, g.cg_owner, g.cg_grantees))
 $$;
 
--- pgque._may_read_dead_letters(queue, sub_id, role): whether role (an oid)
--- may read the dead letters that subscription sub_id made: it must still
--- exist and role may use it (its group, for a slot). Dead letters of a
--- consumer that is gone belong to the admins only, even once another consumer
--- takes its name: that one is another subscription (and a group subscribed
--- again has new slot subscriptions).
-create or replace function pgque._may_read_dead_letters(
+-- Dead letters belong to the subscription that made them (dl_sub). An admin
+-- may list, replay and purge every one. Any other role may do so with those
+-- of the subscriptions it may use (it owns the consumer or group, or was
+-- granted it: see 15_access.sql), within the queue's 'consume' grants. The
+-- dead letters of a subscription that is gone are the admins' alone, even once
+-- another consumer takes its name: that one is another subscription (and a
+-- group subscribed again has new slot subscriptions). Every refusal (PQ015 for
+-- the queue, PQ014 for the consumer) is raised before anything changes, and
+-- says what the role lacks.
+
+-- pgque._may_use_dead_letters(queue, sub_id, role): whether role (an oid)
+-- may list, replay and purge the dead letters that subscription sub_id made:
+-- it must still exist and role may use it (its group, for a slot).
+create or replace function pgque._may_use_dead_letters(
     p_queue pgque.queue, p_sub_id integer, p_role oid)
 returns boolean
 language sql stable
@@ -78,11 +85,109 @@ as $$
                       and pgque._may_use_consumer_name(p_queue, s.sub_consumer, p_role))
 $$;
 
+-- pgque._refuse_dead_letters(queue, action, consumer, gone, dl_id): raises
+-- PQ014: the caller may not action ('list', 'replay' or 'purge') the dead
+-- letters of consumer (a plain consumer's name, a group's, or a slot
+-- subscription's, which stands for its group). The message says what the
+-- role lacks: to own the consumer or be granted it, or to be in pgque_admin;
+-- when gone (no such consumer is subscribed or, given dl_id, the subscription
+-- that made that dead letter was unsubscribed), that only admins may.
+create or replace function pgque._refuse_dead_letters(
+    p_queue pgque.queue, p_action text, p_consumer text, p_gone boolean,
+    p_dl_id bigint default null)
+returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_caller name := pgque._caller();
+    v_name text := pgque._name_for_message(split_part(p_consumer, '#', 1));
+    v_owner oid;
+begin
+    if p_gone and p_dl_id is not null then
+        raise exception using errcode = 'PQ014',
+            message = format('role %s may not %s dead letter %s of queue %L: consumer %L, which '
+                             'made it, was unsubscribed, and the dead letters of an unsubscribed '
+                             'consumer are for pgque_admin alone',
+                             v_caller, p_action, p_dl_id, p_queue.queue_name, v_name);
+    end if;
+    if p_gone then
+        raise exception using errcode = 'PQ014',
+            message = format('role %s may not %s dead letters of consumer %L of queue %L: no such '
+                             'consumer is subscribed, and the dead letters of an unsubscribed '
+                             'consumer are for pgque_admin alone',
+                             v_caller, p_action, v_name, p_queue.queue_name);
+    end if;
+    v_owner := coalesce(
+        (select s.sub_owner from pgque.subscription s
+          where s.sub_queue = p_queue.queue_id and s.sub_consumer = p_consumer
+            and position('#' in p_consumer) = 0),
+        (select g.cg_owner from pgque.consumer_group g
+          where g.cg_queue = p_queue.queue_id
+            and g.cg_consumer = split_part(p_consumer, '#', 1)));
+    raise exception using errcode = 'PQ014',
+        message = format('role %s may not %s dead letters of consumer %L of queue %L: it needs to '
+                         'own the consumer or be granted it (pgque.grant_consumer), or be in '
+                         'pgque_admin', v_caller, p_action, v_name, p_queue.queue_name),
+        hint = case when v_owner is not null then
+                   format('It belongs to role %s; its owner or an admin may grant it with '
+                          'pgque.grant_consumer(%L, %L, %L).', v_owner::regrole,
+                          p_queue.queue_name, v_name, v_caller) end;
+end
+$$;
+
+-- pgque._dead_letter_access(queue, action, consumer): the check every
+-- dead-letter function makes first; returns whether the caller is an admin,
+-- who may do everything. Any other role must pass the queue's 'consume'
+-- grants (PQ015 otherwise) and, when consumer is given, may use the plain
+-- consumer or the consumer group of that name (PQ014 otherwise). action
+-- ('list', 'replay' or 'purge') is for the messages.
+create or replace function pgque._dead_letter_access(
+    p_queue pgque.queue, p_action text, p_consumer text default null)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_caller name := pgque._caller();
+    v_role oid;
+begin
+    if pgque._is_admin(v_caller) then
+        return true;
+    end if;
+    v_role := pgque._role_id(v_caller);
+    if p_queue.queue_consumers is not null
+       and not pgque._in_roles(v_role, p_queue.queue_consumers) then
+        raise exception using errcode = 'PQ015',
+            message = format('role %s may not %s dead letters of queue %L: it needs to be granted '
+                             '''consume'' on the queue (pgque.grant_queue), or be in pgque_admin',
+                             v_caller, p_action, p_queue.queue_name),
+            hint = format('An admin grants it with pgque.grant_queue(%L, %L, ''consume'').',
+                          p_queue.queue_name, v_caller);
+    end if;
+    -- The name given may be a plain consumer's or a group's.
+    if p_consumer is not null
+       and not pgque._may_use_consumer_name(p_queue, p_consumer, v_role)
+       and not pgque._may_use_consumer_name(p_queue, p_consumer || '#', v_role) then
+        perform pgque._refuse_dead_letters(
+            p_queue, p_action, p_consumer,
+            not exists (select 1 from pgque.subscription s
+                         where s.sub_queue = p_queue.queue_id and s.sub_consumer = p_consumer
+                           and position('#' in p_consumer) = 0)
+            and not exists (select 1 from pgque.consumer_group g
+                             where g.cg_queue = p_queue.queue_id
+                               and g.cg_consumer = split_part(p_consumer, '#', 1)));
+    end if;
+    return false;
+end
+$$;
+
 -- pgque.dead_letters(queue, consumer, limit, after_id): dead letters of a
 -- queue (of one consumer, or of every slot of a consumer group, when given),
 -- oldest first, after dl_id after_id. A role that is not an admin sees only
--- those of the consumers it may use, and is refused (PQ014) when it names
--- one it may not (or one that no longer exists).
+-- those of the subscriptions it may use; it is refused (PQ015) by the queue's
+-- 'consume' grants, and (PQ014) when it names a consumer it may not use or
+-- that is not subscribed.
 create or replace function pgque.dead_letters(
     p_queue text, p_consumer text default null, p_limit integer default 100,
     p_after_id bigint default 0)
@@ -95,23 +200,9 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
-    v_caller name := pgque._caller();
-    v_admin boolean := pgque._is_admin(v_caller);
-    v_role oid := pgque._role_id(v_caller);
+    v_admin boolean := pgque._dead_letter_access(v_queue, 'list', p_consumer);
+    v_role oid := case when not v_admin then pgque._role_id(pgque._caller()) end;
 begin
-    if not v_admin then
-        perform pgque._require_queue(v_queue, 'consume');
-        -- The name given may be a plain consumer's or a group's.
-        if p_consumer is not null
-           and not pgque._may_use_consumer_name(v_queue, p_consumer, v_role)
-           and not pgque._may_use_consumer_name(v_queue, p_consumer || '#', v_role) then
-            raise exception using errcode = 'PQ014',
-                message = format('role %s may not read the dead letters of consumer %L of queue %L',
-                                 v_caller, pgque._name_for_message(p_consumer), v_queue.queue_name),
-                hint = 'Only roles that may use the consumer (its owner, roles it was granted to) '
-                       'and admins may; the dead letters of a consumer that is gone, admins only.';
-        end if;
-    end if;
     return query
         select d.dl_id, d.dl_consumer, d.dl_time, d.dl_reason, d.ev_id, d.ev_time, d.ev_retry,
                d.ev_type, d.ev_data, d.ev_extra1
@@ -120,7 +211,7 @@ begin
            and (p_consumer is null or d.dl_consumer = p_consumer
                 or split_part(d.dl_consumer, '#', 1) = p_consumer)
            and d.dl_id > coalesce(p_after_id, 0)
-           and (v_admin or pgque._may_read_dead_letters(v_queue, d.dl_sub, v_role))
+           and (v_admin or pgque._may_use_dead_letters(v_queue, d.dl_sub, v_role))
          order by d.dl_id
          limit p_limit;
 end
@@ -128,9 +219,13 @@ $$;
 
 -- pgque.replay_dead_letter(queue, dl_id): puts a dead letter back into the
 -- log for the consumer that dead-lettered it (same ev_id, type, payload and
--- partition key; retry count back to 0) and removes it from dead letters. Returns
--- the ev_id. Raises PQ009 if there is no such dead letter, PQ002 if its
--- consumer is no longer subscribed.
+-- partition key; retry count back to 0) and removes it from dead letters.
+-- Returns the ev_id. Admins may replay any; another role those of the
+-- subscriptions it may use, within the queue's 'consume' grants. Raises
+-- PQ015 (the queue's grants), PQ009 if there is no such dead letter, PQ014
+-- if the role may not use its consumer, or the subscription that made it is
+-- gone (admins only, then), PQ002 (an admin) if no consumer of its name is
+-- subscribed. A refusal changes nothing.
 create or replace function pgque.replay_dead_letter(p_queue text, p_dl_id bigint)
 returns bigint
 language plpgsql
@@ -139,15 +234,27 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_admin boolean := pgque._dead_letter_access(v_queue, 'replay');
     v_dead pgque.dead_letter;
     v_owner integer;
 begin
-    delete from pgque.dead_letter where dl_queue = v_queue.queue_id and dl_id = p_dl_id
-    returning * into v_dead;
+    -- Locked first: a concurrent replay of the same dead letter then finds it gone.
+    select * into v_dead from pgque.dead_letter d
+     where d.dl_queue = v_queue.queue_id and d.dl_id = p_dl_id
+       for update;
     if not found then
         raise exception using errcode = 'PQ009',
             message = format('queue %L has no dead letter %s', pgque._name_for_message(p_queue), p_dl_id);
     end if;
+    if not v_admin
+       and not pgque._may_use_dead_letters(v_queue, v_dead.dl_sub, pgque._role_id(pgque._caller())) then
+        perform pgque._refuse_dead_letters(
+            v_queue, 'replay', v_dead.dl_consumer,
+            not exists (select 1 from pgque.subscription s where s.sub_id = v_dead.dl_sub),
+            v_dead.dl_id);
+    end if;
+    -- The subscription of that name: for a role other than an admin, the one
+    -- that made the dead letter (names are unique per queue).
     select sub_id into v_owner from pgque.subscription
      where sub_queue = v_queue.queue_id and sub_consumer = v_dead.dl_consumer;
     if not found then
@@ -155,6 +262,7 @@ begin
             message = format('consumer %L is not subscribed to queue %L',
                              pgque._name_for_message(v_dead.dl_consumer), pgque._name_for_message(p_queue));
     end if;
+    delete from pgque.dead_letter d where d.dl_id = v_dead.dl_id;
     execute 'with src as (select $1::bigint as ev_id, $2::timestamptz as ev_time,'
             '                    $3::integer as ev_owner, 0 as ev_retry, $4::text as ev_type,'
             '                    $5::text as ev_data, $6::text as ev_extra1) '
@@ -168,7 +276,12 @@ $$;
 
 -- pgque.purge_dead_letters(queue, consumer, dl_ids): deletes dead letters of
 -- a queue: the given ids, or all (of the consumer or group, when given) when
--- ids is null. Returns how many.
+-- ids is null. Returns how many. Admins may purge any. Another role purges
+-- those of the subscriptions it may use, as dead_letters lists them, within
+-- the queue's 'consume' grants: PQ015 otherwise, PQ014 for a consumer named
+-- that it may not use or that is not subscribed, and PQ014, purging none,
+-- when one of the ids given is a dead letter it may not use (also one whose
+-- subscription is gone).
 create or replace function pgque.purge_dead_letters(
     p_queue text, p_consumer text default null, p_dl_ids bigint[] default null)
 returns bigint
@@ -178,13 +291,32 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_admin boolean := pgque._dead_letter_access(v_queue, 'purge', p_consumer);
+    v_role oid := case when not v_admin then pgque._role_id(pgque._caller()) end;
+    v_dead pgque.dead_letter;
     v_count bigint;
 begin
-    delete from pgque.dead_letter
-     where dl_queue = v_queue.queue_id
-       and (p_consumer is null or dl_consumer = p_consumer
-            or split_part(dl_consumer, '#', 1) = p_consumer)
-       and (p_dl_ids is null or dl_id = any(p_dl_ids));
+    if not v_admin and p_dl_ids is not null then
+        select * into v_dead from pgque.dead_letter d
+         where d.dl_queue = v_queue.queue_id and d.dl_id = any(p_dl_ids)
+           and (p_consumer is null or d.dl_consumer = p_consumer
+                or split_part(d.dl_consumer, '#', 1) = p_consumer)
+           and not pgque._may_use_dead_letters(v_queue, d.dl_sub, v_role)
+         order by d.dl_id
+         limit 1;
+        if found then
+            perform pgque._refuse_dead_letters(
+                v_queue, 'purge', v_dead.dl_consumer,
+                not exists (select 1 from pgque.subscription s where s.sub_id = v_dead.dl_sub),
+                v_dead.dl_id);
+        end if;
+    end if;
+    delete from pgque.dead_letter d
+     where d.dl_queue = v_queue.queue_id
+       and (p_consumer is null or d.dl_consumer = p_consumer
+            or split_part(d.dl_consumer, '#', 1) = p_consumer)
+       and (p_dl_ids is null or d.dl_id = any(p_dl_ids))
+       and (v_admin or pgque._may_use_dead_letters(v_queue, d.dl_sub, v_role));
     get diagnostics v_count = row_count;
     return v_count;
 end

@@ -1,4 +1,10 @@
--- pgque: what operators look at (queues and consumers).
+-- pgque: what operators look at: queues, consumers, consumer groups and their
+-- slots, the active ticker.
+--
+-- Stalls: a queue is stalled when events wait for a tick and nobody ticks it,
+-- a slot when an event waits and nobody moves the slot, each judged against a
+-- threshold (stalled_after) that the caller may give and that defaults to the
+-- queue's own (_stalled_after).
 
 -- pgque._oldest_unconsumed(queue_id, sub_id, snapshot, slot, slots): ev_time
 -- of the earliest-written event the subscription has not consumed yet (not
@@ -30,8 +36,60 @@ begin
 end
 $$;
 
--- pgque._queue_info: one row per queue with its settings, its newest tick and
--- how many events were sent since that tick.
+-- pgque._stalled_after(queue): the queue's own stall threshold: twice its
+-- ticker_idle_period, and at least 10 seconds. A running ticker ticks every
+-- queue at least once per ticker_idle_period (events that wait, sooner), so
+-- twice that is late; the floor keeps a short period from flagging a ticker's
+-- hiccups (pg_cron's ticker_loop pauses about 2 seconds a minute).
+create or replace function pgque._stalled_after(p_queue pgque.queue)
+returns interval
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select greatest(2 * p_queue.queue_ticker_idle_period, interval '10 seconds') $$;
+
+-- pgque._check_stalled_after(after): 22023 for a negative threshold; null
+-- (the queues' own) and zero (any wait) are fine.
+create or replace function pgque._check_stalled_after(p_after interval)
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_after < interval '0' then
+        raise exception using errcode = '22023',
+            message = format('stalled_after must not be negative, not %s', p_after);
+    end if;
+end
+$$;
+
+-- pgque._queue_stalled(events_since_last_tick, last_tick_age, after): whether
+-- nobody ticks the queue: events were sent since its newest tick, and that
+-- tick is older than after (or there is none).
+create or replace function pgque._queue_stalled(
+    p_events bigint, p_tick_age interval, p_after interval)
+returns boolean
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select p_events > 0 and coalesce(p_tick_age > p_after, true) $$;
+
+-- pgque._slot_stalled(oldest_unconsumed_age, owner_pid, last_active, after):
+-- whether a slot looks stalled: an event has waited longer than after, and
+-- nobody owns the slot or it has not moved (no receive or ack) for that long.
+-- False when nothing waits.
+create or replace function pgque._slot_stalled(
+    p_oldest interval, p_owner integer, p_last_active timestamptz, p_after interval)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce(p_oldest > p_after
+                    and (p_owner is null or now() - p_last_active > p_after), false)
+$$;
+
+-- pgque._queue_info: one row per queue with its settings, its newest tick,
+-- how many events were sent since that tick, its subscriptions (all of them:
+-- get_queue_info counts a non-admin's only) and whether it is stalled by its
+-- own threshold.
 create or replace view pgque._queue_info as
 select q.queue_name,
        q.queue_id,
@@ -46,13 +104,19 @@ select q.queue_name,
        t.tick_id as last_tick_id,
        t.tick_time as last_tick_time,
        now() - t.tick_time as last_tick_age,
-       coalesce(pg_sequence_last_value(q.queue_event_seq), 0) as event_seq,
-       greatest(coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
-                - coalesce(t.tick_event_seq, 0), 0) as events_since_last_tick,
-       (select count(*) from pgque.subscription s where s.sub_queue = q.queue_id) as consumers
+       e.event_seq,
+       e.events_since_last_tick,
+       (select count(*) from pgque.subscription s where s.sub_queue = q.queue_id) as consumers,
+       pgque._stalled_after(q) as stalled_after,
+       pgque._queue_stalled(e.events_since_last_tick, now() - t.tick_time,
+                            pgque._stalled_after(q)) as stalled
   from pgque.queue q
   left join lateral (select * from pgque.tick t where t.tick_queue = q.queue_id
-                      order by t.tick_id desc limit 1) t on true;
+                      order by t.tick_id desc limit 1) t on true
+  cross join lateral (
+      select coalesce(pg_sequence_last_value(q.queue_event_seq), 0) as event_seq,
+             greatest(coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
+                      - coalesce(t.tick_event_seq, 0), 0) as events_since_last_tick) e;
 
 -- pgque._consumer_info: one row per subscription: where its cursor is, how far
 -- behind it is (ticks, events by sequence position, time), its open batch and
@@ -109,16 +173,19 @@ end
 $$;
 
 -- pgque._partition_slot_status: one row per slot of every consumer group:
--- its owner (the backend holding the slot's advisory lock), how much it has
--- not consumed, its retries and dead letters, and whether it looks stalled
--- (events waiting for over a minute while nobody owns it or it has not moved
--- for a minute).
+-- its owner (the backend holding the slot's advisory lock, and the
+-- application name that session set: pg_stat_activity shows it to every
+-- role, unlike the backend's start or its query), the slot's current epoch
+-- (66_fence.sql), how much it has not consumed, its retries and dead letters,
+-- and whether it looks stalled by the queue's own threshold (_slot_stalled).
 create or replace view pgque._partition_slot_status as
 select q.queue_name,
        g.cg_consumer as consumer_name,
        k.slot,
        g.cg_slots as slots,
        l.pid as owner_pid,
+       l.name as owner_name,
+       e.sc_epoch as epoch,
        pgque._pending_events(q.queue_id, s.sub_id, t.tick_snapshot, k.slot, g.cg_slots)
            as pending_events,
        (select count(*) from pgque.tick n
@@ -129,9 +196,8 @@ select q.queue_name,
        c.cur_time as last_active,
        (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
        (select count(*) from pgque.dead_letter d where d.dl_sub = s.sub_id) as dead_letters,
-       coalesce(o.age > interval '1 minute'
-                and (l.pid is null or now() - c.cur_time > interval '1 minute'),
-                false) as stalled
+       pgque._stalled_after(q) as stalled_after,
+       pgque._slot_stalled(o.age, l.pid, c.cur_time, pgque._stalled_after(q)) as stalled
   from pgque.consumer_group g
   join pgque.queue q on q.queue_id = g.cg_queue
   cross join lateral generate_series(0, g.cg_slots - 1) as k(slot)
@@ -143,11 +209,54 @@ select q.queue_name,
   cross join lateral (select now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id,
                                         t.tick_snapshot, k.slot, g.cg_slots) as age) o
   -- The owner: the session holding the slot's key exclusively, if its role
-  -- may use the group (see 65_partition.sql).
-  left join lateral (select k.pid from pgque._key_sessions(s.sub_lock_key) k
+  -- may use the group (see 65_partition.sql); null for a name it did not set.
+  left join lateral (select k.pid, nullif(a.application_name, '') as name
+                       from pgque._key_sessions(s.sub_lock_key) k
+                       left join pg_stat_activity a on a.pid = k.pid
                       where k.granted and k.mode = 'ExclusiveLock'
                         and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees)
-                      limit 1) l on true;
+                      limit 1) l on true
+  left join pgque.slot_claim e on e.sc_sub = s.sub_id;
+
+-- pgque._group_info: one row per consumer group: its slot count, its live
+-- members (sessions holding one of its member keys, see join_group), how many
+-- slots have an owner and the newest epoch of its slots. Only sessions whose
+-- roles may use the group count, as in group_status. pg_locks is read once.
+create or replace view pgque._group_info as
+with locks as materialized (
+    -- Advisory locks are per database, but pg_locks shows the whole cluster.
+    select l.classid, l.objid, l.objsubid, l.pid, a.usesysid as role
+      from pg_locks l
+      left join pg_stat_activity a on a.pid = l.pid
+     where l.locktype = 'advisory' and l.granted and l.mode = 'ExclusiveLock'
+       and l.database = (select oid from pg_database where datname = current_database()))
+select q.queue_name,
+       g.cg_consumer as consumer_name,
+       g.cg_slots as slots,
+       (select count(distinct k.pid) from locks k
+         where k.objsubid = 2 and k.classid = pgque._member_class(g)::oid
+           and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees))::integer as members,
+       (select count(*)
+          from pgque.subscription s
+         where s.sub_queue = q.queue_id
+           and s.sub_consumer = any (array(
+                   select pgque._slot_name(g.cg_consumer, n, g.cg_slots)
+                     from generate_series(0, g.cg_slots - 1) n))
+           and exists (select 1 from locks k
+                        where k.objsubid = 1
+                          and k.classid = ((s.sub_lock_key >> 32) & 4294967295)::oid
+                          and k.objid = (s.sub_lock_key & 4294967295)::oid
+                          and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees))
+       )::integer as owned_slots,
+       (select max(c.sc_epoch)
+          from pgque.subscription s
+          join pgque.slot_claim c on c.sc_sub = s.sub_id
+         where s.sub_queue = q.queue_id
+           and s.sub_consumer = any (array(
+                   select pgque._slot_name(g.cg_consumer, n, g.cg_slots)
+                     from generate_series(0, g.cg_slots - 1) n))) as newest_epoch
+  from pgque.consumer_group g
+  join pgque.queue q on q.queue_id = g.cg_queue;
 
 -- The info views read event tables and sequences that callers have no
 -- privileges on, so they are reached through SECURITY DEFINER functions,
@@ -173,17 +282,40 @@ as $$
         or pgque._in_roles(p_role, p_queue.queue_senders)
 $$;
 
--- pgque.get_queue_info(): the rows of pgque.queue_info.
-create or replace function pgque.get_queue_info()
+-- pgque.get_queue_info(stalled_after): the rows of pgque.queue_info, with
+-- stalled judged against stalled_after when given (else each queue's own,
+-- _stalled_after; 22023 when negative). A caller that is not an admin sees
+-- the queues it may send to or consume from, and their consumers counts only
+-- the subscriptions it may use (those consumer_info shows it).
+create or replace function pgque.get_queue_info(p_stalled_after interval default null)
 returns setof pgque._queue_info
-language sql stable
+language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-    select i.* from pgque._queue_info i
-      join pgque.queue q on q.queue_id = i.queue_id
-     cross join pgque._caller_access() me
-     where me.admin or pgque._may_see_queue(q, me.role)
+declare
+    v_me record;
+    r pgque._queue_info;
+begin
+    perform pgque._check_stalled_after(p_stalled_after);
+    select * into v_me from pgque._caller_access();
+    for r in select i.* from pgque._queue_info i
+               join pgque.queue q on q.queue_id = i.queue_id
+              where v_me.admin or pgque._may_see_queue(q, v_me.role) loop
+        if not v_me.admin then
+            r.consumers := (select count(*) from pgque.subscription s
+                              join pgque.queue q on q.queue_id = s.sub_queue
+                             where s.sub_queue = r.queue_id
+                               and pgque._may_use_consumer_name(q, s.sub_consumer, v_me.role));
+        end if;
+        if p_stalled_after is not null then
+            r.stalled_after := p_stalled_after;
+            r.stalled := pgque._queue_stalled(r.events_since_last_tick, r.last_tick_age,
+                                              p_stalled_after);
+        end if;
+        return next r;
+    end loop;
+end
 $$;
 
 -- pgque.get_consumer_info(): the rows of pgque.consumer_info.
@@ -203,19 +335,69 @@ $$;
 create or replace view pgque.queue_info as select * from pgque.get_queue_info();
 create or replace view pgque.consumer_info as select * from pgque.get_consumer_info();
 
--- pgque.get_partition_slot_status(): the rows of pgque.partition_slot_status.
-create or replace function pgque.get_partition_slot_status()
+-- pgque.get_partition_slot_status(stalled_after): the rows of
+-- pgque.partition_slot_status (of the groups the caller may use, for one
+-- that is not an admin), with stalled judged against stalled_after when given
+-- (else each queue's own, _stalled_after; 22023 when negative).
+create or replace function pgque.get_partition_slot_status(p_stalled_after interval default null)
 returns setof pgque._partition_slot_status
-language sql volatile
+language plpgsql volatile
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-    select i.* from pgque._partition_slot_status i
-      join pgque.queue q on q.queue_name = i.queue_name
-     cross join pgque._caller_access() me
-     -- consumer_name is the group's: '#' makes _may_use_consumer_name judge the group.
-     where me.admin or pgque._may_use_consumer_name(q, i.consumer_name || '#', me.role)
+declare
+    r pgque._partition_slot_status;
+begin
+    perform pgque._check_stalled_after(p_stalled_after);
+    for r in select i.* from pgque._partition_slot_status i
+               join pgque.queue q on q.queue_name = i.queue_name
+              cross join pgque._caller_access() me
+              -- consumer_name is the group's: '#' makes _may_use_consumer_name judge the group.
+              where me.admin or pgque._may_use_consumer_name(q, i.consumer_name || '#', me.role)
+    loop
+        if p_stalled_after is not null then
+            r.stalled_after := p_stalled_after;
+            r.stalled := pgque._slot_stalled(r.oldest_unconsumed_age, r.owner_pid,
+                                             r.last_active, p_stalled_after);
+        end if;
+        return next r;
+    end loop;
+end
 $$;
 
 create or replace view pgque.partition_slot_status as
 select * from pgque.get_partition_slot_status();
+
+-- pgque.get_group_info(): the rows of pgque.group_info: the consumer groups
+-- the caller may use (all of them for an admin).
+create or replace function pgque.get_group_info()
+returns setof pgque._group_info
+language sql volatile
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_stat_clear_snapshot();  -- sessions that started since the transaction did
+    select i.* from pgque._group_info i
+      join pgque.queue q on q.queue_name = i.queue_name
+     cross join pgque._caller_access() me
+     where me.admin or pgque._may_use_consumer_name(q, i.consumer_name || '#', me.role)
+$$;
+
+create or replace view pgque.group_info as select * from pgque.get_group_info();
+
+-- pgque.get_ticker_info(): the row of pgque.ticker_info: the database's
+-- active ticker (active_ticker(): only sessions that may tick count), by
+-- backend pid and the application name its session set; nulls when none is
+-- active. Who ticks is no secret (pg_stat_activity shows every session), so
+-- every reader may see it: when nothing ticks, nothing is delivered.
+create or replace function pgque.get_ticker_info(out active_pid integer, out active_name text)
+language sql volatile
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select t.pid, nullif(a.application_name, '')
+      from (select pgque.active_ticker() as pid) t
+      left join pg_stat_activity a on a.pid = t.pid
+$$;
+
+create or replace view pgque.ticker_info as select * from pgque.get_ticker_info();

@@ -4,7 +4,8 @@
 -- installer (SECURITY DEFINER, with search_path pinned to pg_catalog), and
 -- read the info views. Execution is revoked from PUBLIC and granted by role:
 --   pgque_writer  send events
---   pgque_reader  subscribe, receive, ack, nack, read the info views
+--   pgque_reader  subscribe, receive, ack, nack, read the info views, list,
+--                 replay and purge the dead letters of consumers it may use
 --   pgque_admin   everything, including queue management and maintenance
 -- Inside that bound, consumers belong to the roles that made them and queues
 -- may be restricted per role (see 15_access.sql).
@@ -44,8 +45,10 @@ declare
         'ack(text,text,bigint)', 'nack(text,text,bigint,bigint[],interval,text)',
         'ack(text,text,bigint,bigint[],text[],interval)',
         'pin_session(text)', 'session_checked(text,integer,text)',
-        'queue_config(text)', 'dead_letters(text,text,integer,bigint)', 'version()',
-        'get_queue_info()', 'get_consumer_info()', 'get_partition_slot_status()',
+        'queue_config(text)', 'dead_letters(text,text,integer,bigint)',
+        'replay_dead_letter(text,bigint)', 'purge_dead_letters(text,text,bigint[])', 'version()',
+        'get_queue_info(interval)', 'get_consumer_info()',
+        'get_partition_slot_status(interval)', 'get_group_info()', 'get_ticker_info()',
         'subscribe_slots(text,text,integer)', 'subscribe_slot(text,text,integer,integer)',
         'unsubscribe_slots(text,text)', 'slot_lock_key(text,text,integer)',
         'claim_slot(text,text,integer)', 'release_slot(text,text,integer)',
@@ -75,7 +78,7 @@ begin
             execute pg_catalog.format('grant execute on function pgque.%s to pgque_reader', v_fn);
         end loop;
         execute 'grant select on pgque.queue_info, pgque.consumer_info, '
-                'pgque.partition_slot_status to pgque_reader';
+                'pgque.partition_slot_status, pgque.group_info, pgque.ticker_info to pgque_reader';
     end if;
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_admin') then
         execute 'grant usage on schema pgque to pgque_admin';
@@ -87,7 +90,7 @@ begin
             execute pg_catalog.format('grant execute on routine %s to pgque_admin', v_fn);
         end loop;
         execute 'grant select on pgque.queue_info, pgque.consumer_info, '
-                'pgque.partition_slot_status to pgque_admin';
+                'pgque.partition_slot_status, pgque.group_info, pgque.ticker_info to pgque_admin';
     end if;
 end
 $grants$;
