@@ -170,7 +170,8 @@ def test_an_infinite_interval_setting_is_not_reported_as_zero(
 
 
 def test_cli_json_status_and_queue_list_are_the_records(dsn: str) -> None:
-    """Held: `pgque status --json` is {queues, consumers, slots} with one object per
+    """Held: `pgque status --json` is {ticker, queues, consumers, groups, slots}
+    (ticker and groups since 0.3) with one object per
     record, the records' fields as keys, intervals as seconds, times as ISO 8601 and
     unset values null; `pgque queue list --json` is the QueueInfo list; a queue that
     is not there fails with exit code 1."""
@@ -188,7 +189,8 @@ def test_cli_json_status_and_queue_list_are_the_records(dsn: str) -> None:
     done = cli("status", "--json")
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
-    assert set(status) == {"queues", "consumers", "slots"}
+    assert set(status) == {"ticker", "queues", "consumers", "groups", "slots"}
+    assert [set(g) for g in status["groups"]] == [set(pgque.GroupInfo.__struct_fields__)]
     assert [set(q) for q in status["queues"]] == [set(pgque.QueueInfo.__struct_fields__)]
     assert {frozenset(c) for c in status["consumers"]} == {
         frozenset(pgque.ConsumerInfo.__struct_fields__)}
