@@ -214,7 +214,11 @@ def main() -> int:
     if config.get("network_timeout") is not None and "network_timeout" in accepted:
         kwargs["network_timeout"] = config["network_timeout"]
     if config.get("ticker_dsn"):
-        kwargs["ticker"] = pgque.Ticker(config["ticker_dsn"], name=f"{name}-ticker")
+        # As the Worker makes its own: the same network timeout.
+        ticker_kwargs: dict[str, Any] = {"name": f"{name}-ticker"}
+        if "network_timeout" in kwargs:
+            ticker_kwargs["network_timeout"] = kwargs["network_timeout"]
+        kwargs["ticker"] = pgque.Ticker(config["ticker_dsn"], **ticker_kwargs)
 
     faulthandler.register(signal.SIGUSR1)  # the suite dumps our stacks if we hang
     # Handler failures are expected by the hundred: keep their tracebacks out.

@@ -5,7 +5,9 @@ and a report.
 Pieces
 ------
 * :class:`FaultRun` sets a scenario up (queue, consumer group, bookkeeping
-  tables), starts worker processes (tests/fault_worker.py, named ``fw-<i>``),
+  tables), starts worker processes (tests/fault_worker.py, named ``fw-<i>``;
+  they log in as a team's role with ``pgque_reader``, their Tickers as the
+  admin, as docs/operations.md recommends),
   producers (threads) and a :class:`Monitor`, injects faults, drains, stops
   everything and checks (:meth:`FaultRun.conclude`).
 * Producers write each event with a row in ``fault_sent`` in the SAME
@@ -76,6 +78,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -704,10 +707,21 @@ class FaultRun:
         self._clock = time.monotonic()
         self.timings: dict[str, float] = {}  # seconds spent per phase
         self.db.rows(SCHEMA)
+        # The workers log in as a team's role, as docs/operations.md recommends:
+        # pgque_reader, the consumer group its own, the bookkeeping tables (their
+        # transactional effects) granted; tickers and the harness are admins.
+        self.team = f"fault_team_{secrets.token_hex(4)}"
+        password = secrets.token_hex(12)
+        self.db.rows(f"create role {self.team} login password '{password}' in role pgque_reader;"
+                     f" grant select, insert, update, delete on all tables in schema public"
+                     f" to {self.team};"
+                     f" grant usage, select on all sequences in schema public to {self.team}")
+        self.worker_dsn = make_conninfo(dsn, user=self.team, password=password)
         with pgque.connect(dsn) as client:
             client.create_queue(self.queue, ticker_max_lag=0, ticker_max_count=100,
                                 max_retries=workload.max_retries)
-            client.subscribe_slots(self.queue, CONSUMER, slots=workload.slots)
+        with pgque.connect(self.worker_dsn) as team, pgque.connect(dsn) as client:
+            team.subscribe_slots(self.queue, CONSUMER, slots=workload.slots)
             lock_slots = {}
             for slot in range(workload.slots):
                 key = client.slot_lock_key(self.queue, CONSUMER, slot)
@@ -729,15 +743,18 @@ class FaultRun:
     def spawn(self, *, dsn: str | None = None, ticker_dsn: str | None = None,
               network_timeout: float | None = None, network: Network | None = None,
               victim: bool = False) -> FaultWorker:
-        """Start a worker process ``fw-<i>``: its DSN defaults to the server's,
-        through ``network`` when given; a ``victim`` has slower handlers."""
+        """Start a worker process ``fw-<i>``: its DSN defaults to the team's, its
+        Ticker's to the admin's (the team may not tick), both through ``network``
+        when given; a ``victim`` has slower handlers."""
         if network is not None and dsn is None:
-            dsn = network.dsn(self.dsn)
+            dsn = network.dsn(self.worker_dsn)
+        if ticker_dsn is None:
+            ticker_dsn = network.dsn(self.dsn) if network is not None else self.dsn
         w = self.workload
         index = next(self._names)
         name = f"fw-{index}"
         config = {
-            "dsn": dsn or self.dsn, "record_dsn": self.dsn, "queue": self.queue,
+            "dsn": dsn or self.worker_dsn, "record_dsn": self.dsn, "queue": self.queue,
             "consumer": CONSUMER, "slots": w.slots, "name": name, "max_events": w.max_events,
             "poll_interval": w.poll_interval, "rebalance_interval": w.rebalance_interval,
             "retry_after": w.retry_after,
@@ -800,6 +817,12 @@ class FaultRun:
             if i == 0:
                 self.wait_ticker(worker)
         self.wait_spread()
+        # The slots are held by the team's role: the harness tests that deployment.
+        owners = self.db.rows(
+            "select distinct a.usename from pg_locks l join pg_stat_activity a using (pid)"
+            " where l.locktype = 'advisory' and l.granted and l.objsubid = 1"
+            "   and a.application_name like 'fw-%%-lane%%'")
+        assert owners == [(self.team,)], f"slot owners log in as {owners}, not {self.team}"
         self.timings["start"] = round(time.monotonic() - began, 2)
         self.start_producers(slow=slow)
         time.sleep(self.workload.warmup)  # traffic before the fault, not a synchronisation
@@ -1267,6 +1290,8 @@ class FaultRun:
         for net in self.networks:
             net.stop()
         self.monitor.stop()
+        with contextlib.suppress(psycopg.Error):  # roles are the server's, not the database's
+            self.db.rows(f"drop owned by {self.team}; drop role {self.team}")
         self.db.close()
 
     def dump_logs(self, lines: int = 30) -> None:

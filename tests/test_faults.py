@@ -154,8 +154,9 @@ def test_sigstop_ticker_holder(scenario: Scenario, conclude: Callable[[FaultRun]
     Worker that has it (which then sets idle_session_timeout to 5/6 of it on
     its sessions, overriding the DSN's)."""
     run = scenario()
-    frozen_dsn = make_conninfo(run.dsn, options="-c idle_session_timeout=3000 "
-                                                 "-c idle_in_transaction_session_timeout=3000")
+    frozen_dsn = make_conninfo(run.worker_dsn,
+                               options="-c idle_session_timeout=3000 "
+                                       "-c idle_in_transaction_session_timeout=3000")
     run.start(first={"dsn": frozen_dsn, "ticker_dsn": run.dsn, "network_timeout": 3.6,
                      "victim": True})
     fault = run.sigstop(run.workers[0], seconds, expect_session_end=True, latency_bound=True)
