@@ -29,7 +29,6 @@ report header names the server (the plugin names it at the end with -q).
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -89,31 +88,12 @@ def restartable_server(pg_server: pgtest.PgServer) -> pgtest.PgServer:
     return pg_server
 
 
-#: The login role that installs pgque in the suite's template: the owner of the
-#: database and nothing more, as docs/operations.md recommends. Every pgque
-#: function is SECURITY DEFINER, so it runs as this role whoever calls it: a
-#: superuser installer would hide what such an owner may not do (read other
-#: sessions' statistics, say).
-INSTALLER = "pgque_suite_installer"
-
-
 @pytest.fixture(scope="session")
 def pgque_template(pgque_server: pgtest.PgServer,
                    pgque_template_setup: Any) -> Iterator[str]:
-    """The template, pgque installed by :data:`INSTALLER` (the plugin's installs as
-    the superuser)."""
-    password = secrets.token_hex(12)
-    with pgque_server.admin() as conn:
-        for role in ("pgque_reader", "pgque_writer", "pgque_admin"):  # a superuser's job
-            if not conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
-                conn.execute(f"create role {role} nologin")
-        if conn.execute("select 1 from pg_roles where rolname = %s", (INSTALLER,)).fetchone():
-            conn.execute(f"alter role {INSTALLER} password '{password}'")
-        else:
-            conn.execute(f"create role {INSTALLER} login nosuperuser nocreaterole nocreatedb"
-                         f" password '{password}'")
-    name = pgque_server.create_template(setup=pgque_template_setup, installer=INSTALLER,
-                                        installer_password=password)
+    """The template, pgque installed by ``pgtest.INSTALLER``, a database owner who
+    is no superuser (the plugin's installs as the superuser)."""
+    name = pgtest.create_installer_template(pgque_server, setup=pgque_template_setup)
     yield name
     pgque_server.drop_database(name)
 
@@ -132,7 +112,7 @@ def superuser_template(pgque_server: pgtest.PgServer,
 @pytest.fixture
 def pgque_dsn(request: pytest.FixtureRequest, pgque_server: pgtest.PgServer) -> Iterator[str]:
     """The superuser's DSN of a copy of the template: pgque installed by
-    :data:`INSTALLER`, or by the superuser for a test marked ``superuser_install``."""
+    ``pgtest.INSTALLER``, or by the superuser for a test marked ``superuser_install``."""
     which = ("superuser_template" if request.node.get_closest_marker("superuser_install")
              else "pgque_template")
     with pgque_server.scratch_database(template=request.getfixturevalue(which)) as dsn:

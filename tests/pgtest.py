@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import secrets
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from pgque.testing._server import scratch_name
 
 __all__ = [
     "CRON_DB",
+    "INSTALLER",
     "TEMPLATE_DB",
     "ContainerServer",
     "ExternalServer",
@@ -34,6 +36,7 @@ __all__ = [
     "admin",
     "cluster_tmpdir",
     "create_database",
+    "create_installer_template",
     "create_template",
     "drop_database",
     "has_pg_cron",
@@ -82,9 +85,36 @@ def drop_database(server: PgServer, name: str) -> None:
     server.drop_database(name)
 
 
+#: The login role that installs pgque in the suite's templates: the owner of the
+#: database and nothing more, as docs/operations.md recommends. Every pgque
+#: function is SECURITY DEFINER, so it runs as this role whoever calls it: a
+#: superuser installer would hide what such an owner may not do (read other
+#: sessions' statistics, say).
+INSTALLER = "pgque_suite_installer"
+
+
+def create_installer_template(server: PgServer, name: str | None = None,
+                              setup: Any = None) -> str:
+    """A template with pgque installed by :data:`INSTALLER` (made, or given a new
+    password, here; the pgque roles too, which only a superuser may make)."""
+    password = secrets.token_hex(12)
+    with server.admin() as conn:
+        for role in ("pgque_reader", "pgque_writer", "pgque_admin"):
+            if not conn.execute("select 1 from pg_roles where rolname = %s", (role,)).fetchone():
+                conn.execute(f"create role {role} nologin")
+        if conn.execute("select 1 from pg_roles where rolname = %s", (INSTALLER,)).fetchone():
+            conn.execute(f"alter role {INSTALLER} password '{password}'")
+        else:
+            conn.execute(f"create role {INSTALLER} login nosuperuser nocreaterole nocreatedb"
+                         f" password '{password}'")
+    return server.create_template(name, setup=setup, installer=INSTALLER,
+                                  installer_password=password)
+
+
 def create_template(server: PgServer) -> str:
-    """(Re)create :data:`TEMPLATE_DB` with pgque installed; return its name."""
-    return server.create_template(TEMPLATE_DB)
+    """(Re)create :data:`TEMPLATE_DB` with pgque installed by :data:`INSTALLER`;
+    return its name."""
+    return create_installer_template(server, TEMPLATE_DB)
 
 
 def scratch_databases(server: PgServer) -> set[str]:
