@@ -76,8 +76,15 @@ def test_an_epoch_is_stale_once_its_owners_session_ends(client: pgque.Client, ds
     with pytest.raises(pgque.StaleEpoch, match="stale"):
         client.check_fence(fence)
     client.check_fence(batch.fence)
-    # pids are reused: the owner is named by pid and the session key it holds.
-    conn.execute("update pgque.slot_claim set sc_session = sc_session + 1")
+    # pids are reused: the owner is named by pid and the epoch's key it holds. A
+    # session of the same pid holding the slot but not that key (here the owner,
+    # having let go of the key by hand) passes for no owner, from any session.
+    with pgque.connect(dsn) as other:
+        other.check_fence(batch.fence)
+        client.conn.execute("select pg_advisory_unlock(-sc_sub, sc_epoch::int),"
+                            " pg_advisory_unlock(-sc_sub, sc_epoch::int) from pgque.slot_claim")
+        with pytest.raises(pgque.StaleEpoch):
+            other.check_fence(batch.fence)
     with pytest.raises(pgque.StaleEpoch):
         client.check_fence(batch.fence)
 
@@ -232,9 +239,9 @@ def test_a_zombie_workers_handler_commits_nothing(client: pgque.Client, dsn: str
 
 def test_epochs_taken_in_rolled_back_transactions_leave_no_lock_behind(
         client: pgque.Client) -> None:
-    """The session key (66_fence.sql) is remembered in a setting, which a rollback
-    undoes while the lock stays: a session that drew a new key each time held one
-    more lock per rolled back first receive."""
+    """A new epoch's key (66_fence.sql) stays held when the transaction that took
+    the epoch rolls back: the next epoch's takes the place of every earlier one of
+    the slot, so a session holds no more locks however often that happens."""
     _setup(client)
     client.send("q", "e", 1)
     client.tick("q")
@@ -248,7 +255,7 @@ def test_epochs_taken_in_rolled_back_transactions_leave_no_lock_behind(
             client.conn.execute("do $$ begin raise 'undo'; end $$")
     held = scalar(client.conn, "select count(*) from pg_locks where locktype = 'advisory'"
                                " and pid = pg_backend_pid()")
-    assert held == 2, "the slot's key and the session key, nothing else"
+    assert held == 2, "the slot's key and its epoch's, nothing else"
     batch = client.receive_partitioned("q", "g", slot=0, slots=1)
     assert batch is not None and batch.fence is not None
     client.check_fence(batch.fence)

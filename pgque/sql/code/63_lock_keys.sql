@@ -7,12 +7,14 @@
 -- holds one. pg_locks shows a bigint key k as classid = high 32 bits, objid
 -- = low 32 bits, objsubid = 1.
 
--- Every key pgque takes, it takes twice (_take_key, _session_key): a
--- session lock is re-entrant, and while a session holds a key more than once, giving one hold back and taking it again is bookkeeping in the
--- session's own memory that never reaches the server's lock table. That is
--- what lets _holds_key ask the lock manager without ever releasing the key:
--- a release that reached the lock table would grant the key at once to any
--- session waiting on it, and pg_locks shows held keys to every role.
+-- Every key pgque takes, it takes twice (_take_key here; member keys in
+-- 65_partition.sql, epoch keys in 66_fence.sql): a session lock is
+-- re-entrant, and while a session holds a key more than once, giving one hold
+-- back and taking it again is bookkeeping in the session's own memory that
+-- never reaches the server's lock table. That is what lets _holds_key ask the
+-- lock manager without ever releasing the key: a release that reached the
+-- lock table would grant the key at once to any session waiting on it, and
+-- pg_locks shows held keys to every role.
 
 -- pgque._holds_key(key): whether this session holds the bigint advisory lock
 -- key exclusively at session level (a shared hold is not ownership: two
@@ -45,7 +47,7 @@ end
 $$;
 
 -- pgque._holds_pair(key1, key2): _holds_key for a two-integer key (a group
--- member's, 65_partition.sql, or a session key, 66_fence.sql).
+-- member's, 65_partition.sql, or an epoch's, 66_fence.sql).
 create or replace function pgque._holds_pair(p_key1 integer, p_key2 integer)
 returns boolean
 language plpgsql volatile

@@ -19,126 +19,117 @@
 -- client's watchdog): while the row is locked, its receive returns nothing,
 -- as when no batch is ready, and it tries again at its next poll.
 
--- A session is named by its pid and a session key: the second integer of a
--- two-integer advisory key (_session_class(), a random number) that the
--- session takes (twice, see 63_lock_keys.sql) when it first takes an epoch
--- and holds until it ends. Pids are reused, but the key dies with the
--- session, so "pid P holds session key K" names one session, and any session
--- may check it in pg_locks. (The backend's start time would do too, but
--- pg_stat_activity hides it from roles without pg_read_all_stats, which the
--- database owner who installs pgque usually lacks: every receive then took a
--- new epoch, and no fence passed.) The session remembers its key in a
--- setting; a rolled back transaction or RESET may lose that, but not the
--- lock, so the key is then looked up in pg_locks rather than drawn again
--- (which would leave a lock behind for every rollback).
+-- Who holds an epoch: the session that took it holds it as an advisory lock,
+-- the epoch key (two integers: _epoch_class(slot), the epoch's low 32 bits),
+-- taken twice (see 63_lock_keys.sql) when it takes the epoch and released
+-- with the slot. So "pid P holds epoch key K and the slot's key" names one
+-- session and one ownership: pids are reused, but the key dies with the
+-- session, and a release ends it even when the release's transaction rolls
+-- back or a checking transaction keeps the epoch's row from being updated.
+-- Any session may check it in pg_locks. (0.2 named the session by its
+-- backend's start time, which pg_stat_activity hides from roles without
+-- pg_read_all_stats, which the database owner who installs pgque usually
+-- lacks: every receive then took a new epoch, and no fence passed.)
 
--- pgque._session_class(): the first integer of every session key: negative,
--- so that it is never a group's member class (65_partition.sql).
-create or replace function pgque._session_class()
+-- pgque._epoch_class(sub_id): the first integer of a slot's epoch keys: the
+-- negated subscription id, never a group's member class (65_partition.sql,
+-- never negative).
+create or replace function pgque._epoch_class(p_sub_id integer)
 returns integer
 language sql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select -2023406815 $$;
+as $$ select -p_sub_id $$;
 
--- pgque._own_session_key(): this session's key, or null when its setting
--- does not name one it holds. No wait, no write, no look at pg_locks.
-create or replace function pgque._own_session_key()
+-- pgque._epoch_number(epoch): the second integer of an epoch's key: its low
+-- 32 bits, as a signed integer.
+create or replace function pgque._epoch_number(p_epoch bigint)
 returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select ((p_epoch + 2147483648) % 4294967296 - 2147483648)::integer $$;
+
+-- pgque._drop_epoch_keys(sub_id): releases every epoch key of the slot this
+-- session holds (found in pg_locks: a rolled back epoch leaves its key held
+-- with no row naming it). Called where an ownership or an epoch ends, not per
+-- receive.
+create or replace function pgque._drop_epoch_keys(p_sub_id integer)
+returns void
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
+set client_min_messages = error
 as $$
 declare
-    v_key integer := nullif(current_setting('pgque.session_key', true), '')::integer;
+    v_number bigint;
 begin
-    if v_key is not null and pgque._holds_pair(pgque._session_class(), v_key) then
-        return v_key;
-    end if;
-    return null;
-end
-$$;
-
--- pgque._session_key(): this session's key: the one it holds, else a new one
--- drawn and taken.
-create or replace function pgque._session_key()
-returns integer
-language plpgsql volatile
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_key integer := pgque._own_session_key();
-    v_held bigint;
-begin
-    if v_key is not null then
-        return v_key;
-    end if;
-    select l.objid::bigint into v_held from pg_locks l
-     where l.locktype = 'advisory' and l.objsubid = 2 and l.pid = pg_backend_pid()
-       and l.granted and l.mode = 'ExclusiveLock'
-       and l.classid = (pgque._session_class()::bigint & 4294967295)::oid
-       and l.database = (select oid from pg_database where datname = current_database())
-     limit 1;
-    if v_held is not null then
-        v_key := (v_held + 2147483648) % 4294967296 - 2147483648;  -- the oid as a signed integer
-    else
-        loop
-            -- A number another session holds or awaits is refused at once: draw again.
-            v_key := (pgque._random_key() & 4294967295) - 2147483648;
-            exit when pg_try_advisory_lock(pgque._session_class(), v_key);
+    for v_number in
+        select l.objid::bigint from pg_locks l
+         where l.locktype = 'advisory' and l.objsubid = 2 and l.pid = pg_backend_pid()
+           and l.granted and l.mode = 'ExclusiveLock'
+           and l.classid = (pgque._epoch_class(p_sub_id)::bigint & 4294967295)::oid
+           and l.database = (select oid from pg_database where datname = current_database())
+    loop
+        while pg_advisory_unlock(pgque._epoch_class(p_sub_id),
+                                 pgque._epoch_number(v_number)) loop
         end loop;
-        perform pg_try_advisory_lock(pgque._session_class(), v_key);  -- the second hold
-    end if;
-    perform set_config('pgque.session_key', v_key::text, false);
-    return v_key;
+    end loop;
 end
 $$;
 
--- pgque._session_holds(pid, session, key): whether the session named by pid
--- and its session key holds the bigint key exclusively: on this session's
--- own locks when it is this one, else in pg_locks (one read of it).
-create or replace function pgque._session_holds(p_pid integer, p_session bigint, p_key bigint)
+-- pgque._holds_epoch(pid, sub_id, epoch, key): whether the session pid holds
+-- the epoch's key and the slot's key (key) exclusively: on this session's own
+-- locks when it is this one (no look at pg_locks), else in pg_locks (one read).
+create or replace function pgque._holds_epoch(
+    p_pid integer, p_sub_id integer, p_epoch bigint, p_key bigint)
 returns boolean
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if p_pid is null or p_session is null then
+    if p_pid is null or p_epoch is null then
         return false;
     end if;
     if p_pid = pg_backend_pid() then
-        return pgque._own_session_key() = p_session and pgque._holds_key(p_key);
+        return pgque._holds_pair(pgque._epoch_class(p_sub_id), pgque._epoch_number(p_epoch))
+           and pgque._holds_key(p_key);
     end if;
     return (select count(*) = 2 from pg_locks l
              where l.locktype = 'advisory' and l.pid = p_pid
                and l.granted and l.mode = 'ExclusiveLock'
                and l.database = (select oid from pg_database where datname = current_database())
                and ((l.objsubid = 2
-                     and l.classid = (pgque._session_class()::bigint & 4294967295)::oid
-                     and l.objid = (p_session & 4294967295)::oid)
+                     and l.classid = (pgque._epoch_class(p_sub_id)::bigint & 4294967295)::oid
+                     and l.objid = (pgque._epoch_number(p_epoch)::bigint & 4294967295)::oid)
                     or (l.objsubid = 1
                         and l.classid = ((p_key >> 32) & 4294967295)::oid
                         and l.objid = (p_key & 4294967295)::oid)));
 end
 $$;
 
--- pgque._held_epoch(sub): the slot's current epoch when this session took
--- it, else null. Reads only: no wait, no write.
+-- pgque._held_epoch(sub): the slot's current epoch when this session took it
+-- in its current ownership of the slot, else null. No wait, no write, no look
+-- at pg_locks.
 create or replace function pgque._held_epoch(p_sub pgque.subscription)
 returns bigint
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_session integer := pgque._own_session_key();
+    v_epoch bigint;
 begin
-    return (select c.sc_epoch from pgque.slot_claim c
-             where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid()
-               and c.sc_session = v_session);
+    select c.sc_epoch into v_epoch from pgque.slot_claim c
+     where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid();
+    if v_epoch is not null
+       and pgque._holds_pair(pgque._epoch_class(p_sub.sub_id), pgque._epoch_number(v_epoch)) then
+        return v_epoch;
+    end if;
+    return null;
 end
 $$;
 
 -- pgque._slot_epoch(sub): the slot's epoch for this session, which owns the
 -- slot: the current one when this session took it (_held_epoch), else a new
--- one; null while a transaction that checked the old one holds it (see above).
+-- one, whose key it takes; null while a transaction that checked the old one
+-- holds it (see above).
 create or replace function pgque._slot_epoch(p_sub pgque.subscription)
 returns bigint
 language plpgsql
@@ -161,12 +152,16 @@ begin
     end if;
     -- A first row of the slot, or the row locked above. (Two sessions cannot
     -- both get here for one slot: only its owner receives.)
-    insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid, sc_session)
-    values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid(), pgque._session_key())
+    insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid)
+    values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid())
     on conflict (sc_sub) do update
-       set sc_epoch = excluded.sc_epoch, sc_pid = excluded.sc_pid,
-           sc_session = excluded.sc_session, sc_time = now()
+       set sc_epoch = excluded.sc_epoch, sc_pid = excluded.sc_pid, sc_time = now()
     returning sc_epoch into v_claim.sc_epoch;
+    perform pgque._drop_epoch_keys(p_sub.sub_id);  -- an earlier epoch's, rolled back
+    perform pg_try_advisory_lock(pgque._epoch_class(p_sub.sub_id),
+                                 pgque._epoch_number(v_claim.sc_epoch));
+    perform pg_try_advisory_lock(pgque._epoch_class(p_sub.sub_id),
+                                 pgque._epoch_number(v_claim.sc_epoch));  -- the second hold
     return v_claim.sc_epoch;
 end
 $$;
@@ -180,13 +175,13 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_session integer := pgque._own_session_key();
     v_epochs bigint[];
 begin
     select array_agg(c.sc_epoch order by t.ordinality) into v_epochs
       from unnest(p_subs) with ordinality as t
       join pgque.slot_claim c on c.sc_sub = t.sub_id
-     where c.sc_pid = pg_backend_pid() and c.sc_session = v_session;
+     where c.sc_pid = pg_backend_pid()
+       and pgque._holds_pair(pgque._epoch_class(c.sc_sub), pgque._epoch_number(c.sc_epoch));
     if cardinality(v_epochs) = cardinality(p_subs) then
         return v_epochs;
     end if;
@@ -196,16 +191,16 @@ end
 $$;
 
 -- pgque._end_epoch(sub): called when this session releases the slot: its
--- epoch ends, so the next claim (even by this session) takes a new one. It
--- does not wait: while a checking transaction holds the epoch, the epoch stays
--- (check_fence refuses it anyway once the slot is released, as nobody holds
--- the slot under it), and only a claim by this same session would take it up
--- again.
+-- epoch ends, so the next claim (even by this session) takes a new one. The
+-- epoch's key goes at once, whatever becomes of this transaction; the row is
+-- marked released unless a checking transaction holds it (no wait: check_fence
+-- refuses the epoch anyway once its key is gone).
 create or replace function pgque._end_epoch(p_sub pgque.subscription)
 returns void
 language sql
 set search_path = pg_catalog, pg_temp
 as $$
+    select pgque._drop_epoch_keys(p_sub.sub_id);
     update pgque.slot_claim c set sc_pid = null, sc_time = now()
      where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid()
        and c.sc_sub in (select l.sc_sub from pgque.slot_claim l where l.sc_sub = p_sub.sub_id
@@ -242,7 +237,8 @@ begin
                              coalesce(v_claim.sc_epoch::text, 'none')),
             hint = 'The slot passed to another owner: this handler must not write its effects.';
     end if;
-    if not pgque._session_holds(v_claim.sc_pid, v_claim.sc_session, (v.sub).sub_lock_key) then
+    if not pgque._holds_epoch(v_claim.sc_pid, (v.sub).sub_id, v_claim.sc_epoch,
+                              (v.sub).sub_lock_key) then
         raise exception using errcode = 'PQ026',
             message = format('epoch %s of slot %L is stale: the session that took it no '
                              'longer owns the slot', p_epoch, (v.sub).sub_consumer),
