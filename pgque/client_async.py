@@ -569,9 +569,13 @@ class AsyncClient:
         ticker call checks, in the same statement, that it still runs on that
         session, and raises SessionUnstable when it does not (a transaction-mode
         pooler, or another client pinning the same backend). claim_slot pins
-        on first use. ``settings`` (session settings, name to value) are set in
-        the same statement, so they are on the pinned session whatever lies in
-        between.
+        on first use. The pin is a session setting, so the rollback of the
+        transaction it ran in (or a RESET ALL) takes it off the session: the
+        next check on the same backend puts it back rather than failing. The
+        pin is kept for the client's lifetime. ``settings`` (session settings,
+        name to value) are set in the same statement, so they are on the
+        pinned session whatever lies in between (and, like the pin, undone by
+        a rollback of that statement's transaction).
         """
         token = secrets.token_hex(8)
         pairs = list((settings or {}).items())

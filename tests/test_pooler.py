@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import wait_for
+from helpers import scalar, wait_for
 from psycopg.conninfo import conninfo_to_dict
 
 import pgque
@@ -318,3 +318,26 @@ def test_ticker_behind_a_session_pooler_ticks(
                  what="a tick through the session pooler", dsn=dsn)
         assert ticker.alive
     assert ticker.error is None
+
+
+def test_a_pin_reset_on_its_own_session_comes_back_and_another_pin_still_raises(
+        client: pgque.Client, dsn: str) -> None:
+    """No false positive when the pin's setting is reset on the pinned session
+    itself (RESET ALL here; the rollback of the pinning transaction is
+    tests/test_review_issue24.py): the next check puts the token back. A backend
+    that another client pinned since, or another backend, still raises."""
+    make_group(client)
+    with psycopg.connect(dsn, autocommit=True) as conn, \
+            psycopg.connect(dsn, autocommit=True) as other:
+        owner = pgque.Client(conn)
+        assert owner.claim_slot("q", "g", 0)
+        conn.execute("reset all")
+        assert owner.claim_slot("q", "g", 0)
+        assert scalar(conn, "select current_setting('pgque.session_token')") != ""
+        pid = owner.pinned_pid
+        with pytest.raises(psycopg.Error) as info:  # another backend, with no token
+            other.execute("select pgque.session_checked('q', %s, 'someone')", (pid,))
+        assert info.value.sqlstate == "PQ025"
+        conn.execute("select pgque.pin_session('someone-else')")  # another client's pin
+        with pytest.raises(pgque.SessionUnstable):
+            owner.release_slot("q", "g", 0)

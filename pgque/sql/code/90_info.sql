@@ -62,15 +62,38 @@ begin
 end
 $$;
 
--- pgque._queue_stalled(events_since_last_tick, last_tick_age, after): whether
--- nobody ticks the queue: events were sent since its newest tick, and that
--- tick is older than after (or there is none).
+-- pgque._queue_stalled(queue_id, last_tick_id, last_tick_age, after): whether
+-- nobody ticks the queue: its newest tick (last_tick_id) is older than after,
+-- or there is none, and committed events wait for a tick: events that tick's
+-- snapshot does not cover (_uncovered_events), or with no tick any event. Not
+-- events_since_last_tick, which counts sequence positions: a send that rolled
+-- back takes them but leaves no event, and an idle queue is never stalled.
+-- Reads the event tables (an index probe on ev_txid each, as the ticker's
+-- _tick_due does) only when the tick is old enough.
 create or replace function pgque._queue_stalled(
-    p_events bigint, p_tick_age interval, p_after interval)
+    p_queue_id integer, p_tick_id bigint, p_tick_age interval, p_after interval)
 returns boolean
-language sql immutable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
-as $$ select p_events > 0 and coalesce(p_tick_age > p_after, true) $$;
+as $$
+declare
+    v_snapshot pg_snapshot;
+    v_found boolean;
+begin
+    if p_tick_age <= p_after then
+        return false;
+    end if;
+    if p_tick_id is null then
+        execute format('select exists (select 1 from pgque.%I)', pgque._event_table(p_queue_id))
+           into v_found;
+        return v_found;
+    end if;
+    select t.tick_snapshot into v_snapshot
+      from pgque.tick t
+     where t.tick_queue = p_queue_id and t.tick_id = p_tick_id;
+    return coalesce(pgque._uncovered_events(p_queue_id, v_snapshot), false);
+end
+$$;
 
 -- pgque._slot_stalled(oldest_unconsumed_age, owner_pid, last_active, after):
 -- whether a slot looks stalled: an event has waited longer than after, and
@@ -87,9 +110,10 @@ as $$
 $$;
 
 -- pgque._queue_info: one row per queue with its settings, its newest tick,
--- how many events were sent since that tick, its subscriptions (all of them:
--- get_queue_info counts a non-admin's only) and whether it is stalled by its
--- own threshold.
+-- how many events were sent since that tick (by sequence position: sends
+-- that rolled back count too), its subscriptions (all of them: get_queue_info
+-- counts a non-admin's only) and whether it is stalled by its own threshold
+-- (_queue_stalled, which looks for committed events instead).
 create or replace view pgque._queue_info as
 select q.queue_name,
        q.queue_id,
@@ -108,7 +132,7 @@ select q.queue_name,
        e.events_since_last_tick,
        (select count(*) from pgque.subscription s where s.sub_queue = q.queue_id) as consumers,
        pgque._stalled_after(q) as stalled_after,
-       pgque._queue_stalled(e.events_since_last_tick, now() - t.tick_time,
+       pgque._queue_stalled(q.queue_id, t.tick_id, now() - t.tick_time,
                             pgque._stalled_after(q)) as stalled
   from pgque.queue q
   left join lateral (select * from pgque.tick t where t.tick_queue = q.queue_id
@@ -270,16 +294,47 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 as $$ select pgque._role_id(c), pgque._is_admin(c) from pgque._caller() c $$;
 
--- pgque._may_see_queue(queue, role): whether a caller acting as role (an oid)
--- may see the queue: its grants of some kind let the role in.
-create or replace function pgque._may_see_queue(p_queue pgque.queue, p_role oid)
+-- pgque._may_send_at_all(role) / pgque._may_consume_at_all(role): whether role
+-- (an oid), or a role it is a member of, may run a send (pgque_writer, or a
+-- role granted EXECUTE on one) / a receive (pgque_reader, or likewise): the
+-- role-wide bound that a queue's grants only narrow.
+create or replace function pgque._may_send_at_all(p_role oid)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select p_queue.queue_consumers is null or p_queue.queue_senders is null
-        or pgque._in_roles(p_role, p_queue.queue_consumers)
-        or pgque._in_roles(p_role, p_queue.queue_senders)
+    select pgque._may_execute(p_role, to_regprocedure('pgque.send(text,text,jsonb,text)'))
+        or pgque._may_execute(p_role, to_regprocedure('pgque.send(text,text,text,text)'))
+        or pgque._may_execute(p_role, to_regprocedure('pgque.send_batch(text,text[],text[],text[])'))
+$$;
+
+create or replace function pgque._may_consume_at_all(p_role oid)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pgque._may_execute(p_role, to_regprocedure('pgque.receive(text,text,integer)'))
+        or pgque._may_execute(
+               p_role, to_regprocedure('pgque.receive_partitioned(text,text,integer,integer,integer)'))
+$$;
+
+-- pgque._may_see_queue(queue, role, sends, consumes): whether a caller acting
+-- as role (an oid) that is not an admin may see the queue: it may send to it
+-- (sends: it may send at all, _may_send_at_all, and the queue's 'send' grants
+-- let it in) or consume from it (consumes, _may_consume_at_all, and the
+-- 'consume' grants). A queue without grants of a kind lets in every role that
+-- may do that at all, and no other: a reader does not see a queue whose
+-- 'consume' grants leave it out because anyone may send there.
+create or replace function pgque._may_see_queue(
+    p_queue pgque.queue, p_role oid, p_sends boolean, p_consumes boolean)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select (p_sends and (p_queue.queue_senders is null
+                         or pgque._in_roles(p_role, p_queue.queue_senders)))
+        or (p_consumes and (p_queue.queue_consumers is null
+                            or pgque._in_roles(p_role, p_queue.queue_consumers)))
 $$;
 
 -- pgque.get_queue_info(stalled_after): the rows of pgque.queue_info, with
@@ -295,13 +350,19 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_me record;
+    v_sends boolean := false;
+    v_consumes boolean := false;
     r pgque._queue_info;
 begin
     perform pgque._check_stalled_after(p_stalled_after);
     select * into v_me from pgque._caller_access();
+    if not v_me.admin then
+        v_sends := pgque._may_send_at_all(v_me.role);
+        v_consumes := pgque._may_consume_at_all(v_me.role);
+    end if;
     for r in select i.* from pgque._queue_info i
                join pgque.queue q on q.queue_id = i.queue_id
-              where v_me.admin or pgque._may_see_queue(q, v_me.role) loop
+              where v_me.admin or pgque._may_see_queue(q, v_me.role, v_sends, v_consumes) loop
         if not v_me.admin then
             r.consumers := (select count(*) from pgque.subscription s
                               join pgque.queue q on q.queue_id = s.sub_queue
@@ -310,7 +371,7 @@ begin
         end if;
         if p_stalled_after is not null then
             r.stalled_after := p_stalled_after;
-            r.stalled := pgque._queue_stalled(r.events_since_last_tick, r.last_tick_age,
+            r.stalled := pgque._queue_stalled(r.queue_id, r.last_tick_id, r.last_tick_age,
                                               p_stalled_after);
         end if;
         return next r;
