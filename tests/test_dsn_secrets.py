@@ -18,13 +18,17 @@ import struct
 import threading
 import time
 import traceback
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 import psycopg
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pgque
+from pgque._shared import check_dsn
 from pgque.cli import main as cli_main
 from pgque.client import redact
 
@@ -57,6 +61,8 @@ MALFORMED = [
     ("uri-after-ipv6", f"postgresql://u:{P1}{P2}@[::1]x/db"),
     ("uri-bad-escape", f"postgresql://u:{P1}%zz{P2}@127.0.0.1/db"),
     ("uri-nul-escape", f"postgresql://u:{P1}%00{P2}@127.0.0.1/db"),
+    # psycopg's UnicodeDecodeError holds the bytes decoded.
+    ("uri-not-utf8", f"postgresql://u:{P1}%A7{P2}@127.0.0.1/db"),
     ("uri-space", f"postgresql://u:{SPACED}@127.0.0.1:1/db"),
     ("uri-bad-option", f"postgresql://u:{P1}{P2}@127.0.0.1/db?bogus=1"),
     ("uri-query-equals", f"postgresql://u@127.0.0.1/db?password={P1}={P2}"),
@@ -74,6 +80,13 @@ MALFORMED = [
     # port or the host.
     ("uri-slash", f"postgresql://u:{P1}/{P2}@127.0.0.1:1/db"),
     ("uri-at", f"postgresql://u:{P1}@{P2}@127.0.0.1:1/db"),
+    # ... and an '@' then a '/': libpq takes the piece between for the host.
+    ("uri-at-then-slash", f"postgresql://u:{P1}@{P2}/x@127.0.0.1:1/db"),
+    # A double quote in the piece libpq quotes (it does not escape it).
+    ("uri-quote-bad-escape", f'postgresql://u:{P1}"{P2}%zz@127.0.0.1:1/db'),
+    ("uri-query-quote-escape", f'postgresql://u@127.0.0.1:1/db?password={P1}"{P2}%'),
+    # SQL's doubled quote is no escape for libpq: the quoted value ends there.
+    ("kv-doubled-quote", f"host=127.0.0.1 port=1 user=u password='{P1}''{P2}' dbname=x"),
 ]
 MALFORMED_IDS = [name for name, _ in MALFORMED]
 MALFORMED_DSNS = [dsn for _, dsn in MALFORMED]
@@ -202,6 +215,25 @@ def test_what_libpq_says_is_kept_where_it_holds_no_password() -> None:
     assert str(error) == ('invalid DSN: host "***@127.0.0.1" is not a host name (*** hides '
                           "what may be part of a password; write '@' and '/' in a URI's "
                           "password as %40 and %2F)")
+
+
+def test_a_uri_whose_hosts_libpq_would_read_from_its_password_is_refused() -> None:
+    """libpq ends the user info at the first '@' or '/', where the password may go
+    on to the last '@': refused before psycopg looks the "host" up (and logs it)."""
+    for dsn in (f"postgresql://u:{P1}@{P2}/x@127.0.0.1:1/db",
+                f"postgresql://u:1234/{P2}@127.0.0.1:1/db",  # port 1234
+                "postgresql://u@127.0.0.1:1/db?application_name=me@there"):
+        with pytest.raises(pgque.InvalidDSN) as error:
+            check_dsn(dsn)
+        assert '"@" or "/" before its last "@"' in str(error.value)
+        assert not leaks(str(error.value))
+    with pytest.raises(pgque.InvalidDSN, match=r'hosts "h\"x" of a URI are not host\[:port\]'):
+        check_dsn('postgresql://u:pw@h"x/db')
+    for dsn in (f"postgresql://u:{P1}%40{P2}%2Fx@127.0.0.1:1/db",
+                "postgresql://u@127.0.0.1:1/db?application_name=me%40there",
+                f"postgresql://u:{P1}?#{P2}@[::1]:1,127.0.0.1:2/db?port=",
+                "postgresql://%2Fvar%2Frun%2Fpostgresql/db", "postgresql://", "postgres:///db"):
+        check_dsn(dsn)
 
 
 def test_a_password_given_apart_from_the_dsn_stays_secret(
@@ -380,6 +412,73 @@ def test_connect_still_waits_for_a_server_that_is_starting(dsn: str) -> None:
             assert client.conn.execute("select 1").fetchone() == (1,)
         # Three refusals, waited out with backoff from 50 ms: about 0.35 s.
         assert 0.3 <= time.monotonic() - started < 5
+
+
+# -- a sweep: passwords of awkward characters in both shapes of DSN -------------------------
+
+# Letters that no message, repr, traceback or log record shows next to one
+# another, so any 4 characters of a password that hold one of them and show
+# are a leak; and the characters that end, quote, escape, split or encode a
+# value in one shape or the other.
+MARKED = "QXZJ"
+AWKWARD = "'\"\\@/?#%&=:,[ "
+SWEPT_PASSWORDS = st.text(alphabet=MARKED + "AF7" + AWKWARD, min_size=4, max_size=24)
+SHAPES = [
+    "host=127.0.0.1 port={port} user=u password={password} dbname=x sslmode=disable",
+    "host=127.0.0.1 port={port} user=u password='{password}' dbname=x sslmode=disable",
+    "postgresql://u:{password}@127.0.0.1:{port}/db?sslmode=disable",
+    "postgresql://u@127.0.0.1:{port}/db?password={password}&sslmode=disable",
+]
+
+
+def pieces_of(password: str) -> set[str]:
+    """The pieces 4 long, marked, of ``password``, as written and percent-decoded."""
+    return {form[i:i + 4] for form in (password, urllib.parse.unquote(password))
+            for i in range(len(form) - 3) if set(form[i:i + 4]) & set(MARKED)}
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def every_record() -> Iterator[list[logging.LogRecord]]:
+    """Every log record meanwhile, psycopg's debug ones included."""
+    kept = Kept()
+    loggers = [logging.getLogger(name) for name in ("", "psycopg", "psycopg.pool", "pgque")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.DEBUG)
+    loggers[0].addHandler(kept)
+    try:
+        yield kept.records
+    finally:
+        loggers[0].removeHandler(kept)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@given(password=SWEPT_PASSWORDS)
+@settings(max_examples=min(40, settings().max_examples), deadline=None)
+def test_no_piece_of_any_password_shows(password: str, refusing_port: int) -> None:
+    """Whatever a password holds, written as it is in a key=value DSN (quoted or
+    not) or a URI (user info or query): connect fails (the server refuses every
+    password), and no piece of it shows in the error, its chain, its traceback
+    or a log record."""
+    pieces = pieces_of(password)
+    for shape in SHAPES:
+        dsn = shape.format(port=refusing_port, password=password)
+        with every_record() as records, pytest.raises(pgque.ConnectError) as error:
+            pgque.connect(dsn, timeout=0, pool_size=0)  # one attempt
+        assert error.value.__cause__ is None and error.value.__context__ is None
+        for text in [*exception_texts(error.value), *log_texts(records)]:
+            shown = [piece for piece in pieces if piece in text]
+            assert not shown, (dsn, shown, text)
 
 
 # -- redact ---------------------------------------------------------------------------------
