@@ -804,7 +804,10 @@ def dlq_show(state: State, queue_name: str, letter_id: int, as_json: bool) -> No
     with _dead_letter_refusal(state, "show", queue_name):
         found = state.client().dead_letters(queue_name, limit=1, after_id=letter_id - 1)
     if not found or found[0].id != letter_id:
-        raise pgque.DeadLetterNotFound(f"queue {queue_name!r} has no dead letter {letter_id}")
+        # The listing holds only what this role may use: say so, since another
+        # team's dead letter is there, just not this role's to see.
+        raise pgque.DeadLetterNotFound(f"queue {queue_name!r} has no dead letter {letter_id}"
+                                       " that this role may see")
     document = _letter_dict(found[0])
     if as_json:
         click.echo(display.dumps(document))
@@ -843,7 +846,9 @@ def dlq_purge(state: State, queue_name: str, consumer: str | None,
     """Delete dead letters of QUEUE: the given ids, or all (of --consumer)."""
     client = state.client()
     if not yes:
-        what = (f"{len(letter_ids)} dead letter(s)" if letter_ids else "all dead letters")
+        # A team's purge deletes only the dead letters of its own consumers.
+        what = (f"{len(letter_ids)} dead letter(s)" if letter_ids
+                else "all dead letters this role may purge")
         whose = f" of consumer {consumer}" if consumer else ""
         click.confirm(f"Delete {what}{whose} of queue {queue_name}?", abort=True, err=True)
     with _dead_letter_refusal(state, "purge", queue_name):

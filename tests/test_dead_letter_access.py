@@ -248,4 +248,9 @@ def test_the_cli_says_what_the_role_lacks(setup: Setup) -> None:
     assert line == (f"error: role {dep.outsider} may not replay dead letters of queue "
                     f"'{QUEUE}': it needs to be in pgque_reader and own the consumer or be "
                     "granted it (pgque.grant_consumer), or be in pgque_admin")
+    # Another team's dead letter is not shown, and the refusal says it may exist.
+    line = assert_one_line_error(run_cli(
+        "dlq", "show", QUEUE, str(letters[PLAIN][0]), "--dsn", dep.dsn(shipping_svc)), 1)
+    assert line == (f"error: queue '{QUEUE}' has no dead letter {letters[PLAIN][0]}"
+                    " that this role may see")
     assert setup.state() == before
