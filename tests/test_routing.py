@@ -93,6 +93,37 @@ def test_slots_partition_the_stream(client: pgque.Client, slots: int) -> None:
             assert expected == k
 
 
+@pytest.mark.parametrize("slots", [3, 5])
+def test_every_spelling_of_the_formula_routes_alike(client: pgque.Client, slots: int) -> None:
+    """The routing formula is written out where a call per event would cost too
+    much: in receive_slots (69_slot_sets.sql), and twice in the slot status view's
+    backlog and age (90_info.sql), besides slot_of and the batch reader. Every copy
+    must route each key where slot_of does: keys whose hash is negative included
+    (the "+ N" of the formula), a NULL key to slot 0."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=slots)
+    keys = [None, "", *(f"tenant-{n}" for n in range(40))]
+    sent = client.send_batch("q", [("e", n, key) for n, key in enumerate(keys)])
+    client.tick("q")
+    expected: dict[int, list[int]] = {k: [] for k in range(slots)}
+    for ev, key in zip(sent, keys, strict=True):
+        expected[scalar(client.conn, "select pgque.slot_of(%s, %s)", (key, slots))].append(ev)
+    hashes = [scalar(client.conn, "select hashtextextended(%s, 0)", (k,)) for k in keys[1:]]
+    assert any(h < 0 for h in hashes) and any(h > 0 for h in hashes)
+    # The status view, before anything is received: the backlog and its age per slot.
+    status = {s.slot: s for s in client.partition_slot_status("q")}
+    assert {k: s.pending_events for k, s in status.items()} == {
+        k: len(evs) for k, evs in expected.items()}
+    assert {k: s.oldest_unconsumed_age is not None for k, s in status.items()} == {
+        k: bool(evs) for k, evs in expected.items()}
+    # receive_slots, all slots in one call.
+    for k in range(slots):
+        assert client.claim_slot("q", "g", k)
+    batches = client.receive_slots("q", "g", slots=slots, owned=range(slots))
+    assert {b.slot: [m.id for m in b] for b in batches} == {
+        k: evs for k, evs in expected.items() if evs}
+
+
 def test_slot_count_is_fixed_per_group(client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
     client.create_queue("q")
     assert client.subscribe_slots("q", "g", slots=4) == 4
