@@ -62,6 +62,24 @@ begin
 end
 $$;
 
+-- pgque._own_pair_numbers(key1): the second integers of the two-integer
+-- advisory keys (key1, n) this session holds exclusively in this database,
+-- signed as the advisory functions take them (pg_locks shows them unsigned).
+-- One read of pg_locks: for the rare paths that must find a key whose setting
+-- a rollback lost (65_partition.sql, 66_fence.sql), never per receive.
+create or replace function pgque._own_pair_numbers(p_key1 integer)
+returns setof integer
+language sql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    select ((l.objid::bigint + 2147483648) % 4294967296 - 2147483648)::integer
+      from pg_locks l
+     where l.locktype = 'advisory' and l.objsubid = 2 and l.pid = pg_backend_pid()
+       and l.granted and l.mode = 'ExclusiveLock'
+       and l.classid = (p_key1::bigint & 4294967295)::oid
+       and l.database = (select oid from pg_database where datname = current_database())
+$$;
+
 -- pgque._key_sessions(key): every lock on the bigint advisory key in this
 -- database, held or awaited: the session's pid (null for a prepared
 -- transaction), its login role, the mode and whether it is granted. The

@@ -719,7 +719,6 @@ declare
     v_class integer := pgque._member_class(v_group);
     v_setting text := 'pgque.member_' || v_group.cg_id;
     v_member integer := nullif(current_setting(v_setting, true), '')::integer;
-    v_held bigint;
 begin
     perform pgque._require_counting_session(v_queue, v_group);
     if v_member is not null and pgque._holds_pair(v_class, v_member) then
@@ -727,14 +726,9 @@ begin
     end if;
     -- The setting was rolled back (or RESET) while the lock stayed: a member
     -- already. Drawing a new number would leave a lock behind for each rollback.
-    select l.objid::bigint into v_held from pg_locks l
-     where l.locktype = 'advisory' and l.objsubid = 2 and l.pid = pg_backend_pid()
-       and l.granted and l.mode = 'ExclusiveLock' and l.classid = v_class::oid
-       and l.database = (select oid from pg_database where datname = current_database())
-     limit 1;
-    if v_held is not null then
-        perform set_config(v_setting, ((v_held + 2147483648) % 4294967296 - 2147483648)::text,
-                           false);
+    v_member := (select n from pgque._own_pair_numbers(v_class) n limit 1);
+    if v_member is not null then
+        perform set_config(v_setting, v_member::text, false);
         return false;
     end if;
     loop

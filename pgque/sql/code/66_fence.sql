@@ -59,17 +59,11 @@ set search_path = pg_catalog, pg_temp
 set client_min_messages = error
 as $$
 declare
-    v_number bigint;
+    v_class integer := pgque._epoch_class(p_sub_id);
+    v_number integer;
 begin
-    for v_number in
-        select l.objid::bigint from pg_locks l
-         where l.locktype = 'advisory' and l.objsubid = 2 and l.pid = pg_backend_pid()
-           and l.granted and l.mode = 'ExclusiveLock'
-           and l.classid = (pgque._epoch_class(p_sub_id)::bigint & 4294967295)::oid
-           and l.database = (select oid from pg_database where datname = current_database())
-    loop
-        while pg_advisory_unlock(pgque._epoch_class(p_sub_id),
-                                 pgque._epoch_number(v_number)) loop
+    for v_number in select n from pgque._own_pair_numbers(v_class) n loop
+        while pg_advisory_unlock(v_class, v_number) loop
         end loop;
     end loop;
 end
