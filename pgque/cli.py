@@ -4,7 +4,7 @@ Every command that talks to a database takes ``--dsn`` (default: the
 ``PGQUE_DSN`` environment variable) and ``--connect-timeout``. Errors end as one
 line on stderr, ``error: ...``, with exit code 1 (2 for bad usage); ``--debug``
 or ``PGQUE_DEBUG=1`` shows the traceback instead. Neither shows the DSN's
-password, even of a DSN libpq cannot parse (see :func:`pgque.client.redact`).
+password, even of a DSN libpq cannot parse (see :func:`pgque._dsn.redact`).
 
 Here are the commands and their options; how things are shown is in
 :mod:`pgque.display`, and the long-running commands are services
@@ -38,7 +38,7 @@ from rich.live import Live
 import pgque
 from pgque import _install, display
 from pgque._acompat import _is_coroutine_function
-from pgque.client import redact
+from pgque._dsn import redact
 from pgque.errors import translated
 from pgque.tail import ConsumerLeftBehind, Tail
 

@@ -33,21 +33,18 @@ from psycopg_pool import AsyncConnectionPool
 
 from pgque import _install_async
 from pgque._acompat import acaller, apause
+from pgque._dsn import TRANSIENT_STATES, check_dsn, connect_error, redact
 from pgque._shared import (
     PREPARED_STATEMENT_ERRORS,
-    TRANSIENT_STATES,
     EventLike,
     batch_from_rows,
     check_connection,
-    check_dsn,
     config_json,
-    connect_error,
     dead_letters_from_rows,
     event_columns,
     group_status_from_row,
     message_ids,
     nacked,
-    redact,
     seconds,
     sends_here,
     session_changed,

@@ -28,9 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pgque
-from pgque._shared import check_dsn
+from pgque._dsn import check_dsn, redact
 from pgque.cli import main as cli_main
-from pgque.client import redact
 
 # Two recognisable pieces: a password made of them leaks if either shows.
 P1, P2 = "Sw0rdf1sh", "Zebr4Qu1lt"

@@ -14,7 +14,7 @@ from helpers import drain
 
 import pgque
 import pgque.errors
-from pgque.client import redact
+from pgque._dsn import redact
 from pgque.codec import decode_payload
 
 pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
