@@ -46,6 +46,7 @@ from pgque.errors import (
 )
 from pgque.info import (
     ConsumerInfo,
+    GeneratedCode,
     GroupInfo,
     GroupStatus,
     QueueInfo,
@@ -77,6 +78,7 @@ __all__ = [
     "Event",
     "EventNotInBatch",
     "Fence",
+    "GeneratedCode",
     "GroupInfo",
     "GroupStatus",
     "HandlerEndedTransaction",

@@ -668,6 +668,7 @@ class _Status(NamedTuple):
     consumers: list[pgque.ConsumerInfo]
     groups: list[pgque.GroupInfo]
     slots: list[pgque.SlotStatus]
+    generated: list[pgque.GeneratedCode]
 
 
 def _status(client: pgque.Client, queue_name: str | None,
@@ -677,7 +678,9 @@ def _status(client: pgque.Client, queue_name: str | None,
         raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
     return _Status(client.ticker_info(), queues, client.consumer_info(queue_name),
                    client.group_info(queue_name),
-                   client.partition_slot_status(queue_name, stalled_after=stalled_after))
+                   client.partition_slot_status(queue_name, stalled_after=stalled_after),
+                   [g for g in client.generated_code()
+                    if queue_name is None or g.queue_name in (None, queue_name)])
 
 
 @cli.command()
@@ -700,7 +703,9 @@ def status(state: State, queue_name: str | None, stalled_after: float | str | No
     wait for a tick that nobody makes), plain consumers, consumer groups
     (members, owned slots, newest epoch) and their slots (owner by the
     application name its session set, epoch, pending events, oldest unconsumed
-    age; STALLED: an event waits and nobody owns or moves the slot).
+    age; STALLED: an event waits and nobody owns or moves the slot). The
+    summary counts the generated code that lags behind the queues and groups
+    (slower, never wrong, until the Ticker's maintenance writes it again).
     """
     client = state.client()
 

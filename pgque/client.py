@@ -52,6 +52,7 @@ from pgque.codec import encode_payload
 from pgque.errors import ConnectError, translated
 from pgque.info import (
     ConsumerInfo,
+    GeneratedCode,
     GroupInfo,
     GroupStatus,
     QueueInfo,
@@ -806,6 +807,11 @@ class Client:
         Nones when no ticker is active. Unlike :meth:`active_ticker`, readers may ask."""
         (record,) = self._records(TickerInfo, "select * from pgque.ticker_info")
         return record
+
+    def generated_code(self) -> list[GeneratedCode]:
+        """The code pgque generates (event writer, batch readers, slot indexes) of
+        the queues the caller may see, and whether each is current."""
+        return self._records(GeneratedCode, "select * from pgque.generated_code")
 
     def consumer_info(self, queue: str | None = None) -> list[ConsumerInfo]:
         """Every subscription (of one queue): cursor, lag, open batch, oldest

@@ -23,7 +23,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from pgque.info import ConsumerInfo, GroupInfo, QueueInfo, SlotStatus, TickerInfo
+from pgque.info import ConsumerInfo, GeneratedCode, GroupInfo, QueueInfo, SlotStatus, TickerInfo
 from pgque.types import Message
 
 __all__ = [
@@ -175,12 +175,19 @@ def queues_table(queues: Sequence[QueueInfo], title: str | None = None) -> Table
          for q in queues))
 
 
+def _generated_cell(generated: Sequence[GeneratedCode]) -> RenderableType:
+    lagging = [f"{g.kind} of {g.queue_name}" if g.queue_name else g.kind
+               for g in generated if not g.current]
+    return Text("lagging: " + ", ".join(lagging), style="yellow") if lagging else "current"
+
+
 def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
                 consumers: Sequence[ConsumerInfo], groups: Sequence[GroupInfo],
-                slots: Sequence[SlotStatus]) -> RenderableType:
+                slots: Sequence[SlotStatus],
+                generated: Sequence[GeneratedCode] = ()) -> RenderableType:
     """The tables of ``pgque status``: a summary (counts of what the caller may see,
     and the active ticker), queues, plain consumers, consumer groups and their
-    slots (owners by name)."""
+    slots (owners by name); generated code that lags is named in the summary."""
     # Slot subscriptions (group#k/N) are shown per slot below, not as consumers.
     plain = [c for c in consumers if "#" not in c.consumer_name]
     stalled_queues = sum(q.stalled for q in queues)
@@ -192,10 +199,10 @@ def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
     summary = table(
         "summary",
         ["queues", "stalled queues", "consumers", "groups", "slots", "owned slots",
-         "stalled slots", "ticker"],
+         "stalled slots", "ticker", "generated code"],
         [[len(queues), stalled_queues, len(plain), len(groups), len(slots),
           sum(s.owner_pid is not None for s in slots), sum(s.stalled for s in slots),
-          ticker_cell]])
+          ticker_cell, _generated_cell(generated)]])
     consumer_table = table(
         "consumers",
         ["queue", "consumer", "lag", "ticks behind", "pending", "oldest unconsumed",

@@ -1,7 +1,7 @@
 """What operators look at: the records of the info calls and of group_status.
 
-Each record is one row of a view or function in ``pgque/sql/code/90_info.sql``
-and ``65_partition.sql``; its fields are the columns, by name. ``stalled``
+Each record is one row of a view or function in ``pgque/sql/code/info/info.sql``
+and ``slots/groups.sql``; its fields are the columns, by name. ``stalled``
 fields are judged against ``stalled_after``: the threshold the call was given,
 else the queue's own (twice its ``ticker_idle_period``, at least 10 seconds). They are frozen
 msgspec structs: typed, cheap, and encodable as JSON with
@@ -117,6 +117,18 @@ class TickerInfo(msgspec.Struct, frozen=True):
 
     active_pid: int | None
     active_name: str | None
+
+
+class GeneratedCode(msgspec.Struct, frozen=True):
+    """A piece of the code pgque generates from its tables (the event writer, a
+    queue's batch reader, a queue's slot indexes), and whether it is current. One
+    that lags is never wrong: what it serves runs the slower dynamic way until
+    maintenance (the Ticker) writes it again."""
+
+    kind: str
+    queue_name: str | None
+    name: str
+    current: bool
 
 
 class SlotOwner(msgspec.Struct, frozen=True):

@@ -14,10 +14,12 @@ transaction:
     themselves 0.1.0 made different tables (see guard.sql). A 0.1.0 that the
     landed 0.2.0 upgraded has the first recorded without having had it, and
     gets it again.
-``sql/code/*.sql``
-    Everything stateless (functions, procedures, views, grants), dropped and
-    created again on every run, so an upgraded database has exactly a fresh
-    install's code.
+``sql/manifest.txt``
+    The order of everything else: ``sql/install/`` (steps of the install:
+    dropping the old code, writing the generated code, grants) around
+    ``sql/code/<layer>/*.sql``, everything stateless (functions, procedures,
+    views, types), by topic. The code is dropped and created again on every
+    run, so an upgraded database has exactly a fresh install's code.
 
 So one script installs into an empty database, upgrades an older install in
 place, and changes nothing when run again; it refuses (PQ018) a database that
@@ -80,9 +82,36 @@ def migrations() -> list[Migration]:
     return found
 
 
-def _code_files() -> list[tuple[str, str]]:
-    entries = _sql_dir().joinpath("code").iterdir()
-    return sorted((e.name, e.read_text("utf-8")) for e in entries if e.name.endswith(".sql"))
+def _manifest() -> list[str]:
+    """The paths sql/manifest.txt names, in order, folders expanded to their files."""
+    paths = []
+    for line in _sql_dir().joinpath("manifest.txt").read_text("utf-8").splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        path = line.split()[0]
+        entry = _sql_dir().joinpath(path)
+        if entry.is_dir():
+            paths.extend(sorted(f"{path}/{e.name}" for e in entry.iterdir()
+                                if e.name.endswith(".sql")))
+        else:
+            paths.append(path)
+    return paths
+
+
+def _steps_after_migrations() -> list[str]:
+    """The script's parts that sql/manifest.txt orders, each under its path."""
+    parts = []
+    code_started = False
+    for path in _manifest():
+        is_code = path.startswith("code/")
+        if is_code != code_started:
+            # A function body is resolved when it first runs, not when it is
+            # created: any function may call any other, whatever the order.
+            parts.append(f"set local check_function_bodies = {'off' if is_code else 'on'};\n")
+            code_started = is_code
+        text = _sql_dir().joinpath(path).read_text("utf-8")
+        parts.append(f"-- ===== {path} =====\n{text.replace('@PGQUE_VERSION@', __version__)}")
+    return parts
 
 
 def _newer_check(latest: int) -> str:
@@ -173,8 +202,7 @@ def install_script() -> str:
              f"-- ===== guard.sql =====\n{_sql_dir().joinpath('guard.sql').read_text('utf-8')}",
              _newer_check(steps[-1].number),
              *(_wrapped(m) for m in steps),
-             *(f"-- ===== code/{name} =====\n{text.replace('@PGQUE_VERSION@', __version__)}"
-               for name, text in _code_files()),
+             *_steps_after_migrations(),
              "-- ===== record the installed version =====\n"
              f"insert into pgque.installed (in_version) values ('{__version__}')\n"
              "on conflict (in_single) do update set in_version = excluded.in_version;\n"]

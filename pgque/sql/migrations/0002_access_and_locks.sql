@@ -27,7 +27,7 @@ select q.queue_id, p.purpose
   from pgque.queue q cross join (values ('tick'), ('maint')) p (purpose)
 on conflict do nothing;
 
--- Queue grants (see code/15_access.sql): the roles granted 'send' and
+-- Queue grants (see code/base/access.sql): the roles granted 'send' and
 -- 'consume'; null, as for every queue here, means no restriction.
 alter table pgque.queue add column if not exists queue_senders oid[];
 alter table pgque.queue add column if not exists queue_consumers oid[];
@@ -36,7 +36,7 @@ alter table pgque.queue add column if not exists queue_consumers oid[];
 -- the subscriptions made before, which every reader may use, as then), with the
 -- roles granted access to it. A slot subscription belongs to its consumer group
 -- and carries the random key of the session advisory lock that owns the slot
--- (see code/65_partition.sql); the subscription row changes only when access
+-- (see code/slots/groups.sql); the subscription row changes only when access
 -- is granted or that key is renewed, both rare.
 alter table pgque.subscription add column if not exists sub_owner oid;
 alter table pgque.subscription add column if not exists sub_grantees oid[];

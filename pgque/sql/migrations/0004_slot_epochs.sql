@@ -1,5 +1,5 @@
 -- Migration 4 (pgque 0.2.0): fencing epochs for slot owners (see
--- code/66_fence.sql).
+-- code/slots/fence.sql).
 --
 -- Epochs come from one sequence, so they only grow, across every slot and
 -- every subscription a slot ever had. A slot gets its row on the first

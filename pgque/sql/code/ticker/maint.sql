@@ -286,7 +286,7 @@ begin
             return next;
         end if;
     end loop;
-    -- The event writer (31_event_writer.sql) of every queue, when a
+    -- The event writer (generated/event_writer.sql) of every queue, when a
     -- create_queue or drop_queue could not write it: on passes over them all.
     if p_queue is null then
         v_amount := pgque._sync_event_writer(false);

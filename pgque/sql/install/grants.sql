@@ -8,7 +8,7 @@
 --                 replay and purge the dead letters of consumers it may use
 --   pgque_admin   everything, including queue management and maintenance
 -- Inside that bound, consumers belong to the roles that made them and queues
--- may be restricted per role (see 15_access.sql).
+-- may be restricted per role (see base/access.sql).
 
 revoke all on all routines in schema pgque from public;
 
@@ -49,6 +49,7 @@ declare
         'replay_dead_letter(text,bigint)', 'purge_dead_letters(text,text,bigint[])', 'version()',
         'get_queue_info(interval)', 'get_consumer_info()',
         'get_partition_slot_status(interval)', 'get_group_info()', 'get_ticker_info()',
+        'get_generated_code()',
         'subscribe_slots(text,text,integer)', 'subscribe_slot(text,text,integer,integer)',
         'unsubscribe_slots(text,text)', 'slot_lock_key(text,text,integer)',
         'claim_slot(text,text,integer)', 'release_slot(text,text,integer)',
@@ -78,7 +79,8 @@ begin
             execute pg_catalog.format('grant execute on function pgque.%s to pgque_reader', v_fn);
         end loop;
         execute 'grant select on pgque.queue_info, pgque.consumer_info, '
-                'pgque.partition_slot_status, pgque.group_info, pgque.ticker_info to pgque_reader';
+                'pgque.partition_slot_status, pgque.group_info, pgque.ticker_info, '
+                'pgque.generated_code to pgque_reader';
     end if;
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_admin') then
         execute 'grant usage on schema pgque to pgque_admin';
@@ -90,7 +92,8 @@ begin
             execute pg_catalog.format('grant execute on routine %s to pgque_admin', v_fn);
         end loop;
         execute 'grant select on pgque.queue_info, pgque.consumer_info, '
-                'pgque.partition_slot_status, pgque.group_info, pgque.ticker_info to pgque_admin';
+                'pgque.partition_slot_status, pgque.group_info, pgque.ticker_info, '
+                'pgque.generated_code to pgque_admin';
     end if;
 end
 $grants$;

@@ -200,7 +200,7 @@ $$;
 -- its owner (the backend holding the slot's advisory lock, and the
 -- application name that session set: pg_stat_activity shows it to every
 -- role, unlike the backend's start or its query), the slot's current epoch
--- (66_fence.sql), how much it has not consumed, its retries and dead letters,
+-- (slots/fence.sql), how much it has not consumed, its retries and dead letters,
 -- and whether it looks stalled by the queue's own threshold (_slot_stalled).
 create or replace view pgque._partition_slot_status as
 select q.queue_name,
@@ -233,7 +233,7 @@ select q.queue_name,
   cross join lateral (select now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id,
                                         t.tick_snapshot, k.slot, g.cg_slots) as age) o
   -- The owner: the session holding the slot's key exclusively, if its role
-  -- may use the group (see 65_partition.sql); null for a name it did not set.
+  -- may use the group (see slots/groups.sql); null for a name it did not set.
   left join lateral (select k.pid, nullif(a.application_name, '') as name
                        from pgque._key_sessions(s.sub_lock_key) k
                        left join pg_stat_activity a on a.pid = k.pid
@@ -285,7 +285,7 @@ select q.queue_name,
 -- The info views read event tables and sequences that callers have no
 -- privileges on, so they are reached through SECURITY DEFINER functions,
 -- which show a caller that is not an admin only what it may use: the queues
--- it may send to or consume from, the consumers it may use (see 15_access.sql).
+-- it may send to or consume from, the consumers it may use (see base/access.sql).
 
 -- pgque._caller_access(): the caller's role (its oid) and whether it is an
 -- admin, worked out once per call, not once per row.
@@ -462,3 +462,27 @@ as $$
 $$;
 
 create or replace view pgque.ticker_info as select * from pgque.get_ticker_info();
+
+-- pgque.get_generated_code(): the rows of pgque.generated_code: every piece
+-- of generated code (code/generated/generator.sql) with whether it is current
+-- (false: it lags, and what it serves runs the slower dynamic way until
+-- maintenance writes it). A caller that is not an admin sees the event writer
+-- and the code of the queues it may see (those queue_info shows it).
+create or replace function pgque.get_generated_code(
+    out kind text, out queue_name text, out name text, out current boolean)
+returns setof record
+language sql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select g.kind, q.queue_name, g.name, g.current
+      from pgque._generated_code() g
+      left join pgque.queue q on q.queue_id = g.queue_id
+     cross join pgque._caller_access() me
+     where g.queue_id is null or me.admin
+        or pgque._may_see_queue(q, me.role, pgque._may_send_at_all(me.role),
+                                pgque._may_consume_at_all(me.role))
+     order by g.queue_id nulls first, g.kind
+$$;
+
+create or replace view pgque.generated_code as select * from pgque.get_generated_code();

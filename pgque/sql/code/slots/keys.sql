@@ -1,14 +1,14 @@
 -- pgque: session advisory lock keys.
 --
 -- Slot ownership and the ticker election are exclusive session advisory
--- locks on random bigint keys stored in pgque's tables (see 65_partition.sql
--- and 68_election.sql; group membership, which uses keys of two integers, is
+-- locks on random bigint keys stored in pgque's tables (see slots/groups.sql
+-- and ticker/election.sql; group membership, which uses keys of two integers, is
 -- there too). These helpers take, check and release such keys and find who
 -- holds one. pg_locks shows a bigint key k as classid = high 32 bits, objid
 -- = low 32 bits, objsubid = 1.
 
 -- Every key pgque takes, it takes twice (_take_key here; member keys in
--- 65_partition.sql, epoch keys in 66_fence.sql): a session lock is
+-- slots/groups.sql, epoch keys in slots/fence.sql): a session lock is
 -- re-entrant, and while a session holds a key more than once, giving one hold
 -- back and taking it again is bookkeeping in the session's own memory that
 -- never reaches the server's lock table. That is what lets _holds_key ask the
@@ -47,7 +47,7 @@ end
 $$;
 
 -- pgque._holds_pair(key1, key2): _holds_key for a two-integer key (a group
--- member's, 65_partition.sql, or an epoch's, 66_fence.sql).
+-- member's, slots/groups.sql, or an epoch's, slots/fence.sql).
 create or replace function pgque._holds_pair(p_key1 integer, p_key2 integer)
 returns boolean
 language plpgsql volatile
@@ -66,7 +66,7 @@ $$;
 -- advisory keys (key1, n) this session holds exclusively in this database,
 -- signed as the advisory functions take them (pg_locks shows them unsigned).
 -- One read of pg_locks: for the rare paths that must find a key whose setting
--- a rollback lost (65_partition.sql, 66_fence.sql), never per receive.
+-- a rollback lost (slots/groups.sql, slots/fence.sql), never per receive.
 create or replace function pgque._own_pair_numbers(p_key1 integer)
 returns setof integer
 language sql volatile

@@ -58,7 +58,7 @@ $$;
 -- PQ015 (the queue's 'send' grants leave the caller out).
 --
 -- The hot path of every producer: it inserts through the event writer
--- (31_event_writer.sql), which plans nothing, and checks its one payload
+-- (generated/event_writer.sql), which plans nothing, and checks its one payload
 -- itself, with _check_payloads' error: building the array and calling that
 -- helper cost 3 µs of the 20 this function took in a loop.
 create or replace function pgque.send(
@@ -93,7 +93,7 @@ begin
     v_id := pgque._write_event(v_queue.queue_id, v_queue.queue_cur_table, p_type, p_payload,
                                p_partition_key);
     if v_id is null then
-        -- A table the writer does not know (31_event_writer.sql): the same
+        -- A table the writer does not know (generated/event_writer.sql): the same
         -- INSERT, planned here.
         execute format('insert into pgque.%I (ev_type, ev_data, ev_extra1) values ($1, $2, $3)'
                        ' returning ev_id',

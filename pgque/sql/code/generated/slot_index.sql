@@ -18,7 +18,7 @@
 --
 -- The formula must match, character for character, the filter that
 -- _batch_where writes, or the planner will not use the index: both take it
--- from pgque._slot_expr (60_batch.sql).
+-- from pgque._slot_expr (consumers/read.sql).
 
 
 -- pgque._slot_index_name(queue_id, n, slots): the name of event table n's
@@ -178,4 +178,20 @@ begin
     end loop;
     return false;
 end
+$$;
+
+-- pgque._slot_indexes_lag(queue_id): whether an event table of the queue
+-- lacks a slot index its groups need or has one none needs, buildable now or
+-- not (for pgque.generated_code).
+create or replace function pgque._slot_indexes_lag(p_queue_id integer)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pgque.queue q
+                    cross join generate_series(0, q.queue_ntables - 1) n
+                    cross join lateral pgque._slot_indexes_on(q.queue_id, n) h(have)
+                    where q.queue_id = p_queue_id
+                      and not (h.have @> pgque._slot_counts_wanted(q.queue_id)
+                               and h.have <@ pgque._slot_counts_wanted(q.queue_id)))
 $$;

@@ -1,16 +1,38 @@
 -- pgque: drop the stateless part before recreating it.
 --
 -- Tables hold the state; everything else (functions, procedures, views,
--- composite types) is code, dropped here and created again by the files that follow, on every
--- install and upgrade (the queues' batch readers are replaced in place instead:
--- 97_batch_readers.sql). So an upgraded install has exactly a fresh install's
+-- composite types) is code, dropped here and created again by the files that
+-- follow, on every install and upgrade, generated code included (written again
+-- by install/generated.sql). So an upgraded install has exactly a fresh install's
 -- code: a routine whose signature changed or that is gone leaves nothing
--- behind. EXECUTE grants go with the routines and 99_grants.sql makes them
+-- behind. EXECUTE grants go with the routines and install/grants.sql makes them
 -- again (grant pgque's roles, not its functions, to keep yours).
 --
 -- Objects of yours that depend on pgque's code (a view over
 -- pgque.consumer_info, a function returning its row type) would go with it:
 -- the install refuses (PQ017) and names them instead.
+--
+-- First the locks of every generator (code/generated/generator.sql), held to
+-- the install's commit: each queue's maintenance lock, in queue id order as a
+-- maintenance pass takes them (so the two never wait for each other in a
+-- cycle), and the event writer's. A generator that is writing its code now
+-- finishes first; one that comes later skips it and leaves it to the next
+-- maintenance.
+
+do $generator_locks$
+declare
+    v_queue_id integer;
+begin
+    lock table pgque.install_lock in share update exclusive mode;
+    -- As pgque._lock_queue(queue_id, 'maint', true) takes them (not called:
+    -- the code of the install before may not have it).
+    for v_queue_id in select l.ql_queue from pgque.queue_lock l
+                       where l.ql_purpose = 'maint' order by l.ql_queue loop
+        perform from pgque.queue_lock l
+         where l.ql_queue = v_queue_id and l.ql_purpose = 'maint' for update;
+    end loop;
+end
+$generator_locks$;
 
 do $code$
 declare
@@ -26,8 +48,7 @@ begin
      where d.deptype = 'n'
        and ((d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
              and d.refobjid in (select p.oid from pg_catalog.pg_proc p
-                                 where p.pronamespace = v_schema
-                                   and p.proname !~ '^_batch_reader_[0-9]+$'))
+                                 where p.pronamespace = v_schema))
             or (d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
                 and d.refobjid in (select c.oid from pg_catalog.pg_class c
                                     where c.relnamespace = v_schema and c.relkind = 'v'))
@@ -73,12 +94,7 @@ begin
     end loop;
     for v_object in
         select p.oid::pg_catalog.regprocedure::text from pg_catalog.pg_proc p
-         where p.pronamespace = v_schema
-           -- Not the queues' batch readers: 97_batch_readers.sql replaces each
-           -- under its queue's maintenance lock. Dropped here, a maintenance
-           -- pass writing one would wait for this install while the install
-           -- waits for that pass's lock on another queue: a deadlock.
-           and p.proname !~ '^_batch_reader_[0-9]+$' loop
+         where p.pronamespace = v_schema loop
         -- A routine dropped by an earlier cascade is gone from the catalog by now.
         if pg_catalog.to_regprocedure(v_object) is not null then
             execute pg_catalog.format('drop routine %s cascade', v_object);

@@ -1,7 +1,7 @@
 -- pgque: who may use which queue and which consumer.
 --
 -- The roles set the outer bound (pgque_writer sends, pgque_reader consumes,
--- pgque_admin does everything; see 99_grants.sql). Inside it, two narrower
+-- pgque_admin does everything; see install/grants.sql). Inside it, two narrower
 -- rules let several teams share one database:
 --
 --   * A consumer (a plain subscription or a consumer group) belongs to the
@@ -10,7 +10,7 @@
 --     unsubscribing it are refused (PQ014) to every other role, except
 --     admins and the roles its owner granted access to (grant_consumer).
 --     Dead letters of a consumer that was unsubscribed are the admins' alone
---     (see 70_retry.sql).
+--     (see consumers/dead_letters.sql).
 --   * A queue may be restricted: once a role is granted 'send' on it
 --     (grant_queue), only the granted roles may send to it; once one is
 --     granted 'consume', only those may subscribe to it and consume from it

@@ -291,7 +291,7 @@ begin
     delete from pgque.queue where queue_id = v_queue.queue_id;
     execute format('drop table pgque.%I cascade', v_parent);
     execute format('drop sequence pgque.%I cascade', v_parent || '_id_seq');
-    perform pgque._drop_batch_reader(v_queue.queue_id);
+    perform pgque._drop_generated(pgque._batch_reader_name(v_queue.queue_id));
     perform pgque._sync_event_writer(false);
 end
 $$;

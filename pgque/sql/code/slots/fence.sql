@@ -21,7 +21,7 @@
 
 -- Who holds an epoch: the session that took it holds it as an advisory lock,
 -- the epoch key (two integers: _epoch_class(slot), the epoch's low 32 bits),
--- taken twice (see 63_lock_keys.sql) when it takes the epoch and released
+-- taken twice (see slots/keys.sql) when it takes the epoch and released
 -- with the slot. So "pid P holds epoch key K and the slot's key" names one
 -- session and one ownership: pids are reused, but the key dies with the
 -- session, and a release ends it even when the release's transaction rolls
@@ -32,7 +32,7 @@
 -- lacks: every receive then took a new epoch, and no fence passed.)
 
 -- pgque._epoch_class(sub_id): the first integer of a slot's epoch keys: the
--- negated subscription id, never a group's member class (65_partition.sql,
+-- negated subscription id, never a group's member class (slots/groups.sql,
 -- never negative).
 create or replace function pgque._epoch_class(p_sub_id integer)
 returns integer
