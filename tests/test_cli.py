@@ -640,7 +640,7 @@ def test_status_json_shows_owners_and_pending_per_slot(client: pgque.Client, dsn
         owner_pid = owner.conn.info.backend_pid
         document = json.loads(ok(run_cli("status", "q", "--json", "--dsn", dsn)))
         text = status(capsys, dsn)
-    assert set(document) == {"ticker", "queues", "consumers", "groups", "slots"}
+    assert set(document) == {"ticker", "queues", "consumers", "groups", "slots", "generated"}
     assert [q["queue_name"] for q in document["queues"]] == ["q"]
     consumers = {c["consumer_name"]: c for c in document["consumers"]}
     assert set(consumers) == {"audit", "g#0/2", "g#1/2"}
@@ -842,7 +842,9 @@ def test_status_of_a_team_counts_what_the_team_may_see(pgque_deployment: Deploym
     [summary] = table_rows(shipping_text, "summary")
     assert summary == {"queues": "1", "stalled queues": "1", "consumers": "1", "groups": "0",
                        "slots": "0", "owned slots": "0", "stalled slots": "0",
-                       "ticker": "none active"}
+                       "ticker": "none active",
+                       # Nothing ran maintenance since charge was subscribed.
+                       "generated code": "lagging: batch reader of orders, slot indexes of orders"}
 
 
 # -- dead letters ------------------------------------------------------------------------------

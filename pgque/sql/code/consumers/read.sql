@@ -14,6 +14,19 @@ as $$
                   p_slots, p_slots, p_slots)
 $$;
 
+-- pgque._slot_filter(slots, slot): the condition " and <routing formula of
+-- slots> = <slot>" over an event row, or nothing for no slots or a group of
+-- one slot (every event is in its one slot). slot is an SQL expression its
+-- callers write (a parameter, a column), never caller text.
+create or replace function pgque._slot_filter(p_slots integer, p_slot text)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when p_slots is null or p_slots = 1 then ''
+                else format(' and %s = %s', pgque._slot_expr(p_slots), p_slot) end
+$$;
+
 -- pgque._dual_filter(slots, in_progress, prev_xmax, sub, slot): the part of a
 -- batch's condition that _batch_where and _probe_where share, over an event
 -- table e: one half of the dual filter (see _batch_where), the snapshot $4
@@ -30,9 +43,7 @@ as $$
                 else format('e.ev_txid >= %s and e.ev_txid < $2', p_prev_xmax) end
            || ' and pg_visible_in_snapshot(e.ev_txid, $4)'
            || format(' and (e.ev_owner is null or e.ev_owner = %s)', p_sub)
-           -- A group of one slot has every event in its one slot: no filter.
-           || case when p_slots is null or p_slots = 1 then ''
-                   else format(' and %s = %s', pgque._slot_expr(p_slots), p_slot) end
+           || pgque._slot_filter(p_slots, p_slot)
 $$;
 
 -- pgque._batch_where(slots, in_progress): one half of the condition that

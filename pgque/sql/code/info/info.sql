@@ -24,12 +24,9 @@ begin
     execute format(
         'select e.ev_time from pgque.%I e'
         ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
-        '   and (e.ev_owner is null or e.ev_owner = $3)'
-        '   and ($5::integer is null'
-        '        or (case when e.ev_extra1 is null then 0'
-        '                 else (hashtextextended(e.ev_extra1, 0) %% $5 + $5) %% $5 end) = $4)'
+        '   and (e.ev_owner is null or e.ev_owner = $3)%s'
         ' order by e.ev_txid limit 1',
-        pgque._event_table(p_queue_id))
+        pgque._event_table(p_queue_id), pgque._slot_filter(p_slots, '$4'))
        into v_time
       using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
     return v_time;
@@ -184,12 +181,9 @@ begin
     execute format(
         'select count(*) from (select 1 from pgque.%I e'
         ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
-        '   and (e.ev_owner is null or e.ev_owner = $3)'
-        '   and ($5::integer is null'
-        '        or (case when e.ev_extra1 is null then 0'
-        '                 else (hashtextextended(e.ev_extra1, 0) %% $5 + $5) %% $5 end) = $4)'
+        '   and (e.ev_owner is null or e.ev_owner = $3)%s'
         ' limit 1000000) pending',
-        pgque._event_table(p_queue_id))
+        pgque._event_table(p_queue_id), pgque._slot_filter(p_slots, '$4'))
        into v_count
       using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
     return v_count;

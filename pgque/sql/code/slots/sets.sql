@@ -34,6 +34,156 @@ create type pgque.slot_event as (
     epoch     bigint
 );
 
+-- pgque._slot_span(queue, grp, ks, subs, curs, max_events): the plan of
+-- the set-based path of receive_slots for slots ks of group grp (their
+-- subscriptions and cursors as read without a lock): which of them go together
+-- and what they receive. Those that can: no open batch, at the last tick most
+-- of them share (last_tick), with events in their next batch (up to
+-- next_tick), read once before any lock, and only when they are at least half
+-- of the group (else each slot's own read, by its slot index, costs less).
+-- together holds their positions in ks; events the span's events in ev_id
+-- order, routes each event's slot (-1: none of them); with the slots that have
+-- events, ascending, and for each counts how many, lasts the last one's ev_id
+-- and handed the last ev_id of the first piece (max_events).
+create or replace function pgque._slot_span(
+    p_queue pgque.queue, p_group pgque.consumer_group, p_ks integer[],
+    p_subs pgque.subscription[], p_curs pgque.cursor[], p_max_events integer,
+    out together integer[], out last_tick bigint, out next_tick bigint,
+    out events pgque.event_template[], out routes integer[], out with_events integer[],
+    out counts bigint[], out lasts bigint[], out handed bigint[])
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_prev pg_snapshot;              -- the snapshot of their last tick
+    v_next pg_snapshot;
+    v_span_ks integer[];             -- the slots together, and their subscriptions' ids
+    v_span_subs integer[];
+begin
+    together := '{}';
+    select c.cur_last_tick into last_tick
+      from unnest(p_curs) c where c.cur_batch is null
+     group by c.cur_last_tick order by count(*) desc, c.cur_last_tick limit 1;
+    if last_tick is null then
+        return;
+    end if;
+    together := array(select i from generate_subscripts(p_ks, 1) i
+                       where (p_curs[i]).cur_batch is null
+                         and (p_curs[i]).cur_last_tick = last_tick order by i);
+    -- (A group of one slot has nothing to put together.)
+    if p_group.cg_slots = 1 or cardinality(together) * 2 < p_group.cg_slots then
+        together := '{}';
+        return;
+    end if;
+    next_tick := pgque._next_tick(p_queue, p_curs[together[1]]);
+    v_prev := pgque._tick_snapshot(p_queue.queue_id, last_tick);
+    if next_tick is null or v_prev is null then
+        together := '{}';
+        return;
+    end if;
+    v_next := pgque._tick_snapshot(p_queue.queue_id, next_tick);
+    v_span_ks := array(select p_ks[i] from unnest(together) i);
+    v_span_subs := array(select (p_subs[i]).sub_id from unnest(together) i);
+    -- One read of their next batch (_span_statement) ...
+    events := pgque._run_reader(
+        p_queue.queue_id, p_group.cg_slots, false, pg_snapshot_xmax(v_prev),
+        pg_snapshot_xmax(v_next), array(select pg_snapshot_xip(v_prev)), v_next, null, null,
+        null, null, null, pgque._events_asked(p_max_events), v_span_ks, v_span_subs, null);
+    -- ... each event routed by slot_of's formula, written out (a call per
+    -- event would cost more than the rest of this), a retried event to its
+    -- owner's slot only; and what each slot's cursor needs to know.
+    with routed as materialized (
+        select e.ordinality as i, e.ev_id, coalesce(o.k, -1) as k
+          from unnest(events) with ordinality as e
+          left join unnest(v_span_ks, v_span_subs) as o(k, sub)
+            on o.k = case when e.ev_extra1 is null then 0
+                          else (hashtextextended(e.ev_extra1, 0) % p_group.cg_slots
+                                + p_group.cg_slots) % p_group.cg_slots end
+           and (e.ev_owner is null or e.ev_owner = o.sub)
+    ), per_slot as (
+        select r.k, count(*) as n, max(r.ev_id) as last,
+               coalesce((array_agg(r.ev_id order by r.ev_id))[p_max_events],
+                        max(r.ev_id)) as handed
+          from routed r
+         where r.k >= 0
+         group by r.k
+    )
+    select (select array_agg(r.k order by r.i) from routed r),
+           array_agg(p.k order by p.k), array_agg(p.n order by p.k),
+           array_agg(p.last order by p.k), array_agg(p.handed order by p.k)
+      into routes, with_events, counts, lasts, handed
+      from per_slot p;
+    together := array(select i from unnest(together) i where p_ks[i] = any(with_events));
+end
+$$;
+
+-- pgque._lock_span(subs, last_tick): for a set-based receive of every slot of
+-- subs at once: their epochs (_slot_epochs), then their receive locks in
+-- ascending slot order with the owner checked on each row as locked (PQ024:
+-- the key may have been renewed and the slot taken since the rows were read),
+-- then their cursors read again; null unless every slot can go (none fenced,
+-- every cursor still without an open batch at last_tick).
+create or replace function pgque._lock_span(
+    p_subs pgque.subscription[], p_last_tick bigint,
+    out epochs bigint[], out curs pgque.cursor[])
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_locked record;
+begin
+    epochs := pgque._slot_epochs(p_subs);
+    if array_position(epochs, null) is not null then
+        epochs := null;
+        return;
+    end if;
+    for v_locked in select s from generate_subscripts(p_subs, 1) i
+                      join pgque.subscription s on s.sub_id = (p_subs[i]).sub_id
+                     order by i
+                       for update of s loop
+        perform pgque._require_owner(v_locked.s);
+    end loop;
+    curs := array(select c.c from generate_subscripts(p_subs, 1) i
+                   cross join lateral (select o from pgque.cursor o
+                                        where o.cur_sub = (p_subs[i]).sub_id
+                                        order by o.cur_seq desc limit 1) c(c)
+                   where (c.c).cur_batch is null and (c.c).cur_last_tick = p_last_tick
+                   order by i);
+    if cardinality(curs) <> cardinality(p_subs) then
+        epochs := null;
+        curs := null;
+    end if;
+end
+$$;
+
+-- pgque._lock_span_slot(sub, last_tick): as _lock_span for one slot that
+-- goes together with others while some slot of the call does not: its epoch
+-- before its receive lock (null while a transaction fenced by the previous
+-- owner's epoch is open: then the slot receives nothing), the owner again once
+-- locked, and its cursor read again (a new statement, so a fresh snapshot);
+-- ready unless the cursor moved since it was read (the slot then goes as
+-- receive_partitioned would take it).
+create or replace function pgque._lock_span_slot(
+    p_sub pgque.subscription, p_last_tick bigint,
+    out epoch bigint, out cur pgque.cursor, out ready boolean)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_locked record;
+begin
+    ready := false;
+    epoch := pgque._slot_epoch(p_sub);
+    if epoch is null then
+        return;
+    end if;
+    select s into v_locked from pgque.subscription s where s.sub_id = p_sub.sub_id for update;
+    perform pgque._require_owner(v_locked.s);  -- as locked: the key may be new
+    cur := pgque._current_cursor(p_sub.sub_id);
+    ready := coalesce(cur.cur_batch is null and cur.cur_last_tick = p_last_tick, false);
+end
+$$;
+
 -- pgque.receive_slots(queue, consumer, slots, slot_list, max_events): for each
 -- slot of slot_list (slots of a group of slots), what receive_partitioned
 -- would return, as rows led by the slot, ascending by slot; slots with
@@ -54,27 +204,13 @@ declare
     v_ks integer[];
     v_subs pgque.subscription[];
     v_curs pgque.cursor[];
-    v_last_tick bigint;
-    v_together integer[];            -- positions of the slots that can go together
-    v_span_ks integer[];             -- those slots, and their subscriptions' ids
-    v_span_subs integer[];
-    v_prev pg_snapshot;              -- the snapshot of their last tick
-    v_next_tick bigint;              -- the tick that closes their next batches
-    v_next pg_snapshot;
-    v_events pgque.event_template[]; -- those batches' events, in ev_id order
-    v_routes integer[];              -- each event's slot among them (-1: none)
-    v_with integer[];                -- the slots that have events, ascending, and for each:
-    v_counts bigint[];               --   how many,
-    v_lasts bigint[];                --   the last one's ev_id,
-    v_handed bigint[];               --   the ev_id of the last one of the first piece
-    v_epoch bigint;
+    v_span record;                   -- _slot_span: the slots together and their events
     v_locked record;
-    v_cur pgque.cursor;
-    v_open integer[] := '{}';        -- the slots opened together
-    v_all boolean := false;          -- all of them in one statement each
+    v_all boolean := false;          -- every slot opened together
+    v_open integer[] := '{}';        -- the slots opened together, their epochs and cursors
     v_epochs bigint[] := '{}';
     v_open_curs pgque.cursor[] := '{}';
-    v_rest pgque.slot_event[] := '{}';
+    v_rest pgque.slot_event[] := '{}';  -- the rows of the other slots
     v_i integer;
 begin
     perform pgque._check_max_events(p_max_events);
@@ -92,113 +228,30 @@ begin
     for v_i in 1 .. cardinality(v_ks) loop
         perform pgque._require_owner(v_subs[v_i]);
     end loop;
-    -- The slots that can go together: no open batch, at the last tick most of
-    -- them share, with events in their next batch, read once before any lock.
-    select c.cur_last_tick into v_last_tick
-      from unnest(v_curs) c where c.cur_batch is null
-     group by c.cur_last_tick order by count(*) desc, c.cur_last_tick limit 1;
-    if v_last_tick is not null then
-        v_together := array(select i from generate_subscripts(v_ks, 1) i
-                             where (v_curs[i]).cur_batch is null
-                               and (v_curs[i]).cur_last_tick = v_last_tick order by i);
-        -- The read together covers the whole batch: for less than half of the
-        -- group's slots, reading each slot's own rows (its slot index) is less.
-        -- (A group of one slot has nothing to put together.)
-        if v_group.cg_slots > 1 and cardinality(v_together) * 2 >= v_group.cg_slots then
-            v_next_tick := pgque._next_tick(v_queue, v_curs[v_together[1]]);
-            v_prev := pgque._tick_snapshot(v_queue.queue_id, v_last_tick);
-        end if;
-    end if;
-    if v_next_tick is not null and v_prev is not null then
-        v_next := pgque._tick_snapshot(v_queue.queue_id, v_next_tick);
-        v_span_ks := array(select v_ks[i] from unnest(v_together) i);
-        v_span_subs := array(select (v_subs[i]).sub_id from unnest(v_together) i);
-        -- One read of their next batch (_span_statement) ...
-        v_events := pgque._run_reader(
-            v_queue.queue_id, v_group.cg_slots, false, pg_snapshot_xmax(v_prev),
-            pg_snapshot_xmax(v_next), array(select pg_snapshot_xip(v_prev)), v_next, null, null,
-            null, null, null, pgque._events_asked(p_max_events), v_span_ks, v_span_subs, null);
-        -- ... each event routed by slot_of's formula, written out (a call per
-        -- event would cost more than the rest of this), a retried event to its
-        -- owner's slot only; and what each slot's cursor needs to know.
-        with routed as materialized (
-            select e.ordinality as i, e.ev_id, coalesce(o.k, -1) as k
-              from unnest(v_events) with ordinality as e
-              left join unnest(v_span_ks, v_span_subs) as o(k, sub)
-                on o.k = case when e.ev_extra1 is null then 0
-                              else (hashtextextended(e.ev_extra1, 0) % v_group.cg_slots
-                                    + v_group.cg_slots) % v_group.cg_slots end
-               and (e.ev_owner is null or e.ev_owner = o.sub)
-        ), per_slot as (
-            select r.k, count(*) as n, max(r.ev_id) as last,
-                   coalesce((array_agg(r.ev_id order by r.ev_id))[p_max_events],
-                            max(r.ev_id)) as handed
-              from routed r
-             where r.k >= 0
-             group by r.k
-        )
-        select (select array_agg(r.k order by r.i) from routed r),
-               array_agg(p.k order by p.k), array_agg(p.n order by p.k),
-               array_agg(p.last order by p.k), array_agg(p.handed order by p.k)
-          into v_routes, v_with, v_counts, v_lasts, v_handed
-          from per_slot p;
-        v_together := array(select i from unnest(v_together) i where v_ks[i] = any(v_with));
-    else
-        v_together := '{}';
-    end if;
-    if cardinality(v_together) = cardinality(v_ks) then
-        -- Every slot goes together (a session draining its slots): the epochs,
-        -- the locks (ascending by slot) and the cursors read once locked, one
-        -- statement each, with the checks of the slot-by-slot path below.
-        v_epochs := pgque._slot_epochs(v_subs);
-        if array_position(v_epochs, null) is null then
-            -- The owner checked on the rows as locked: the key may have been
-            -- renewed (and the slot taken) since they were read.
-            for v_locked in select s from generate_subscripts(v_subs, 1) i
-                              join pgque.subscription s on s.sub_id = (v_subs[i]).sub_id
-                             order by i
-                               for update of s loop
-                perform pgque._require_owner(v_locked.s);
-            end loop;
-            v_open_curs := array(select c.c from generate_subscripts(v_subs, 1) i
-                                  cross join lateral (select o from pgque.cursor o
-                                                       where o.cur_sub = (v_subs[i]).sub_id
-                                                       order by o.cur_seq desc limit 1) c(c)
-                                  where (c.c).cur_batch is null
-                                    and (c.c).cur_last_tick = v_last_tick
-                                  order by i);
-            v_all := cardinality(v_open_curs) = cardinality(v_ks);
-        end if;
-        if v_all then
+    v_span := pgque._slot_span(v_queue, v_group, v_ks, v_subs, v_curs, p_max_events);
+    if cardinality(v_span.together) = cardinality(v_ks) then
+        -- Every slot goes together (a session draining its slots): one
+        -- statement each for the epochs, the locks and the cursors.
+        v_locked := pgque._lock_span(v_subs, v_span.last_tick);
+        if v_locked.epochs is not null then
+            v_all := true;
             v_open := v_ks;
-        else
-            -- A fenced slot, or a cursor that moved: slot by slot below.
-            v_epochs := '{}';
-            v_open_curs := '{}';
+            v_epochs := v_locked.epochs;
+            v_open_curs := v_locked.curs;
         end if;
     end if;
-    -- Slot after slot, ascending (the lock order everywhere): a slot that can
-    -- go together is locked here and opened with the others below; any other
-    -- goes as receive_partitioned would take it.
+    -- Else slot after slot, ascending (the lock order everywhere): a slot that
+    -- can go together is locked here and opened with the others below; any
+    -- other goes as receive_partitioned would take it.
     for v_i in 1 .. cardinality(v_ks) loop
         exit when v_all;  -- all opened together above
-        if v_i = any(v_together) then
-            -- As _receive_slot: the epoch before the receive lock (null while a
-            -- transaction fenced by the previous owner's epoch is open: then
-            -- the slot receives nothing), the owner again once locked, and the
-            -- cursor read again (a new statement, so a fresh snapshot).
-            v_epoch := pgque._slot_epoch(v_subs[v_i]);
-            if v_epoch is null then
-                continue;
-            end if;
-            select s into v_locked from pgque.subscription s
-             where s.sub_id = (v_subs[v_i]).sub_id for update;
-            perform pgque._require_owner(v_locked.s);  -- as locked: the key may be new
-            v_cur := pgque._current_cursor((v_subs[v_i]).sub_id);
-            if v_cur.cur_batch is null and v_cur.cur_last_tick = v_last_tick then
+        if v_i = any(v_span.together) then
+            v_locked := pgque._lock_span_slot(v_subs[v_i], v_span.last_tick);
+            continue when v_locked.epoch is null;  -- fenced: nothing for this slot
+            if v_locked.ready then
                 v_open := v_open || v_ks[v_i];
-                v_epochs := v_epochs || v_epoch;
-                v_open_curs := v_open_curs || v_cur;
+                v_epochs := v_epochs || v_locked.epoch;
+                v_open_curs := v_open_curs || v_locked.cur;
                 continue;
             end if;
         end if;
@@ -208,32 +261,48 @@ begin
               from pgque._receive_slot(v_queue, v_group, v_ks[v_i], v_subs[v_i], v_curs[v_i],
                                        p_max_events) r);
     end loop;
-    -- Opens the batch of each slot that goes together, as _receive does for
-    -- one slot (a batch id, at most max_events events, the batch's end once it
-    -- was read whole), with one cursor write for them all; then the rows of
-    -- the others, all by slot and then ev_id.
+    return query
+        select * from pgque._open_span_batches(v_span, v_open, v_epochs, v_open_curs,
+                                               p_max_events)
+        union all
+        select x.* from unnest(v_rest) x
+         order by 1, 3;
+end
+$$;
+
+-- pgque._open_span_batches(span, open, epochs, curs, max_events): opens the
+-- batch of each slot of open (with epochs and locked cursors curs, at the
+-- same positions) from the span's read (_slot_span), as _receive does for one
+-- slot (a batch id, at most max_events events, the batch's end once it was
+-- read whole), with one cursor write for them all; returns their rows.
+create or replace function pgque._open_span_batches(
+    p_span record, p_open integer[], p_epochs bigint[], p_curs pgque.cursor[],
+    p_max_events integer)
+returns setof pgque.slot_event
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
     return query
         with served as (
             select t.k, t.epoch, t.n, nextval('pgque.batch_id_seq') as batch_id,
-                   v_counts[j.j] as count, v_lasts[j.j] as last, v_handed[j.j] as handed
-              from unnest(v_open, v_epochs) with ordinality as t(k, epoch, n)
-             cross join lateral (select array_position(v_with, t.k) as j) j
+                   (p_span.counts)[j.j] as count, (p_span.lasts)[j.j] as last,
+                   (p_span.handed)[j.j] as handed
+              from unnest(p_open, p_epochs) with ordinality as t(k, epoch, n)
+             cross join lateral (select array_position(p_span.with_events, t.k) as j) j
         ), saved as (
             insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
                                       cur_pos, cur_handed, cur_end)
-            select (v_open_curs[s.n]).cur_sub, (v_open_curs[s.n]).cur_seq + 1,
-                   (v_open_curs[s.n]).cur_last_tick, s.batch_id, v_next_tick, 0, s.handed,
+            select (p_curs[s.n]).cur_sub, (p_curs[s.n]).cur_seq + 1,
+                   (p_curs[s.n]).cur_last_tick, s.batch_id, p_span.next_tick, 0, s.handed,
                    case when p_max_events is null or s.count <= p_max_events then s.last end
               from served s
         )
         select s.k, s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
                e.ev_extra1, s.epoch
-          from unnest(v_events) with ordinality as e
-          join served s on s.k = v_routes[e.ordinality]
-         where e.ev_id <= s.handed
-        union all
-        select x.* from unnest(v_rest) x
-         order by 1, 3;
+          from unnest(p_span.events) with ordinality as e
+          join served s on s.k = (p_span.routes)[e.ordinality]
+         where e.ev_id <= s.handed;
 end
 $$;
 
