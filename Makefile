@@ -23,15 +23,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[embedded,dev]'
 	touch $(STAMP)
 
-# The sync client is generated from the async one (tools/async_to_sync.py):
-# lint fails, showing the diff, when a generated file is stale.
+# The sync modules are generated from their async sources by tools/async_to_sync.py,
+# whose TWINS lists them: lint fails, showing the diff, when one is stale.
 lint: venv
 	$(BIN)/python tools/async_to_sync.py --check
 	$(BIN)/ruff check pgque tests bench tools
 	$(BIN)/mypy --strict pgque
 
-# Regenerate the sync modules (pgque/client.py, pgque/_install.py) from their
-# async sources; never edit the generated files.
+# Regenerate every sync module from its async source; never edit the generated files.
 twins: venv
 	$(BIN)/python tools/async_to_sync.py
 
