@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 # Prints the first machine bin directory whose PostgreSQL major differs from the
 # embedded one, or nothing: the suite runs a second time against it.
-OTHER_BINDIR_PY := from pgque.localpg import bindir_major, embedded_bindir, system_bindirs; \
+OTHER_BINDIR_PY := from pgque.testing.localpg import bindir_major, embedded_bindir, system_bindirs; \
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
