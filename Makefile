@@ -20,7 +20,7 @@ venv: $(STAMP)
 # An existing venv is reused: re-running venv with another interpreter would break it.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -e '.[embedded,dev]'
+	$(BIN)/pip install -e '.[cli,embedded,dev]'
 	touch $(STAMP)
 
 # The sync modules are generated from their async sources by tools/async_to_sync.py,
