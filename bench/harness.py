@@ -21,11 +21,11 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from pgque import schema
-from pgque.localpg import LocalPostgres, find_bindir
+from pgque.testing.localpg import LocalPostgres, find_bindir
 
 __all__ = ["DURABLE_SETTINGS", "BenchServer", "git_commit", "load_average", "machine_info"]
 
-#: Overrides of pgque.localpg's test settings: commit as a production server does.
+#: Overrides of pgque.testing.localpg's test settings: commit as a production server does.
 DURABLE_SETTINGS = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
 # On disk, not /dev/shm: a tmpfs would make every WAL flush free.
@@ -105,7 +105,7 @@ class BenchServer:
             "settings": dict(rows),
         }
         if self._local is not None:
-            info["cluster"] = f"throwaway (pgque.localpg, binaries of {self._local.bindir})"
+            info["cluster"] = f"throwaway (pgque.testing.localpg, binaries of {self._local.bindir})"
             info["data_directory_filesystem"] = _filesystem(self._local.datadir)
         else:
             info["cluster"] = "given by --dsn"  # the DSN itself may hold a password

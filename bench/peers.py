@@ -38,7 +38,7 @@ from bench.harness import BenchServer
 from bench.measure import Case, Workload, measure
 from bench.registry import Suite, SuiteContext, SuiteResult, register
 from pgque.codec import encode_payload
-from pgque.localpg import bindir_major, system_bindirs
+from pgque.testing.localpg import bindir_major, system_bindirs
 
 __all__ = ["SUITE"]
 

@@ -6,6 +6,9 @@ line on stderr, ``error: ...``, with exit code 1 (2 for bad usage); ``--debug``
 or ``PGQUE_DEBUG=1`` shows the traceback instead. Neither shows the DSN's
 password, even of a DSN libpq cannot parse (see :func:`pgque._dsn.redact`).
 
+It needs click and rich, the ``cli`` extra (``pip install 'pgque[cli]'``), which
+the library does without; missing one, it ends with a line that says so.
+
 Here are the commands and their options; how things are shown is in
 :mod:`pgque.display`, and the long-running commands are services
 (:mod:`pgque.lifecycle`): ``tail`` (:mod:`pgque.tail`), ``worker`` and ``ticker``.
@@ -29,11 +32,19 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-import click
 import msgspec
 import psycopg
-from rich.json import JSON
-from rich.live import Live
+
+try:
+    import click
+    from rich.json import JSON
+    from rich.live import Live
+except ModuleNotFoundError as exc:  # the library needs neither: the command has an extra
+    missing = (exc.name or "").partition(".")[0]
+    if missing not in ("click", "rich"):
+        raise
+    raise SystemExit(f"error: the pgque command needs {missing}, which the cli extra "
+                     "installs: pip install 'pgque[cli]'") from None
 
 import pgque
 from pgque import _install, display

@@ -1,14 +1,49 @@
-"""Exceptions raised by pgque.
+"""Exceptions raised by pgque: the error catalogue.
 
-Every error the engine raises carries a SQLSTATE of class ``PQ``; the client
-maps it to one of the classes below by that code, never by message text.
-Errors from PostgreSQL that are not pgque's own (a lost connection, a
-permission error) propagate as psycopg exceptions.
+From a SQLSTATE to a class
+--------------------------
+Every error the engine raises on purpose has a SQLSTATE of class ``PQ``
+(``raise exception ... using errcode = 'PQ001'`` in ``pgque/sql/``), or
+22023 for an argument out of range. A class says which code it stands for
+in its class statement, and that is its whole registration::
+
+    class QueueNotFound(PgqueError, sqlstate="PQ001"):
+
+:meth:`PgqueError.__init_subclass__` records it in one table by code (a code
+has one class: a second one fails at import). The clients run every call
+inside :class:`translated`, which turns a psycopg error whose SQLSTATE is in
+the table into a new instance of that class (the server's message as its
+text, psycopg's error as its ``__cause__``): by code, never by message text.
+Any other psycopg error (a lost connection, a missing privilege, a deadlock)
+propagates as it is.
+
+A new error is a ``PQ`` code raised in the SQL, a class here with that
+``sqlstate``, its name in ``__all__`` and in ``pgque/__init__.py``, and a row in
+docs/api.md's error table; tests/test_errors.py checks that these agree.
+
+The hierarchy
+-------------
+::
+
+    PgqueError                      every pgque error; ``sqlstate`` is its code, or None
+    ├── ConnectError                not connected (no code); ``transient``: may retrying help?
+    │   └── InvalidDSN              a malformed DSN, never transient (also a ValueError)
+    ├── AccessDenied                pgque's access rules refused (no code of its own)
+    │   ├── ConsumerAccessDenied    PQ014
+    │   └── QueueAccessDenied       PQ015
+    ├── HandlerEndedTransaction     a Worker's handler broke its contract (no code)
+    ├── HandlerReturnedAwaitable    the same (also a TypeError)
+    └── one class per other code    QueueNotFound (PQ001) ... InvalidArgument (22023)
+
+The classes for bad input (a name, a payload, a setting, a slot, an argument)
+are also ``ValueError``s, and the client raises some of them itself, before
+asking the server (a payload it cannot encode).
 """
 
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Any
 
 import psycopg
 
@@ -52,11 +87,29 @@ __all__ = [
 class PgqueError(Exception):
     """Base class of every pgque error.
 
-    ``sqlstate`` is the SQLSTATE the server raised, or None for errors found
-    in the client (a payload that cannot be encoded, a bad DSN).
+    ``sqlstate`` is the class's SQLSTATE, the code the server raises it by
+    (also when the client raises it itself, as a payload it cannot encode),
+    or None for a class that has none (a connection failure, a bad DSN).
     """
 
     sqlstate: str | None = None
+
+    def __init_subclass__(cls, *, sqlstate: str | None = None, **kwargs: Any) -> None:
+        """``class C(PgqueError, sqlstate="PQnnn")``: the server's errors with that
+        SQLSTATE are raised as ``C``. A subclass that names no code inherits its
+        parent's ``sqlstate`` and is never raised in the parent's place."""
+        super().__init_subclass__(**kwargs)
+        if sqlstate is None:
+            return
+        taken = _BY_SQLSTATE.get(sqlstate)
+        if taken is not None:
+            raise TypeError(f"SQLSTATE {sqlstate} is {taken.__name__}'s already")
+        cls.sqlstate = sqlstate
+        _BY_SQLSTATE[sqlstate] = cls
+
+
+# SQLSTATE -> class: filled by the class statements below (PgqueError.__init_subclass__).
+_BY_SQLSTATE: dict[str, type[PgqueError]] = {}
 
 
 class ConnectError(PgqueError):
@@ -88,79 +141,55 @@ class InvalidDSN(ConnectError, ValueError):
     transient = False
 
 
-class QueueNotFound(PgqueError):
+class QueueNotFound(PgqueError, sqlstate="PQ001"):
     """The queue does not exist (PQ001)."""
 
-    sqlstate = "PQ001"
 
-
-class ConsumerNotFound(PgqueError):
+class ConsumerNotFound(PgqueError, sqlstate="PQ002"):
     """The consumer is not subscribed to the queue (PQ002)."""
 
-    sqlstate = "PQ002"
 
-
-class BatchNotActive(PgqueError):
+class BatchNotActive(PgqueError, sqlstate="PQ003"):
     """The batch is not the consumer's open batch: already acked, or never opened (PQ003)."""
 
-    sqlstate = "PQ003"
 
-
-class InvalidName(PgqueError, ValueError):
+class InvalidName(PgqueError, ValueError, sqlstate="PQ004"):
     """A queue or consumer name is not allowed (PQ004)."""
 
-    sqlstate = "PQ004"
 
-
-class PayloadError(PgqueError, ValueError):
+class PayloadError(PgqueError, ValueError, sqlstate="PQ005"):
     """A payload is not JSON, cannot be encoded, or does not fit the requested type (PQ005)."""
 
-    sqlstate = "PQ005"
 
-
-class QueueExists(PgqueError):
+class QueueExists(PgqueError, sqlstate="PQ006"):
     """A queue of that name already exists (PQ006)."""
 
-    sqlstate = "PQ006"
 
-
-class InvalidConfig(PgqueError, ValueError):
+class InvalidConfig(PgqueError, ValueError, sqlstate="PQ007"):
     """A queue setting is unknown or out of range (PQ007)."""
 
-    sqlstate = "PQ007"
 
-
-class NotReadCommitted(PgqueError):
+class NotReadCommitted(PgqueError, sqlstate="PQ008"):
     """Ticks must be made in a READ COMMITTED transaction (PQ008)."""
 
-    sqlstate = "PQ008"
 
-
-class DeadLetterNotFound(PgqueError):
+class DeadLetterNotFound(PgqueError, sqlstate="PQ009"):
     """No dead letter with that id in the queue (PQ009)."""
 
-    sqlstate = "PQ009"
 
-
-class EventNotInBatch(PgqueError):
+class EventNotInBatch(PgqueError, sqlstate="PQ010"):
     """A nacked event id is not among the events handed out of the batch (PQ010)."""
 
-    sqlstate = "PQ010"
 
-
-class QueueInUse(PgqueError):
+class QueueInUse(PgqueError, sqlstate="PQ011"):
     """The queue still has consumers; unsubscribe them or drop with force (PQ011)."""
 
-    sqlstate = "PQ011"
 
-
-class PartitionKeyTooLong(PgqueError, ValueError):
+class PartitionKeyTooLong(PgqueError, ValueError, sqlstate="PQ012"):
     """A partition key is longer than 512 bytes (PQ012)."""
 
-    sqlstate = "PQ012"
 
-
-class SchemaNotOwned(PgqueError):
+class SchemaNotOwned(PgqueError, sqlstate="PQ013"):
     """The install refused: schema pgque, or an object in it, belongs to another role (PQ013).
 
     Everything in schema pgque must belong to the role that installs it; an
@@ -168,24 +197,18 @@ class SchemaNotOwned(PgqueError):
     functions call and run as the installer.
     """
 
-    sqlstate = "PQ013"
 
-
-class DependentObjects(PgqueError):
+class DependentObjects(PgqueError, sqlstate="PQ017"):
     """The install refused: objects outside schema pgque depend on its views or
     functions, which every install drops and recreates (PQ017). Drop them, install,
     and create them again."""
 
-    sqlstate = "PQ017"
 
-
-class NewerSchema(PgqueError):
+class NewerSchema(PgqueError, sqlstate="PQ018"):
     """The install refused: a newer pgque has migrated this database (PQ018).
 
     Migrations go forward only; install with that version or a later one.
     """
-
-    sqlstate = "PQ018"
 
 
 class AccessDenied(PgqueError):
@@ -196,59 +219,43 @@ class AccessDenied(PgqueError):
     """
 
 
-class ConsumerAccessDenied(AccessDenied):
+class ConsumerAccessDenied(AccessDenied, sqlstate="PQ014"):
     """The consumer belongs to another role, which has not granted it to this one (PQ014)."""
 
-    sqlstate = "PQ014"
 
-
-class QueueAccessDenied(AccessDenied):
+class QueueAccessDenied(AccessDenied, sqlstate="PQ015"):
     """The queue's grants leave this role out for sending or consuming (PQ015)."""
 
-    sqlstate = "PQ015"
 
-
-class InvalidGrant(PgqueError, ValueError):
+class InvalidGrant(PgqueError, ValueError, sqlstate="PQ016"):
     """A grant names an unknown role, or a privilege other than 'send' or 'consume' (PQ016)."""
 
-    sqlstate = "PQ016"
 
-
-class SlotSubscriptionError(PgqueError):
+class SlotSubscriptionError(PgqueError, sqlstate="PQ021"):
     """A slot subscription was used through the plain receive/ack/nack (PQ021)."""
 
-    sqlstate = "PQ021"
 
-
-class SlotCountMismatch(PgqueError, ValueError):
+class SlotCountMismatch(PgqueError, ValueError, sqlstate="PQ020"):
     """The consumer group exists with another slot count; N is fixed per group (PQ020)."""
 
-    sqlstate = "PQ020"
 
-
-class InvalidSlotCount(PgqueError, ValueError):
+class InvalidSlotCount(PgqueError, ValueError, sqlstate="PQ022"):
     """A slot count is outside 1..max_slots (PQ022)."""
 
-    sqlstate = "PQ022"
 
-
-class InvalidSlot(PgqueError, ValueError):
+class InvalidSlot(PgqueError, ValueError, sqlstate="PQ023"):
     """A slot number is outside 0..N-1 (PQ023)."""
 
-    sqlstate = "PQ023"
 
-
-class SlotNotOwned(PgqueError):
+class SlotNotOwned(PgqueError, sqlstate="PQ024"):
     """This session does not hold the slot's advisory lock (PQ024).
 
     Raised by receive, ack and nack of a slot: a worker that lost its session
     (and with it the lock) can never act on a batch another worker now owns.
     """
 
-    sqlstate = "PQ024"
 
-
-class SessionUnstable(PgqueError):
+class SessionUnstable(PgqueError, sqlstate="PQ025"):
     """The server session behind the connection changed under the client (PQ025).
 
     Slot ownership and the ticker election are session locks, so they need
@@ -257,10 +264,8 @@ class SessionUnstable(PgqueError):
     directly, or through a pooler in session mode. Not retried: it cannot heal.
     """
 
-    sqlstate = "PQ025"
 
-
-class StaleEpoch(PgqueError):
+class StaleEpoch(PgqueError, sqlstate="PQ026"):
     """A fencing check failed: the epoch is no longer the slot's (PQ026).
 
     Raised by :meth:`~pgque.Client.check_fence` when the slot passed to another
@@ -269,13 +274,9 @@ class StaleEpoch(PgqueError):
     in error, so it rolls back.
     """
 
-    sqlstate = "PQ026"
 
-
-class CronUnavailable(PgqueError):
+class CronUnavailable(PgqueError, sqlstate="PQ030"):
     """pg_cron is not installed in this database (PQ030)."""
-
-    sqlstate = "PQ030"
 
 
 class HandlerEndedTransaction(PgqueError):
@@ -303,32 +304,8 @@ class HandlerReturnedAwaitable(PgqueError, TypeError):
     """
 
 
-class InvalidArgument(PgqueError, ValueError):
+class InvalidArgument(PgqueError, ValueError, sqlstate="22023"):
     """An argument is out of range, e.g. max_events < 1 (SQLSTATE 22023)."""
-
-    sqlstate = "22023"
-
-
-_BY_SQLSTATE: dict[str, type[PgqueError]] = {
-    cls.sqlstate: cls
-    for cls in (
-        QueueNotFound, ConsumerNotFound, BatchNotActive, InvalidName, PayloadError,
-        QueueExists, InvalidConfig, NotReadCommitted, DeadLetterNotFound, EventNotInBatch,
-        QueueInUse, PartitionKeyTooLong, SchemaNotOwned, DependentObjects, NewerSchema,
-        ConsumerAccessDenied,
-        QueueAccessDenied, InvalidGrant, SlotSubscriptionError, SlotCountMismatch,
-        InvalidSlotCount, InvalidSlot, SlotNotOwned, SessionUnstable, StaleEpoch, CronUnavailable,
-        InvalidArgument,
-    )
-    if cls.sqlstate is not None
-}
-
-
-def register(cls: type[PgqueError]) -> type[PgqueError]:
-    """Map ``cls.sqlstate`` to ``cls`` (used by modules that add error codes)."""
-    assert cls.sqlstate is not None
-    _BY_SQLSTATE[cls.sqlstate] = cls
-    return cls
 
 
 def from_psycopg(exc: psycopg.Error) -> PgqueError | None:

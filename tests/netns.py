@@ -414,14 +414,14 @@ class LinkServer(pgtest.PgServer):
 
     ``dsn(db)``: for the test, and for the namespace's bookkeeping connections
     (never cut); ``link.dsn(server.dsn(db))`` or ``ns_dsn(db, **libpq_params)``:
-    over the data link. ``bindir`` defaults to :func:`pgque.localpg.find_bindir`.
+    over the data link. ``bindir`` defaults to :func:`pgque.testing.localpg.find_bindir`.
     """
 
     restartable = True
 
     def __init__(self, link: NetnsLink, *, bindir: Path | None = None,
                  tmpdir: Path | None = None, settings: Mapping[str, str] | None = None) -> None:
-        from pgque.localpg import LocalPostgres
+        from pgque.testing.localpg import LocalPostgres
 
         self.link = link
         listen = f"127.0.0.1,{link.data.host_address},{link.control.host_address}"

@@ -7,7 +7,7 @@ installs it) in the foreground on a free TCP port of 127.0.0.1, until
 name to the test server, so the fresh database of each test works through it.
 
 PgBouncer refuses to run as root: when this process is root the program runs as
-the system user ``nobody`` (or the ``pgque`` user of :mod:`pgque.localpg`),
+the system user ``nobody`` (or the ``pgque`` user of :mod:`pgque.testing.localpg`),
 which owns the temporary directory.
 
 Clients authenticate with ``auth_type = trust`` (the user must still be listed

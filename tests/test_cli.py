@@ -298,6 +298,26 @@ def test_install_print_writes_the_script_without_a_database() -> None:
     assert ok(run_cli("install", "--print")) == pgque.install_script() + "\n"
 
 
+@pytest.mark.parametrize("module", ["click", "rich"])
+def test_without_the_cli_extra_the_command_says_what_to_install(module: str) -> None:
+    """click and rich come with the cli extra: without one, the command (the console
+    script calls cli.main) ends in one line that names the extra."""
+    code = f"import sys; sys.modules[{module!r}] = None; from pgque.cli import main; main()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=cli_env())
+    line = assert_one_line_error(result, 1)
+    assert module in line and "pip install 'pgque[cli]'" in line
+
+
+def test_the_library_imports_neither_click_nor_rich() -> None:
+    """What the cli extra brings is the command's alone."""
+    code = ("import sys, pgque, pgque.testing; "
+            "print(sorted({m.partition('.')[0] for m in sys.modules} & {'click', 'rich'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=cli_env())
+    assert ok(result) == "[]\n"
+
+
 def test_uninstall_asks_unless_yes(dsn: str, conn: psycopg.Connection[Any]) -> None:
     def installed() -> bool:
         return bool(scalar(conn, "select to_regnamespace('pgque') is not null"))

@@ -8,7 +8,7 @@ import pgtest
 import psycopg
 import pytest
 
-from pgque.localpg import LocalPostgres, find_bindir
+from pgque.testing.localpg import LocalPostgres, find_bindir
 
 
 @pytest.mark.parametrize("round_", [1, 2])

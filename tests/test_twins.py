@@ -37,6 +37,15 @@ def test_the_generated_file_is_up_to_date(source: str) -> None:
         "edit the async source, never the generated file, and run `make twins`")
 
 
+def test_the_readme_names_every_twin() -> None:
+    """TWINS is the one list of the twins; README's folder table names each source
+    and the module generated from it, so it must follow that list."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for source, target in tool.TWINS.items():
+        assert f"`{source}`" in readme, f"README.md does not name {source}"
+        assert f"{Path(target).name}`" in readme, f"README.md does not name {target}"
+
+
 def test_check_mode_reports_a_stale_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "pgque").mkdir()

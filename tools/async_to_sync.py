@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Generate pgque's sync code from its async source, as psycopg does.
 
-The async modules are the only source: ``pgque/client_async.py`` becomes
-``pgque/client.py`` and ``pgque/_install_async.py`` becomes ``pgque/_install.py``
-(see ``TWINS``). Never edit a generated file; edit its source, then run::
+The async modules are the only source: each one of ``TWINS`` becomes its sync
+twin (``pgque/client_async.py`` becomes ``pgque/client.py``...). ``TWINS`` is
+the one list of them: the Makefile, the tests and ``--check`` take it from here,
+and adding a twin is adding a line to it. Never edit a generated file; edit its
+source, then run::
 
     python tools/async_to_sync.py           # or: make twins
     python tools/async_to_sync.py --check   # exit 1 with a diff when one is stale (make lint)
@@ -48,7 +50,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Async source -> generated sync module, relative to the repository root.
+# Async source -> generated sync module, relative to the repository root: the one
+# list of the twins (the modules' names are renamed from one to the other too).
 TWINS = {
     "pgque/client_async.py": "pgque/client.py",
     "pgque/_install_async.py": "pgque/_install.py",
@@ -57,18 +60,16 @@ TWINS = {
 }
 
 RENAMES = {
+    # the twins' module names, from TWINS: client_async -> client...
+    **{Path(source).stem: Path(target).stem for source, target in TWINS.items()},
     # pgque's own names
     "AsyncClient": "Client",
     "AsyncConn": "Conn",
     "connect_async": "connect",
     "open_connection_async": "open_connection",
-    "client_async": "client",
-    "_install_async": "_install",
     "AsyncService": "Service",
     "AsyncCallWatch": "CallWatch",
-    "lifecycle_async": "lifecycle",
     "AsyncWorker": "Worker",
-    "worker_async": "worker",
     # pgque/_acompat.py: the two flavours of what has no one-to-one twin
     "acaller": "caller",
     "apause": "pause",

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from pgque.demo.checks import verdict
 from pgque.demo.scenario import Demo, Options
-from pgque.localpg import LocalPostgres, find_bindir
+from pgque.testing.localpg import LocalPostgres, find_bindir
 
 __all__ = ["main", "parse_args"]
 

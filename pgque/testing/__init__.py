@@ -10,7 +10,10 @@
   (pgque installed by a database owner who is no superuser, producers,
   workers, the ticker and an outsider on roles of their own);
 * :func:`run_worker` runs a real Worker until it has handled so many events, or
-  drained its group, and says what it handled.
+  drained its group, and says what it handled;
+* :mod:`pgque.testing.localpg` finds PostgreSQL binaries and runs a throwaway
+  cluster of them (:class:`~pgque.testing.localpg.LocalPostgres`), for the
+  demo and the benchmarks too.
 
 Loaded as a pytest plugin (``pytest_plugins = ["pgque.testing"]`` in the
 top-level conftest.py, or ``pytest -p pgque.testing``), it gives the fixtures

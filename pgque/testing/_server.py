@@ -16,8 +16,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pgque.localpg import LocalPostgres, embedded_bindir, find_bindir
 from pgque.schema import install
+from pgque.testing.localpg import LocalPostgres, embedded_bindir, find_bindir
 
 __all__ = [
     "ContainerServer",
@@ -46,7 +46,7 @@ DEFAULT_IMAGE = "postgres:18"
 _DOCKER_TIMEOUT = 5.0  # seconds: a missing engine fails at once, a hung one must not stall a run
 _TMPFS = Path("/dev/shm")
 _TMPFS_MIN_FREE = 2 << 30  # a cluster's WAL (max_wal_size is 1GB) and some databases
-# The same speed-over-durability settings as pgque.localpg gives a throwaway cluster.
+# The same speed-over-durability settings as pgque.testing.localpg gives a throwaway cluster.
 _CONTAINER_COMMAND = ("-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
                       " -c max_connections=300")
 
@@ -235,7 +235,7 @@ class ContainerServer(PgServer):
 
 
 class LocalServer(PgServer):
-    """A throwaway cluster (:class:`pgque.localpg.LocalPostgres`) of the binaries in
+    """A throwaway cluster (:class:`pgque.testing.localpg.LocalPostgres`) of the binaries in
     ``bindir``, started at once and deleted on close; ``postgres`` is the cluster."""
 
     restartable = True

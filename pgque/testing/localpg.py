@@ -437,7 +437,7 @@ class LocalPostgres:
         settings["port"] = str(_free_port())
         settings.update(self.settings)
         self._port = int(settings["port"])
-        self._append_conf(settings, "settings of pgque.localpg")
+        self._append_conf(settings, "settings of pgque.testing.localpg")
 
     def _set_port(self, port: int) -> None:
         self._append_conf({"port": str(port)}, "port changed: the previous one was taken")
