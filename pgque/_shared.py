@@ -120,23 +120,21 @@ def nacked(nack: Mapping[int, str | None] | Iterable[Message[Any] | int],
 
 def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],
                     payload_type: type[T] | None, slot: int | None = None,
-                    slots: int | None = None, *, at: int = 0) -> Batch[Any] | None:
+                    slots: int | None = None) -> Batch[Any] | None:
     """Build a Batch from pgque.batch_event rows, as plain tuples in the type's
     column order (batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data,
-    ev_extra1, epoch) from column ``at`` on (1 for receive_slots' rows, led by
-    the slot); None when there are no rows. Tuples and positional arguments,
+    ev_extra1, epoch, slot); None when there are no rows. Tuples and positional arguments,
     not named rows and keywords: this runs once per event received, and the
     names cost about a third of the client's time per event."""
     if not rows:
         return None
     first = rows[0]
     # Only a slot's batch has an epoch; a schema older than 0.2 has no column for it.
-    epoch = first[at + 7] if len(first) > at + 7 else None
+    epoch = first[7] if len(first) > 7 else None
     fence = None if slot is None or epoch is None else Fence(queue, consumer, slot, epoch)
-    i, t, d, k, n, c = at + 1, at + 4, at + 5, at + 6, at + 3, at + 2
-    messages = [Message(r[i], r[t], r[d], r[k], r[n], r[c], payload_type, fence)
-                for r in rows if r[i] is not None]
-    return Batch(queue=queue, consumer=consumer, batch_id=first[at], messages=messages,
+    messages = [Message(r[1], r[4], r[5], r[6], r[3], r[2], payload_type, fence)
+                for r in rows if r[1] is not None]
+    return Batch(queue=queue, consumer=consumer, batch_id=first[0], messages=messages,
                  slot=slot, slots=slots, fence=fence)
 
 

@@ -692,11 +692,11 @@ class AsyncClient:
             f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
             (*params, consumer, slots, wanted, max_events), binary=True)
         by_slot: dict[int, list[Any]] = {}
-        for row in rows:  # (slot, then the columns of pgque.batch_event)
-            by_slot.setdefault(row[0], []).append(row)
+        for row in rows:  # pgque.batch_event, its slot last
+            by_slot.setdefault(row[8], []).append(row)
         batches = []
         for slot, slot_rows in by_slot.items():
-            batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots, at=1)
+            batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots)
             if batch is not None:
                 batches.append(batch)
         return batches

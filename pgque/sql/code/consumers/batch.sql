@@ -5,10 +5,13 @@
 -- fixed once opened, may be handed out in pieces (max_events), and is
 -- finished by ack() only when every event in it was handed out.
 
--- pgque.batch_event: one event of a batch as receive and receive_partitioned
--- return it: the batch it belongs to, then the event. ev_extra1 is its
--- partition key (the name is PgQ's). epoch is the slot owner's fencing epoch
--- for a slot's batch (see slots/fence.sql), null for a plain consumer's.
+-- pgque.batch_event: one received event, the one row type of every receive
+-- (receive, receive_partitioned, ack_receive_partitioned, receive_slots):
+-- the batch it belongs to, then the event. ev_extra1 is its partition key
+-- (the name is PgQ's). epoch is the slot owner's fencing epoch for a slot's
+-- batch (see slots/fence.sql), slot the slot; both null for a plain
+-- consumer's. A batch with nothing left to hand out is one row of nulls but
+-- batch_id (and slot, epoch).
 create type pgque.batch_event as (
     batch_id  bigint,
     ev_id     bigint,
@@ -17,7 +20,8 @@ create type pgque.batch_event as (
     ev_type   text,
     ev_data   text,
     ev_extra1 text,
-    epoch     bigint
+    epoch     bigint,
+    slot      integer
 );
 
 -- pgque._next_tick(queue, cur): the tick that closes the next batch of a
@@ -172,10 +176,10 @@ begin
 
     if v_count = 0 then
         return query select p_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
-                            null::text, null::text, null::text, null::bigint;
+                            null::text, null::text, null::text, null::bigint, p_slot;
     else
         return query select p_cur.cur_batch, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-                            e.ev_extra1, null::bigint
+                            e.ev_extra1, null::bigint, p_slot
                        from unnest(v_events) e;
     end if;
 end

@@ -21,19 +21,6 @@
 -- would then cost more than theirs). Both paths hand out the same pieces
 -- (tests/test_slot_sets_model.py).
 
--- pgque.slot_event: a row of receive_slots, a slot's event (or batch) row led by the slot.
-create type pgque.slot_event as (
-    slot      integer,
-    batch_id  bigint,
-    ev_id     bigint,
-    ev_time   timestamptz,
-    ev_retry  integer,
-    ev_type   text,
-    ev_data   text,
-    ev_extra1 text,
-    epoch     bigint
-);
-
 -- pgque._slot_span(queue, grp, ks, subs, curs, max_events): the plan of
 -- the set-based path of receive_slots for slots ks of group grp (their
 -- subscriptions and cursors as read without a lock): which of them go together
@@ -186,14 +173,14 @@ $$;
 
 -- pgque.receive_slots(queue, consumer, slots, slot_list, max_events): for each
 -- slot of slot_list (slots of a group of slots), what receive_partitioned
--- would return, as rows led by the slot, ascending by slot; slots with
+-- would return (its slot in the column slot), ascending by slot; slots with
 -- nothing to receive return no row. One transaction: a failure (PQ024 for a
 -- slot this session does not own) receives nothing. max_events bounds each
 -- slot's piece.
 create or replace function pgque.receive_slots(
     p_queue text, p_consumer text, p_slots integer, p_slot_list integer[],
     p_max_events integer default null)
-returns setof pgque.slot_event
+returns setof pgque.batch_event
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
@@ -210,7 +197,7 @@ declare
     v_open integer[] := '{}';        -- the slots opened together, their epochs and cursors
     v_epochs bigint[] := '{}';
     v_open_curs pgque.cursor[] := '{}';
-    v_rest pgque.slot_event[] := '{}';  -- the rows of the other slots
+    v_rest pgque.batch_event[] := '{}';  -- the rows of the other slots
     v_i integer;
 begin
     perform pgque._check_max_events(p_max_events);
@@ -256,17 +243,15 @@ begin
             end if;
         end if;
         v_rest := v_rest || array(
-            select row(v_ks[v_i], r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type,
-                       r.ev_data, r.ev_extra1, r.epoch)::pgque.slot_event
-              from pgque._receive_slot(v_queue, v_group, v_ks[v_i], v_subs[v_i], v_curs[v_i],
-                                       p_max_events) r);
+            select r from pgque._receive_slot(v_queue, v_group, v_ks[v_i], v_subs[v_i],
+                                              v_curs[v_i], p_max_events) r);
     end loop;
     return query
         select * from pgque._open_span_batches(v_span, v_open, v_epochs, v_open_curs,
                                                p_max_events)
         union all
         select x.* from unnest(v_rest) x
-         order by 1, 3;
+         order by 9, 2;
 end
 $$;
 
@@ -278,7 +263,7 @@ $$;
 create or replace function pgque._open_span_batches(
     p_span record, p_open integer[], p_epochs bigint[], p_curs pgque.cursor[],
     p_max_events integer)
-returns setof pgque.slot_event
+returns setof pgque.batch_event
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -298,8 +283,8 @@ begin
                    case when p_max_events is null or s.count <= p_max_events then s.last end
               from served s
         )
-        select s.k, s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-               e.ev_extra1, s.epoch
+        select s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
+               e.ev_extra1, s.epoch, s.k
           from unnest(p_span.events) with ordinality as e
           join served s on s.k = (p_span.routes)[e.ordinality]
          where e.ev_id <= s.handed;
