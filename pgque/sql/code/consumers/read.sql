@@ -27,75 +27,94 @@ as $$
                 else format(' and %s = %s', pgque._slot_expr(p_slots), p_slot) end
 $$;
 
--- pgque._dual_filter(slots, in_progress, prev_xmax, sub, slot): the part of a
--- batch's condition that _batch_where and _probe_where share, over an event
--- table e: one half of the dual filter (see _batch_where), the snapshot $4
--- and $2 (next's xmax), retries owned by subscription sub, and the routing
--- formula of slots equal to slot. prev_xmax, sub and slot are SQL
--- expressions written by those two functions, never caller text.
+-- pgque.read_request: everything a read of events is given, as one value:
+-- the batch's bounds, whose events, which of them, and for which slots. The
+-- statements below name its fields (through the SQL expression of the
+-- request their caller gives: the batch readers' parameter p_read, or ($1)
+-- when run dynamically), so a new field is one edit here and one where it is
+-- used. Three reads take one:
+--   a batch      one subscription's events (one slot's when slots > 1), in
+--                ev_id order, at most max_events, after < ev_id <= upto,
+--                only ids when given (_read_statement);
+--   a span       the same for the slots span_slots of a group of slots, with
+--                the retries of their subscriptions span_subs, at most
+--                max_events per slot (_span_statement, receive_slots);
+--   a probe      which of span_slots have an event between probe_prevs (each
+--                slot's own start) and next (_probe_statement).
+create type pgque.read_request as (
+    prev_xmax   xid8,          -- the snapshot at the batch's start (its last tick): xmax
+    prev_xip    xid8[],        --   and its transactions in progress
+    next_xmax   xid8,          -- the snapshot at its end (the next tick): xmax
+    next        pg_snapshot,   --   and the whole snapshot
+    sub_id      integer,       -- the subscription (a batch): its retries only
+    after       bigint,        -- ev_id above this
+    upto        bigint,        -- ev_id at most this (null: no bound)
+    ids         bigint[],      -- only these ev_ids (null: all)
+    slot        integer,       -- the slot (a batch of a slot)
+    slots       integer,       -- the group's slot count (null: a plain consumer)
+    max_events  integer,       -- at most this many, per slot for a span (null: all)
+    span_slots  integer[],     -- a span or a probe: the slots,
+    span_subs   integer[],     --   their subscriptions,
+    probe_prevs pg_snapshot[], --   and for a probe, each one's start
+    probe       boolean        -- a probe
+);
+
+-- pgque._dual_filter(slots, in_progress, prev_xmax, sub, slot, req): the part
+-- of a read's condition that batches, spans and probes share, over an event
+-- table e: one half of the dual filter (see _batch_where), the snapshot
+-- req.next (below req.next_xmax), retries owned by subscription sub, and the
+-- routing formula of slots equal to slot. prev_xmax, sub, slot and req are
+-- SQL expressions written by pgque's statement builders, never caller text.
 create or replace function pgque._dual_filter(p_slots integer, p_in_progress boolean,
-                                              p_prev_xmax text, p_sub text, p_slot text)
+                                              p_prev_xmax text, p_sub text, p_slot text,
+                                              p_req text)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select case when p_in_progress then 'e.ev_txid = x.txid'
-                else format('e.ev_txid >= %s and e.ev_txid < $2', p_prev_xmax) end
-           || ' and pg_visible_in_snapshot(e.ev_txid, $4)'
+                else format('e.ev_txid >= %s and e.ev_txid < %s.next_xmax', p_prev_xmax, p_req) end
+           || format(' and pg_visible_in_snapshot(e.ev_txid, %s.next)', p_req)
            || format(' and (e.ev_owner is null or e.ev_owner = %s)', p_sub)
            || pgque._slot_filter(p_slots, p_slot)
 $$;
 
--- pgque._batch_where(slots, in_progress): one half of the condition that
--- picks a batch's events from an event table e, as SQL text over the
--- positional parameters
---   $1 prev's xmax, $2 next's xmax, $3 prev's in-progress list (xid8[]),
---   $4 the snapshot next, $5 the subscription, $6 after (ev_id), $7 upto
---   (ev_id, null: no bound), $8 ids (null: all), $9 the slot.
--- The "dual filter": transactions not visible in prev are those at or above
--- its xmax (the half without in_progress) plus those in progress when it was
--- taken, its xip list, all below its xmax (the half with in_progress, over
--- x.txid, one of that list). So the ev_txid index is read for one range and
--- a short list of ids instead of whole tables. The halves are disjoint and
--- are read as two scans, the second one probe per listed id (a lateral
--- subquery behind "offset 0", so that the planner cannot turn it into a hash
--- join over the whole slot; see _read_statement): as one condition, "range or in list", a generic plan of
+-- pgque._batch_where(req, slots, in_progress): one half of the condition
+-- that picks a batch's events from an event table e, as SQL text over the
+-- read request req (pgque.read_request). The "dual filter": transactions not
+-- visible at the batch's start are those at or above its xmax (the half
+-- without in_progress) plus those in progress then, all below its xmax (the
+-- half with in_progress, over x.txid, one of req.prev_xip). So the ev_txid
+-- index is read for one range and a short list of ids instead of whole
+-- tables. The halves are disjoint and are read as two scans, the second one
+-- probe per listed id (a lateral subquery behind "offset 0", so that the
+-- planner cannot turn it into a hash join over the whole slot; see
+-- _read_statement): as one condition, "range or in list", a generic plan of
 -- PostgreSQL 15 used the slot index for the slot alone and read every row of
 -- the slot in the table. With slots above 1 the routing formula is spelled
 -- out with its count as a literal, so the planner can use the tables' slot
--- index (generated/slot_index.sql) and read only the slot's rows. Built from an
--- integer only: no caller text. The batch readers (generated/batch_reader.sql) hold
--- it as static SQL; _run_reader runs it dynamically for a count they lack.
-create or replace function pgque._batch_where(p_slots integer, p_in_progress boolean)
+-- index (generated/slot_index.sql) and read only the slot's rows. Built from
+-- an integer only: no caller text. The batch readers (generated/batch_reader.sql)
+-- hold it as static SQL; _run_reader runs it dynamically for a count they lack.
+create or replace function pgque._batch_where(p_req text, p_slots integer, p_in_progress boolean)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pgque._dual_filter(p_slots, p_in_progress, '$1', '$5', '$9')
-           || ' and e.ev_id > $6'
-              ' and ($7::bigint is null or e.ev_id <= $7)'
-              ' and ($8::bigint[] is null or e.ev_id = any($8))'
+    select pgque._dual_filter(p_slots, p_in_progress, p_req || '.prev_xmax', p_req || '.sub_id',
+                              p_req || '.slot', p_req)
+           || format(' and e.ev_id > %1$s.after'
+                     ' and (%1$s.upto is null or e.ev_id <= %1$s.upto)'
+                     ' and (%1$s.ids is null or e.ev_id = any(%1$s.ids))', p_req)
 $$;
 
--- pgque._probe_where(slots, in_progress): the same halves for many slots at
--- once, as the probe uses them: over the columns of a row s (k the slot, sub
--- its subscription, prev the snapshot of its last tick) instead of $1, $5
--- and $9 (x.txid one of prev's xip list), with $2 and $4 as above, and no
--- bounds on ev_id. Built from an integer only.
-create or replace function pgque._probe_where(p_slots integer, p_in_progress boolean)
-returns text
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$
-    select pgque._dual_filter(p_slots, p_in_progress, 'pg_snapshot_xmax(s.prev)', 's.sub', 's.k')
-$$;
-
--- pgque._read_statement(queue_id, slots): the statement that reads a batch of
--- the queue for a slot of slots (null: a plain consumer): the events of both
--- halves of _batch_where, each read by its own scan, in ev_id order, at most
--- $10 (null: all), turned into rows only once limited, so that a piece of 100
--- does not build the rows of the whole batch.
-create or replace function pgque._read_statement(p_queue_id integer, p_slots integer)
+-- pgque._read_statement(req, queue_id, slots): the statement that reads a
+-- batch of the queue for a slot of slots (null: a plain consumer): the
+-- events of both halves of _batch_where, each read by its own scan, in ev_id
+-- order, at most req.max_events (null: all), turned into rows only once
+-- limited, so that a piece of 100 does not build the rows of the whole batch.
+create or replace function pgque._read_statement(p_req text, p_queue_id integer,
+                                                 p_slots integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -103,24 +122,26 @@ as $$
     select format('select array(select row(x.*)::pgque.event_template'
                   ' from (select e.* from pgque.%I e where %s'
                   '       union all'
-                  '       select e.* from unnest($3) as x(txid)'
+                  '       select e.* from unnest(%s.prev_xip) as x(txid)'
                   '        cross join lateral (select e.* from pgque.%I e where %s offset 0) e'
-                  '       order by ev_id limit $10) x)',
-                  pgque._event_table(p_queue_id), pgque._batch_where(p_slots, false),
-                  pgque._event_table(p_queue_id), pgque._batch_where(p_slots, true))
+                  '       order by ev_id limit %s.max_events) x)',
+                  pgque._event_table(p_queue_id), pgque._batch_where(p_req, p_slots, false),
+                  p_req,
+                  pgque._event_table(p_queue_id), pgque._batch_where(p_req, p_slots, true),
+                  p_req)
 $$;
 
--- pgque._span_statement(queue_id, slots, limited): the statement that reads
--- a batch of the queue for several slots of a group of slots at once
+-- pgque._span_statement(req, queue_id, slots, limited): the statement that
+-- reads a batch of the queue for several slots of a group of slots at once
 -- (receive_slots, slots/sets.sql): both halves of the batch's condition as
--- _read_statement has them, for the slots $12 (the routing formula of slots
--- among them) and with the retries of any of their subscriptions $13, in no
--- particular order (the caller orders what it hands out); with limited, at
--- most $10 events per slot, the first by ev_id, as each slot's own read has
--- it, so that pieces of max_events do not read whole batches into memory.
--- $1 .. $4 as for _batch_where. Built from integers only.
-create or replace function pgque._span_statement(p_queue_id integer, p_slots integer,
-                                                 p_limited boolean)
+-- _read_statement has them, for the slots req.span_slots (the routing formula
+-- of slots among them) and with the retries of any of their subscriptions
+-- req.span_subs, in no particular order (the caller orders what it hands
+-- out); with limited, at most req.max_events events per slot, the first by
+-- ev_id, as each slot's own read has it, so that pieces of max_events do not
+-- read whole batches into memory. Built from integers only.
+create or replace function pgque._span_statement(p_req text, p_queue_id integer,
+                                                 p_slots integer, p_limited boolean)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -130,55 +151,87 @@ as $$
                   ' from (select e.*%s'
                   '         from (select e.* from pgque.%I e where %s'
                   '               union all'
-                  '               select e.* from unnest($3) as x(txid)'
+                  '               select e.* from unnest(%s.prev_xip) as x(txid)'
                   '                cross join lateral (select e.* from pgque.%I e where %s'
                   '                                     offset 0) e) e) x%s)',
                   case when p_limited
                        then format(', row_number() over (partition by %s order by e.ev_id) as n',
                                    pgque._slot_expr(p_slots)) else '' end,
                   pgque._event_table(p_queue_id),
-                  pgque._dual_filter(p_slots, false, '$1', 'any($13)', 'any($12)'),
+                  pgque._dual_filter(p_slots, false, p_req || '.prev_xmax',
+                                     format('any(%s.span_subs)', p_req),
+                                     format('any(%s.span_slots)', p_req), p_req),
+                  p_req,
                   pgque._event_table(p_queue_id),
-                  pgque._dual_filter(p_slots, true, '$1', 'any($13)', 'any($12)'),
-                  case when p_limited then ' where x.n <= $10' else '' end)
+                  pgque._dual_filter(p_slots, true, p_req || '.prev_xmax',
+                                     format('any(%s.span_subs)', p_req),
+                                     format('any(%s.span_slots)', p_req), p_req),
+                  case when p_limited then format(' where x.n <= %s.max_events', p_req) else '' end)
 $$;
 
--- pgque._probe_statement(queue_id, slots): the statement that finds which of
--- several slots of slots have an event in their batch up to the snapshot $4
--- (xmax $2): for each row of unnest($12 slots, $13 subscriptions, $14 last
--- tick snapshots), at most one of its events, found by scans (one per half
--- of the condition) that stop at the first.
-create or replace function pgque._probe_statement(p_queue_id integer, p_slots integer)
+-- pgque._probe_statement(req, queue_id, slots): the statement that finds
+-- which of the slots req.span_slots of slots have an event in their batch up
+-- to the snapshot req.next: for each of them (with its subscription of
+-- req.span_subs and its start of req.probe_prevs), at most one of its events,
+-- found by scans (one per half of the condition) that stop at the first.
+create or replace function pgque._probe_statement(p_req text, p_queue_id integer,
+                                                  p_slots integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select format('select array(select p.ev from unnest($12, $13, $14) s(k, sub, prev)'
+    select format('select array(select p.ev'
+                  ' from unnest(%1$s.span_slots, %1$s.span_subs, %1$s.probe_prevs) s(k, sub, prev)'
                   ' cross join lateral ((select row(e.*)::pgque.event_template as ev'
-                  '                        from pgque.%I e where %s limit 1)'
+                  '                        from pgque.%2$I e where %3$s limit 1)'
                   '                     union all'
                   '                     (select row(e.*)::pgque.event_template'
                   '                        from pg_snapshot_xip(s.prev) as x(txid)'
-                  '                       cross join lateral (select e.* from pgque.%I e'
-                  '                                            where %s offset 0) e'
+                  '                       cross join lateral (select e.* from pgque.%2$I e'
+                  '                                            where %4$s offset 0) e'
                   '                       limit 1)'
                   '                     limit 1) p)',
-                  pgque._event_table(p_queue_id), pgque._probe_where(p_slots, false),
-                  pgque._event_table(p_queue_id), pgque._probe_where(p_slots, true))
+                  p_req, pgque._event_table(p_queue_id),
+                  pgque._dual_filter(p_slots, false, 'pg_snapshot_xmax(s.prev)', 's.sub', 's.k',
+                                     p_req),
+                  pgque._dual_filter(p_slots, true, 'pg_snapshot_xmax(s.prev)', 's.sub', 's.k',
+                                     p_req))
 $$;
 
--- pgque._run_reader(queue_id, slots, probe, $1 .. $14): runs the read (or,
--- with probe, the probe; with slots above 1 and no slot, the span read for
--- several slots) statement with those parameters (see _batch_where,
--- _read_statement, _probe_statement, _span_statement): through the queue's
--- batch reader when it has a branch for slots, else as dynamic SQL. Every
--- value reaches the statement as a parameter.
-create or replace function pgque._run_reader(
-    p_queue_id integer, p_slots integer, p_probe boolean,
-    p_prev_xmax xid8, p_next_xmax xid8, p_prev_xip xid8[], p_next pg_snapshot,
-    p_sub_id integer, p_after bigint, p_upto bigint, p_ids bigint[], p_slot integer,
-    p_limit integer, p_probe_slots integer[], p_probe_subs integer[],
-    p_probe_prevs pg_snapshot[])
+-- pgque._read_dispatch(req, queue_id, slots): the statement that serves the
+-- read request req for slots (a count: the batch readers write one branch of
+-- these per count): the probe, the span read (no slot, slots above 1) or the
+-- batch read.
+create or replace function pgque._read_dispatch(p_req text, p_queue_id integer,
+                                                p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format(E'if %1$s.probe then\n'
+                  '    return (%2$s);\n'
+                  'end if;\n'
+                  '%3$s'
+                  'return (%4$s);\n',
+                  p_req, pgque._probe_statement(p_req, p_queue_id, p_slots),
+                  case when p_slots > 1
+                       then format(E'if %1$s.slot is null and %1$s.max_events is null then\n'
+                                   '    return (%2$s);\n'
+                                   'end if;\n'
+                                   'if %1$s.slot is null then\n'
+                                   '    return (%3$s);\n'
+                                   'end if;\n',
+                                   p_req, pgque._span_statement(p_req, p_queue_id, p_slots, false),
+                                   pgque._span_statement(p_req, p_queue_id, p_slots, true))
+                       else '' end,
+                  pgque._read_statement(p_req, p_queue_id, p_slots))
+$$;
+
+-- pgque._run_reader(queue_id, req): the events that the read request req
+-- asks of the queue (see pgque.read_request): through the queue's batch
+-- reader when it has a branch for req.slots, else as dynamic SQL, the same
+-- statement with the request as its one parameter.
+create or replace function pgque._run_reader(p_queue_id integer, p_req pgque.read_request)
 returns pgque.event_template[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -186,26 +239,22 @@ as $$
 declare
     v_reader text := 'pgque.' || pgque._batch_reader_name(p_queue_id);
     v_events pgque.event_template[];
+    v_slots integer := coalesce(p_req.slots, 1);
 begin
     -- A reader missing (dropped by hand; maintenance writes it again) is one
     -- without the branch: the dynamic statement below reads the same.
     if to_regproc(v_reader) is not null then
-        execute format('select %s($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,'
-                       ' $14, $15)', v_reader)
-           into v_events
-          using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
-                p_slot, p_limit, p_slots, p_probe_slots, p_probe_subs, p_probe_prevs, p_probe;
+        execute format('select %s($1)', v_reader) into v_events using p_req;
         if v_events is not null then
             return v_events;
         end if;
     end if;
-    execute case when p_probe then pgque._probe_statement(p_queue_id, p_slots)
-                 when p_slots > 1 and p_slot is null
-                      then pgque._span_statement(p_queue_id, p_slots, p_limit is not null)
-                 else pgque._read_statement(p_queue_id, p_slots) end
-       into v_events
-      using p_prev_xmax, p_next_xmax, p_prev_xip, p_next, p_sub_id, p_after, p_upto, p_ids,
-            p_slot, p_limit, p_slots, p_probe_slots, p_probe_subs, p_probe_prevs;
+    execute case when p_req.probe then pgque._probe_statement('($1)', p_queue_id, v_slots)
+                 when v_slots > 1 and p_req.slot is null
+                      then pgque._span_statement('($1)', p_queue_id, v_slots,
+                                                 p_req.max_events is not null)
+                 else pgque._read_statement('($1)', p_queue_id, v_slots) end
+       into v_events using p_req;
     return v_events;
 end
 $$;
@@ -225,11 +274,22 @@ returns pgque.event_template[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_req pgque.read_request;
 begin
-    return pgque._run_reader(p_queue_id, p_slots, false,
-                             pg_snapshot_xmax(p_prev), pg_snapshot_xmax(p_next),
-                             array(select pg_snapshot_xip(p_prev)), p_next, p_sub_id, p_after,
-                             p_upto, p_ids, p_slot, p_max, null, null, null);
+    v_req.prev_xmax := pg_snapshot_xmax(p_prev);
+    v_req.prev_xip := array(select pg_snapshot_xip(p_prev));
+    v_req.next_xmax := pg_snapshot_xmax(p_next);
+    v_req.next := p_next;
+    v_req.sub_id := p_sub_id;
+    v_req.after := p_after;
+    v_req.upto := p_upto;
+    v_req.ids := p_ids;
+    v_req.slot := p_slot;
+    v_req.slots := p_slots;
+    v_req.max_events := p_max;
+    v_req.probe := false;
+    return pgque._run_reader(p_queue_id, v_req);
 end
 $$;
 
@@ -245,14 +305,19 @@ returns integer[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_req pgque.read_request;
 begin
-    -- plpgsql, not sql: slot_of is in slots/groups.sql.
+    v_req.next_xmax := pg_snapshot_xmax(p_next);
+    v_req.next := p_next;
+    v_req.slots := p_slots;
+    v_req.span_slots := p_probe_slots;
+    v_req.span_subs := p_subs;
+    v_req.probe_prevs := p_prevs;
+    v_req.probe := true;
     return (select coalesce(array_agg(distinct case when p_slots is null or p_slots = 1 then 0
                                                     else pgque.slot_of(e.ev_extra1, p_slots) end),
                             '{}')
-              from unnest(pgque._run_reader(p_queue_id, p_slots, true, null,
-                                            pg_snapshot_xmax(p_next), null, p_next, null, null,
-                                            null, null, null, null, p_probe_slots, p_subs,
-                                            p_prevs)) e);
+              from unnest(pgque._run_reader(p_queue_id, v_req)) e);
 end
 $$;

@@ -36,56 +36,39 @@ begin
 end
 $$;
 
--- pgque._batch_reader_args(): the reader's parameter list: the positional
--- parameters $1..$14 of _read_statement and _probe_statement (consumers/read.sql),
--- in that order ($11, the slot count, picks the branch), then whether to probe.
+-- pgque._batch_reader_args(): the reader's parameter list: one read request
+-- (pgque.read_request, consumers/read.sql), whose slot count picks the branch.
 create or replace function pgque._batch_reader_args()
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select 'p_prev_xmax xid8, p_next_xmax xid8, p_prev_xip xid8[], p_next pg_snapshot,'
-           ' p_sub_id integer, p_after bigint, p_upto bigint, p_ids bigint[], p_slot integer,'
-           ' p_limit integer, p_slots integer, p_probe_slots integer[], p_probe_subs integer[],'
-           ' p_probe_prevs pg_snapshot[], p_probe boolean'
+    select 'p_read pgque.read_request'
 $$;
 
 -- pgque._batch_reader_source(queue_id, slot_counts): the body of the queue's
 -- reader for the given slot counts above 1: for each count, and for plain
--- consumers and groups of one slot, its probe and its read (the statements
--- _probe_statement and _read_statement write, here static).
+-- consumers and groups of one slot, what _read_dispatch writes for it (its
+-- probe, its span reads and its read, here static).
 create or replace function pgque._batch_reader_source(p_queue_id integer, p_slot_counts integer[])
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format(E'-- For slot counts %s.\n'
+                  'declare\n'
+                  '    p_slots constant integer := p_read.slots;\n'
                   'begin\n'
                   '%s'
                   '    return null;  -- no branch for this slot count: the caller reads dynamically\n'
                   'end\n',
                   array_to_string(array_prepend(1, p_slot_counts), ', '),
-                  string_agg(format(
-                      E'    if p_slots %s then\n'
-                      '        if p_probe then\n'
-                      '            return (%s);\n'
-                      '        end if;\n'
-                      '%s'
-                      '        return (%s);\n'
-                      '    end if;\n',
-                      case when n = 1 then 'is null or p_slots = 1' else '= ' || n::text end,
-                      pgque._probe_statement(p_queue_id, n),
-                      case when n > 1 then format(E'        if p_slot is null and p_limit is null then\n'
-                                                   '            return (%s);\n'
-                                                   '        end if;\n'
-                                                   '        if p_slot is null then\n'
-                                                   '            return (%s);\n'
-                                                   '        end if;\n',
-                                                   pgque._span_statement(p_queue_id, n, false),
-                                                   pgque._span_statement(p_queue_id, n, true))
-                           else '' end,
-                      pgque._read_statement(p_queue_id, n)),
-                      '' order by n))
+                  string_agg(format(E'    if p_slots %s then\n%s    end if;\n',
+                                    case when n = 1 then 'is null or p_slots = 1'
+                                         else '= ' || n::text end,
+                                    regexp_replace(pgque._read_dispatch('p_read', p_queue_id, n),
+                                                   E'^(?=.)', '        ', 'gn')),
+                             '' order by n))
       from unnest(array_prepend(1, p_slot_counts)) n
 $$;
 

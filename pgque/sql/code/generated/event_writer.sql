@@ -62,11 +62,11 @@ begin
         for n in 0 .. p_table_counts[i] - 1 loop
             v_code := v_code || format(
                 E'%s    if p_table = %s then\n'
-                 '%s        insert into pgque.%I (ev_type, ev_data, ev_extra1)\n'
-                 '%s        values (p_type, p_data, p_key) returning ev_id into v_id;\n'
+                 '%s        %s into v_id;\n'
                  '%s        return v_id;\n'
                  '%s    end if;\n',
-                v_pad, n, v_pad, pgque._event_table(p_queue_ids[i], n), v_pad, v_pad, v_pad);
+                v_pad, n, v_pad, pgque._event_insert(p_queue_ids[i], n, 'p_type, p_data, p_key'),
+                v_pad, v_pad);
         end loop;
         v_code := v_code || format(E'%s    return null;\n%send if;\n', v_pad, v_pad);
     end loop;

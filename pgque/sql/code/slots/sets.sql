@@ -44,8 +44,7 @@ as $$
 declare
     v_prev pg_snapshot;              -- the snapshot of their last tick
     v_next pg_snapshot;
-    v_span_ks integer[];             -- the slots together, and their subscriptions' ids
-    v_span_subs integer[];
+    v_req pgque.read_request;        -- the read of the slots together
 begin
     together := '{}';
     select c.cur_last_tick into last_tick
@@ -69,20 +68,24 @@ begin
         return;
     end if;
     v_next := pgque._tick_snapshot(p_queue.queue_id, next_tick);
-    v_span_ks := array(select p_ks[i] from unnest(together) i);
-    v_span_subs := array(select (p_subs[i]).sub_id from unnest(together) i);
     -- One read of their next batch (_span_statement) ...
-    events := pgque._run_reader(
-        p_queue.queue_id, p_group.cg_slots, false, pg_snapshot_xmax(v_prev),
-        pg_snapshot_xmax(v_next), array(select pg_snapshot_xip(v_prev)), v_next, null, null,
-        null, null, null, pgque._events_asked(p_max_events), v_span_ks, v_span_subs, null);
+    v_req.prev_xmax := pg_snapshot_xmax(v_prev);
+    v_req.prev_xip := array(select pg_snapshot_xip(v_prev));
+    v_req.next_xmax := pg_snapshot_xmax(v_next);
+    v_req.next := v_next;
+    v_req.slots := p_group.cg_slots;
+    v_req.max_events := pgque._events_asked(p_max_events);
+    v_req.span_slots := array(select p_ks[i] from unnest(together) i);
+    v_req.span_subs := array(select (p_subs[i]).sub_id from unnest(together) i);
+    v_req.probe := false;
+    events := pgque._run_reader(p_queue.queue_id, v_req);
     -- ... each event routed by slot_of's formula, written out (a call per
     -- event would cost more than the rest of this), a retried event to its
     -- owner's slot only; and what each slot's cursor needs to know.
     with routed as materialized (
         select e.ordinality as i, e.ev_id, coalesce(o.k, -1) as k
           from unnest(events) with ordinality as e
-          left join unnest(v_span_ks, v_span_subs) as o(k, sub)
+          left join unnest(v_req.span_slots, v_req.span_subs) as o(k, sub)
             on o.k = case when e.ev_extra1 is null then 0
                           else (hashtextextended(e.ev_extra1, 0) % p_group.cg_slots
                                 + p_group.cg_slots) % p_group.cg_slots end
