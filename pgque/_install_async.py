@@ -1,7 +1,7 @@
 # The source of pgque/_install.py, which tools/async_to_sync.py generates  # async-only
 # from this file (`make twins`): edit this one, then regenerate.  # async-only
 """Installing, upgrading and uninstalling the engine over a psycopg AsyncConnection:
-the I/O of :mod:`pgque.schema`, which builds the install script.
+the I/O of :mod:`pgque.schema`, over the script :mod:`pgque._script` builds.
 
 ``pgque.install(conn)`` and ``pgque.uninstall(conn)`` (:mod:`pgque.schema`)
 document the contract; the clients' ``install`` and ``uninstall`` call these.
@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import AsyncConnection
 
-from pgque.schema import PIN_SEARCH_PATH, install_script
+from pgque._script import PIN_SEARCH_PATH, install_script
 
 # Concurrent installers serialize on the row of pgque.install_lock, which the
 # guard takes before it writes any catalog row. Into an empty database (or one

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from pgque import schema
+from pgque import _script, schema
 
 SQL_DIR = resources.files("pgque").joinpath("sql")
 
@@ -32,14 +32,14 @@ def _sql_files(folder: str) -> list[str]:
 
 
 def test_the_manifest_names_every_code_and_install_file_once() -> None:
-    named = schema._manifest()
+    named = _script._manifest()
     assert len(named) == len(set(named)), "a file is named twice"
     assert sorted(named) == sorted(_sql_files("code") + _sql_files("install"))
 
 
 def test_the_script_holds_the_files_in_manifest_order() -> None:
     script = schema.install_script()
-    positions = [script.index(f"-- ===== {path} =====\n") for path in schema._manifest()]
+    positions = [script.index(f"-- ===== {path} =====\n") for path in _script._manifest()]
     assert positions == sorted(positions)
     assert script.index("-- ===== guard.sql =====") < script.index("-- ===== migration 0001")
     assert script.index("-- ===== migration 0001") < positions[0]
@@ -51,9 +51,9 @@ def test_function_bodies_are_checked_again_after_the_code() -> None:
     script = schema.install_script()
     off = script.index("set local check_function_bodies = off;")
     on = script.index("set local check_function_bodies = on;")
-    first_code = min(script.index(f"-- ===== {p} =====") for p in schema._manifest()
+    first_code = min(script.index(f"-- ===== {p} =====") for p in _script._manifest()
                      if p.startswith("code/"))
-    last_code = max(script.index(f"-- ===== {p} =====") for p in schema._manifest()
+    last_code = max(script.index(f"-- ===== {p} =====") for p in _script._manifest()
                     if p.startswith("code/"))
     generated = script.index("-- ===== install/generated.sql =====")
     assert off < first_code and last_code < on < generated
