@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
+import pgtest
 import psycopg
 import pytest
 
@@ -134,3 +140,213 @@ def owned_group(client: pgque.Client, per_tick: int, *, ticks: int = 1, slots: i
     for slot in range(slots):
         assert client.claim_slot("q", "g", slot)
     return by_slot
+
+
+# -- advisory locks, as any role reads them in pg_locks ----------------------------------------
+
+
+def signed(value: int, bits: int) -> int:
+    """An unsigned half of a key as pg_locks shows it, as the advisory functions take it."""
+    half: int = 2 ** (bits - 1)
+    return (value + half) % (2 * half) - half
+
+
+def advisory_keys(conn: psycopg.Connection[Any], pid: int, *, mode: str | None = "ExclusiveLock",
+                  size: int | None = None) -> list[tuple[int, ...]]:
+    """The advisory keys session pid holds (granted) in mode (any mode for None), as any
+    role may read them in pg_locks, in the form the advisory functions take: (bigint,)
+    for a one-key lock, (int, int) for a two-integer one; only those of ``size`` (1 or
+    2) when given. In pg_locks' order of (classid, objid, objsubid)."""
+    keys: list[tuple[int, ...]] = []
+    for classid, objid, objsubid in conn.execute(
+            "select classid::bigint, objid::bigint, objsubid::int from pg_locks"
+            " where locktype = 'advisory' and granted and pid = %s"
+            "   and (%s::text is null or mode = %s) and (%s::int is null or objsubid = %s)"
+            " order by 1, 2, 3", (pid, mode, mode, size, size)):
+        keys.append((signed((classid << 32) | objid, 64),) if objsubid == 1
+                    else (signed(classid, 32), signed(objid, 32)))
+    return keys
+
+
+def waits_on_advisory_lock(conn: psycopg.Connection[Any], pid: int) -> bool:
+    """Whether session pid waits for an advisory lock now."""
+    return bool(scalar(conn, "select exists (select 1 from pg_locks where pid = %s"
+                             " and locktype = 'advisory' and not granted)", (pid,)))
+
+
+# -- the command line, run as a subprocess -----------------------------------------------------
+
+CLI = [sys.executable, "-m", "pgque.cli"]
+TESTS_DIR = str(Path(__file__).resolve().parent)
+#: A DSN nothing answers at.
+BAD_DSN = "postgresql://nobody@127.0.0.1:1/x"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI run: ours, minus anything that would change its behaviour."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PGQUE_DSN", "PGQUE_DEBUG")}
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, input: str | None = None, timeout: float = 60,
+            **env: str) -> subprocess.CompletedProcess[str]:
+    """One run of the CLI with args (and env added to its environment), to its end."""
+    return subprocess.run([*CLI, *args], input=input, capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(**env))
+
+
+@contextmanager
+def cli_process(*args: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """The CLI running in the background; killed if the test leaves it running."""
+    with subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, text=True, env=cli_env(**env)) as proc:
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    """The stdout of a run that must have succeeded."""
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
+    return result.stdout
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int) -> str:
+    """The run failed with ``code`` and said why in one line, without a traceback."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+# -- installs: the catalog they leave, frozen releases, planted code --------------------------
+
+CATALOG_QUERIES = {
+    "functions": """
+        select p.oid::regprocedure::text, pg_get_functiondef(p.oid), p.proacl::text,
+               p.prosecdef, p.proconfig::text
+          from pg_proc p where p.pronamespace = 'pgque'::regnamespace order by 1""",
+    "relations": """
+        select c.relname, c.relkind, c.reloptions::text, c.relacl::text,
+               a.attnum, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid)
+          from pg_class c
+          left join pg_attribute a on a.attrelid = c.oid and a.attnum > 0 and not a.attisdropped
+          left join pg_attrdef d on d.adrelid = c.oid and d.adnum = a.attnum
+         where c.relnamespace = 'pgque'::regnamespace order by 1, 5""",
+    "indexes": "select indexname, indexdef from pg_indexes where schemaname = 'pgque' order by 1",
+    "constraints": """
+        select conrelid::regclass::text, conname, pg_get_constraintdef(oid)
+          from pg_constraint where connamespace = 'pgque'::regnamespace order by 1, 2""",
+    "views": """
+        select viewname, definition from pg_views where schemaname = 'pgque' order by 1""",
+    "schema": "select nspname, nspowner::regrole::text, nspacl::text from pg_namespace "
+              "where nspname = 'pgque'",
+    "roles": "select rolname, rolcanlogin from pg_roles where rolname like 'pgque\\_%' order by 1",
+}
+
+
+def catalog(conn: psycopg.Connection[Any]) -> dict[str, list[Any]]:
+    """What an install made, by kind (CATALOG_QUERIES): equal after an install that
+    changed nothing."""
+    return {name: conn.execute(sql).fetchall() for name, sql in CATALOG_QUERIES.items()}
+
+
+def drop_role(dsn: str, role: str) -> None:
+    """Drop a test role after dropping what it owns in dsn's database."""
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"drop owned by {role} cascade")
+        su.execute(f"drop role if exists {role}")
+
+
+# Functions and operators a role without any pgque grant plants in public, where
+# PostgreSQL 14 (and databases upgraded from it) lets every role create. Each
+# would record that it ran, as whoever called it, and return the right answer.
+PLANTS = [
+    """create function public.format(text, text) returns text language plpgsql as $$
+       begin insert into public.pwned values ('format'); return $2; end $$""",
+    """create function public.pg_advisory_xact_lock(integer) returns void language plpgsql as $$
+       begin insert into public.pwned values ('pg_advisory_xact_lock'); end $$""",
+    """create function public.now() returns timestamptz language plpgsql as $$
+       begin insert into public.pwned values ('now'); return pg_catalog.now(); end $$""",
+    """create function public.pwn_eq(name, text) returns boolean language plpgsql as $$
+       begin insert into public.pwned values ('='); return pg_catalog.nameeqtext($1, $2); end $$""",
+    "create operator public.= (leftarg = name, rightarg = text, function = public.pwn_eq)",
+]
+
+
+# Two commits on main called themselves pgque 0.1.0, with different tables: 3bd2224
+# (the first, without pgque.batch_nack) and 09e6af5. Their install scripts, frozen,
+# by commit: upgrades start from either. The tests that need one 0.1.0 take the later.
+BASELINES_0_1 = {commit: Path(__file__).resolve().parent / "data" / f"pgque-0.1.0-{commit}.sql"
+                 for commit in ("3bd2224", "09e6af5")}
+
+
+def install_0_1(dsn: str, commit: str = "09e6af5") -> None:
+    """Install the 0.1.0 of that commit, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINES_0_1[commit].read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.1.0"
+
+
+# The install script of pgque 0.2.0 as it landed (2f0bb29), frozen: it installs 0.2.0
+# into an empty database and upgrades a 0.1.0 as that release did, wrongly over
+# 3bd2224 (it records migration 1 without making pgque.batch_nack).
+BASELINE_0_2 = Path(__file__).resolve().parent / "data" / "pgque-0.2.0-2f0bb29.sql"
+
+
+def install_0_2(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.2.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_2.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.2.0"
+
+
+@contextmanager
+def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
+    """A new empty database on the test server, dropped at the end; yields its DSN."""
+    name = pgtest.scratch_name("e")
+    pgtest.create_database(pg_server, name)
+    try:
+        yield pg_server.dsn(name)
+    finally:
+        pgtest.drop_database(pg_server, name)
+
+
+def _keep_going(fn: Any, stop: threading.Event, errors: list[str]) -> threading.Thread:
+    """Run fn until stop, recording (and riding over) its failures: the docs allow a
+    call to fail once while the install replaces the code."""
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                fn()
+            except psycopg.Error as exc:
+                errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def installs_under(dsn: str, fn: Any, n: int = 20) -> tuple[list[str], list[str]]:
+    """n installs into dsn while another thread calls fn over and over; returns the
+    installs' failures and fn's."""
+    stop = threading.Event()
+    side: list[str] = []
+    t = _keep_going(fn, stop, side)
+    failed: list[str] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            for _ in range(n):
+                try:
+                    pgque.install(c)
+                except psycopg.Error as exc:
+                    failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+    finally:
+        stop.set()
+        t.join(60)
+    return failed, side

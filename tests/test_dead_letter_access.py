@@ -17,8 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import refused
-from test_cli import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, refused, run_cli
 
 import pgque
 from pgque.testing import Deployment

@@ -23,8 +23,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import long_variant, wait_for
-from test_ordering import WorkerPool, check_handled
+from helpers import advisory_keys, long_variant, wait_for, waits_on_advisory_lock
+from worker_pool import WorkerPool, check_handled
 
 import pgque
 from pgque.testing import Deployment
@@ -115,21 +115,6 @@ def test_a_fence_checked_from_another_session_passes_while_the_owner_holds_the_s
             other.check_fence(fence)
 
 
-def held_keys(conn: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
-    """The advisory keys session pid holds, as anyone may read them in pg_locks."""
-    rows = conn.execute(
-        "select (classid::bigint << 32) | objid::bigint, mode from pg_locks"
-        " where locktype = 'advisory' and objsubid = 1 and granted and pid = %s"
-        "   and database = (select oid from pg_database where datname = current_database())",
-        (pid,)).fetchall()
-    return [(key if key < 2**63 else key - 2**64, mode) for key, mode in rows]
-
-
-def waiting(conn: psycopg.Connection[Any], pid: int) -> bool:
-    return bool(conn.execute("select exists (select 1 from pg_locks where pid = %s"
-                             " and locktype = 'advisory' and not granted)", (pid,)).fetchone()[0])  # type: ignore[index]
-
-
 @pytest.mark.parametrize("wait_mode", ["exclusive", "shared"])
 def test_an_outsider_waiting_on_the_keys_it_reads_takes_no_slot(
         deployment: Deployment, owner: pgque.Client, producer: pgque.Client,
@@ -140,7 +125,7 @@ def test_an_outsider_waiting_on_the_keys_it_reads_takes_no_slot(
     worker_pid = team_client.conn.info.backend_pid
     with psycopg.connect(deployment.dsn(deployment.outsider), autocommit=True) as outsider, \
             psycopg.connect(deployment.dsn(deployment.outsider), autocommit=True) as watcher:
-        (slot_key,) = [k for k, mode in held_keys(watcher, worker_pid) if mode == "ExclusiveLock"]
+        ((slot_key,),) = advisory_keys(watcher, worker_pid, size=1)
         take = ("pg_advisory_lock" if wait_mode == "exclusive" else "pg_advisory_lock_shared")
         granted = threading.Event()
 
@@ -154,7 +139,8 @@ def test_an_outsider_waiting_on_the_keys_it_reads_takes_no_slot(
         thread = threading.Thread(target=queue_on_the_key)
         thread.start()
         try:
-            wait_for(lambda: waiting(watcher, outsider.info.backend_pid), what="the outsider waits")
+            wait_for(lambda: waits_on_advisory_lock(watcher, outsider.info.backend_pid),
+                     what="the outsider waits")
             for _ in range(3):
                 send_ticked(owner, producer, 2)
                 batch = team_client.receive_partitioned(QUEUE, GROUP, slot=slot, slots=SLOTS)
@@ -163,7 +149,7 @@ def test_an_outsider_waiting_on_the_keys_it_reads_takes_no_slot(
                 assert team_client.claim_slot(QUEUE, GROUP, slot)
                 assert not team_client.join_group(QUEUE, GROUP)  # a member already
             assert not granted.is_set()
-            assert (slot_key, "ExclusiveLock") in held_keys(watcher, worker_pid)
+            assert (slot_key,) in advisory_keys(watcher, worker_pid, size=1)
             status = team_client.group_status(QUEUE, GROUP)
             assert status.slots[slot].mine and status.members == 1
         finally:

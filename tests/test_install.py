@@ -6,46 +6,24 @@ import shutil
 import subprocess
 import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pgtest
 import psycopg
 import pytest
-from helpers import drain, scalar
+from helpers import (
+    CATALOG_QUERIES,
+    PLANTS,
+    catalog,
+    drain,
+    drop_role,
+    install_0_1,
+    scalar,
+    scratch_database,
+)
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
-
-CATALOG_QUERIES = {
-    "functions": """
-        select p.oid::regprocedure::text, pg_get_functiondef(p.oid), p.proacl::text,
-               p.prosecdef, p.proconfig::text
-          from pg_proc p where p.pronamespace = 'pgque'::regnamespace order by 1""",
-    "relations": """
-        select c.relname, c.relkind, c.reloptions::text, c.relacl::text,
-               a.attnum, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
-               pg_get_expr(d.adbin, d.adrelid)
-          from pg_class c
-          left join pg_attribute a on a.attrelid = c.oid and a.attnum > 0 and not a.attisdropped
-          left join pg_attrdef d on d.adrelid = c.oid and d.adnum = a.attnum
-         where c.relnamespace = 'pgque'::regnamespace order by 1, 5""",
-    "indexes": "select indexname, indexdef from pg_indexes where schemaname = 'pgque' order by 1",
-    "constraints": """
-        select conrelid::regclass::text, conname, pg_get_constraintdef(oid)
-          from pg_constraint where connamespace = 'pgque'::regnamespace order by 1, 2""",
-    "views": """
-        select viewname, definition from pg_views where schemaname = 'pgque' order by 1""",
-    "schema": "select nspname, nspowner::regrole::text, nspacl::text from pg_namespace "
-              "where nspname = 'pgque'",
-    "roles": "select rolname, rolcanlogin from pg_roles where rolname like 'pgque\\_%' order by 1",
-}
-
-
-def catalog(conn: psycopg.Connection[Any]) -> dict[str, list[Any]]:
-    return {name: conn.execute(sql).fetchall() for name, sql in CATALOG_QUERIES.items()}
 
 
 def test_install_twice_changes_nothing(empty_dsn: str) -> None:
@@ -125,29 +103,6 @@ def test_install_by_non_superuser_database_owner(dsn: str) -> None:
             su.execute(f"drop role if exists {owner}")
 
 
-def _drop_role(dsn: str, role: str) -> None:
-    """Drop a test role after dropping what it owns in dsn's database."""
-    with psycopg.connect(dsn, autocommit=True) as su:
-        su.execute(f"drop owned by {role} cascade")
-        su.execute(f"drop role if exists {role}")
-
-
-# Functions and operators a role without any pgque grant plants in public, where
-# PostgreSQL 14 (and databases upgraded from it) lets every role create. Each
-# would record that it ran, as whoever called it, and return the right answer.
-PLANTS = [
-    """create function public.format(text, text) returns text language plpgsql as $$
-       begin insert into public.pwned values ('format'); return $2; end $$""",
-    """create function public.pg_advisory_xact_lock(integer) returns void language plpgsql as $$
-       begin insert into public.pwned values ('pg_advisory_xact_lock'); end $$""",
-    """create function public.now() returns timestamptz language plpgsql as $$
-       begin insert into public.pwned values ('now'); return pg_catalog.now(); end $$""",
-    """create function public.pwn_eq(name, text) returns boolean language plpgsql as $$
-       begin insert into public.pwned values ('='); return pg_catalog.nameeqtext($1, $2); end $$""",
-    "create operator public.= (leftarg = name, rightarg = text, function = public.pwn_eq)",
-]
-
-
 def test_install_never_runs_what_others_planted_in_public(empty_dsn: str) -> None:
     """The install pins search_path for its whole transaction: a superuser installing
     with public first on its path calls nothing another role planted there."""
@@ -177,7 +132,7 @@ def test_install_never_runs_what_others_planted_in_public(empty_dsn: str) -> Non
             ran = conn.execute("select what from public.pwned").fetchall()
         assert ran == []
     finally:
-        _drop_role(empty_dsn, planter)
+        drop_role(empty_dsn, planter)
 
 
 def test_install_refuses_a_schema_someone_else_owns(empty_dsn: str) -> None:
@@ -209,7 +164,7 @@ def test_install_refuses_a_schema_someone_else_owns(empty_dsn: str) -> None:
             assert s.execute("select nspowner::regrole::text from pg_namespace "
                              "where nspname = 'pgque'").fetchone() == (squatter,)
     finally:
-        _drop_role(empty_dsn, squatter)
+        drop_role(empty_dsn, squatter)
 
 
 def test_install_refuses_an_object_someone_else_owns_in_its_schema(dsn: str) -> None:
@@ -229,47 +184,10 @@ def test_install_refuses_an_object_someone_else_owns_in_its_schema(dsn: str) -> 
                 pgque.install(conn)
             assert caught.value.sqlstate == "PQ013"
     finally:
-        _drop_role(dsn, squatter)
+        drop_role(dsn, squatter)
 
 
 # -- upgrades ----------------------------------------------------------------------------
-
-# Two commits on main called themselves pgque 0.1.0, with different tables: 3bd2224
-# (the first, without pgque.batch_nack) and 09e6af5. Their install scripts, frozen,
-# by commit: upgrades start from either. The tests that need one 0.1.0 take the later.
-BASELINES_0_1 = {commit: Path(__file__).resolve().parent / "data" / f"pgque-0.1.0-{commit}.sql"
-                 for commit in ("3bd2224", "09e6af5")}
-
-
-def install_0_1(dsn: str, commit: str = "09e6af5") -> None:
-    """Install the 0.1.0 of that commit, in one transaction, as its installer did."""
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-        conn.execute(BASELINES_0_1[commit].read_bytes())
-        assert scalar(conn, "select pgque.version()") == "0.1.0"
-
-
-# The install script of pgque 0.2.0 as it landed (2f0bb29), frozen: it installs 0.2.0
-# into an empty database and upgrades a 0.1.0 as that release did, wrongly over
-# 3bd2224 (it records migration 1 without making pgque.batch_nack).
-BASELINE_0_2 = Path(__file__).resolve().parent / "data" / "pgque-0.2.0-2f0bb29.sql"
-
-
-def install_0_2(dsn: str) -> None:
-    """Install (or upgrade to) the landed 0.2.0, in one transaction, as its installer did."""
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-        conn.execute(BASELINE_0_2.read_bytes())
-        assert scalar(conn, "select pgque.version()") == "0.2.0"
-
-
-@contextmanager
-def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
-    name = pgtest.scratch_name("e")
-    pgtest.create_database(pg_server, name)
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        pgtest.drop_database(pg_server, name)
-
 
 def test_upgrade_from_0_1_keeps_queues_ticking_and_maintained(
         empty_dsn: str, pg_server: pgtest.PgServer) -> None:

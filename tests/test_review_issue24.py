@@ -42,11 +42,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import BASELINE_0_2, BASELINES_0_1, catalog, scalar, wait_for
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from test_deployment import Outsider
-from test_install import BASELINE_0_2, BASELINES_0_1, catalog
 
 import pgque
 from pgque.cli import main as cli_main

@@ -14,10 +14,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import drain, scalar
+from helpers import PLANTS, catalog, drain, drop_role, install_0_1, installs_under, run_cli, scalar
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from test_cli import run_cli
-from test_install import PLANTS, _drop_role, catalog, install_0_1
 
 import pgque
 from pgque.schema import Migration, _wrapped, migrations
@@ -69,7 +67,7 @@ def test_install_never_calls_a_squatters_version_function(empty_dsn: str) -> Non
             assert scalar(conn, "select is_called from pgque.ran") is False, \
                 "the squatter's pgque.version() ran as the installer"
     finally:
-        _drop_role(empty_dsn, squatter)
+        drop_role(empty_dsn, squatter)
 
 
 def test_cli_install_never_calls_a_squatters_version_function(empty_dsn: str) -> None:
@@ -87,7 +85,7 @@ def test_cli_install_never_calls_a_squatters_version_function(empty_dsn: str) ->
             ran = conn.execute("select who, super from pgque.ran_as").fetchall()
         assert ran == [], f"the squatter's code ran, committed, as {ran}"
     finally:
-        _drop_role(empty_dsn, squatter)
+        drop_role(empty_dsn, squatter)
 
 
 # -- objects of others built on pgque's code --------------------------------------------
@@ -229,7 +227,7 @@ def test_psql_without_one_transaction_runs_no_plant(empty_dsn: str, tmp_path: Pa
             ran = conn.execute("select distinct what from public.pwned").fetchall()
         assert ran == [], f"planted code ran as the installer: {ran}"
     finally:
-        _drop_role(empty_dsn, planter)
+        drop_role(empty_dsn, planter)
 
 
 # -- concurrency ----------------------------------------------------------------------
@@ -270,36 +268,7 @@ def test_install_and_uninstall_concurrently(empty_dsn: str) -> None:
         assert client.tick("q") > 0
 
 
-def _keep_going(fn: Any, stop: threading.Event, errors: list[str]) -> threading.Thread:
-    """Run fn until stop, recording (and riding over) its failures: the docs allow a
-    call to fail once while the install replaces the code."""
-    def run() -> None:
-        while not stop.is_set():
-            try:
-                fn()
-            except psycopg.Error as exc:
-                errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-def _installs_under(dsn: str, fn: Any, n: int = 20) -> tuple[list[str], list[str]]:
-    stop = threading.Event()
-    side: list[str] = []
-    t = _keep_going(fn, stop, side)
-    failed: list[str] = []
-    try:
-        with psycopg.connect(dsn, autocommit=True) as c:
-            for _ in range(n):
-                try:
-                    pgque.install(c)
-                except psycopg.Error as exc:
-                    failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
-    finally:
-        stop.set()
-        t.join(60)
-    return failed, side
+_installs_under = installs_under  # until the tests that import it take it from helpers
 
 
 @pytest.mark.superuser_install  # it installs again as the superuser

@@ -14,8 +14,8 @@ from typing import Any
 import pgtest
 import psycopg
 import pytest
+from doc_blocks import extract
 from helpers import scalar
-from test_docs import extract
 
 import pgque
 from pgque.testing import LocalServer, run_worker

@@ -12,9 +12,17 @@ from typing import Any
 import pgtest
 import psycopg
 import pytest
-from helpers import drain, scalar, wait_for
-from test_cli import run_cli
-from test_install import BASELINES_0_1, catalog, install_0_1, install_0_2, scratch_database
+from helpers import (
+    BASELINES_0_1,
+    catalog,
+    drain,
+    install_0_1,
+    install_0_2,
+    run_cli,
+    scalar,
+    scratch_database,
+    wait_for,
+)
 
 import pgque
 from pgque.schema import migrations
