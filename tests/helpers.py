@@ -8,14 +8,18 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pgtest
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
@@ -350,3 +354,147 @@ def installs_under(dsn: str, fn: Any, n: int = 20) -> tuple[list[str], list[str]
         stop.set()
         t.join(60)
     return failed, side
+
+
+# -- services run in a thread ------------------------------------------------------------------
+
+
+def run_in_thread(service: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """``service.run()`` (a Worker's or a Ticker's) in a thread of its own: the thread
+    and what run() raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            service.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    runner = threading.Thread(target=run, name="run", daemon=True)
+    runner.start()
+    return runner, raised
+
+
+# -- a Worker's slots and lanes, as the server shows them ---------------------------------------
+
+
+def first_value(conn: Any, sql: str, params: tuple[Any, ...] = ()) -> Any:
+    """The first column of the first row of a query, or None when there is no row."""
+    row = conn.execute(sql, params).fetchone()
+    return None if row is None else row[0]
+
+
+def slots_drained(conn: psycopg.Connection[Any]) -> bool:
+    """Whether every slot of every group has nothing pending, no open batch and no
+    retry waiting (and there is a slot)."""
+    return bool(scalar(conn, "select coalesce(bool_and(pending_events = 0 and open_batch_id is "
+                             "null and retries_waiting = 0), false) "
+                             "from pgque.partition_slot_status"))
+
+
+def lane_pids(conn: psycopg.Connection[Any], name: str) -> set[int]:
+    """The backend pids of the lanes of the worker called ``name``."""
+    return {r[0] for r in conn.execute(
+        "select pid from pg_stat_activity where application_name like %s",
+        (f"{name}-lane%",))}
+
+
+def queue_with_effects(client: pgque.Client, conn: psycopg.Connection[Any], slots: int = 1,
+                       **config: Any) -> None:
+    """Queue q (ticker_max_lag 0, and ``config``), its group g of ``slots`` slots, and
+    table effects (ev_id, payload, pid) for handlers to write to."""
+    client.create_queue("q", ticker_max_lag=0, **config)
+    client.subscribe_slots("q", "g", slots=slots)
+    conn.execute("create table effects (ev_id bigint, payload int, pid int)")
+
+
+# -- teams, an admin and an outsider, each a login role ------------------------------------------
+
+#: The statement timeout of a World's sessions: a stall fails the test instead of hanging it.
+VICTIM_TIMEOUT_MS = 3000
+
+
+@dataclass
+class World:
+    """Roles of one test: team a, team b (reader + writer each), an admin and an
+    outsider (login, no pgque grant); DSNs with a statement timeout; superuser DSN."""
+
+    su: psycopg.Connection[Any]
+    su_dsn: str
+    roles: dict[str, str]
+    dsns: dict[str, str]
+    extra_roles: list[str]
+
+    def client(self, kind: str) -> pgque.Client:
+        return pgque.connect(self.dsns[kind])
+
+    def raw(self, kind: str, *, autocommit: bool = True) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsns[kind], autocommit=autocommit)
+
+    def dsn_for(self, user: str, *options: str) -> str:
+        params = conninfo_to_dict(self.su_dsn)
+        opts = " ".join([f"-c statement_timeout={VICTIM_TIMEOUT_MS}", *options])
+        return make_conninfo(**{**params, "user": user, "options": opts})  # type: ignore[arg-type]
+
+    def make_role(self, name: str, ddl: str = "") -> str:
+        """Creates a role dropped after the test (ddl: the rest of CREATE ROLE)."""
+        self.su.execute(f"create role {sql.Identifier(name).as_string(self.su)} {ddl}")
+        self.extra_roles.append(name)
+        return name
+
+
+@contextmanager
+def world_of(dsn: str) -> Iterator[World]:
+    """A World on dsn's database, with queue q; its roles (and what they own) are
+    dropped at the end, after their sessions are ended."""
+    suffix = uuid.uuid4().hex[:8]
+    grants = {"a": "pgque_reader, pgque_writer", "b": "pgque_reader, pgque_writer",
+              "admin": "pgque_admin", "outsider": None}
+    roles = {kind: f"pgque_rv_{kind}_{suffix}" for kind in grants}
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute("select pgque.create_queue('q')")
+        w = World(su, dsn, roles, {}, [])
+        try:
+            for kind, role in roles.items():
+                su.execute(f"create role {role} login")
+                if grants[kind]:
+                    su.execute(f"grant {grants[kind]} to {role}")
+                w.dsns[kind] = w.dsn_for(role)
+            yield w
+        finally:
+            # Sessions of these roles may still be open (a failed test): end them first.
+            names = list(roles.values()) + w.extra_roles
+            su.execute("select pg_terminate_backend(pid) from pg_stat_activity "
+                       "where usename = any(%s) and pid <> pg_backend_pid()", (names,))
+            for name in reversed(names):
+                ident = sql.Identifier(name).as_string(su)
+                with suppress(psycopg.Error):
+                    su.execute(f"drop owned by {ident}")
+                with suppress(psycopg.Error):
+                    su.execute(f"drop role if exists {ident}")
+
+
+def sqlstate_of(call: Callable[[], Any]) -> str | None:
+    """The SQLSTATE call fails with (a server error's, or a pgque error's), or None
+    when it succeeds."""
+    try:
+        call()
+    except psycopg.Error as exc:
+        return exc.sqlstate
+    except pgque.PgqueError as exc:
+        return getattr(exc, "sqlstate", None)
+    return None
+
+
+# -- events as other sessions see them -----------------------------------------------------------
+
+
+def dbname(dsn: str) -> str:
+    """The database a DSN names."""
+    return str(conninfo_to_dict(dsn)["dbname"])
+
+
+def committed_ids(conn: psycopg.Connection[Any], ids: list[int]) -> list[int]:
+    """Which of ``ids`` (events of queue 1) another session sees committed, ascending."""
+    return [r[0] for r in conn.execute(
+        "select ev_id from pgque.event_1 where ev_id = any(%s) order by ev_id", (ids,))]

@@ -1,6 +1,7 @@
 """Roles outside a consumer group (or outside pgque) cannot stall it through the
 session advisory locks that carry slot ownership, group membership and the ticker
-election: advisory locks need no privilege, and pg_locks shows held keys to all.
+election: advisory locks need no privilege, pg_locks shows held keys to all, and
+a key taken in a prepared transaction outlives every session.
 
 Every attacker here is a login role with no pgque grant, or a reader of another
 team, and every victim call runs with a statement timeout, so that a blocking
@@ -16,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import advisory_keys, scalar, wait_for, waits_on_advisory_lock
+from helpers import World, advisory_keys, scalar, wait_for, waits_on_advisory_lock, world_of
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -201,3 +202,59 @@ def test_an_outsider_on_the_ticker_key_cannot_keep_the_election(roles: dict[str,
                 wait_for(lambda: successor.ticks > 0, what="the successor to tick")
         finally:
             evil.close()
+
+
+# -- prepared transactions on the keys --------------------------------------------------------
+
+
+@pytest.fixture
+def world(dsn: str) -> Iterator[World]:
+    """Teams a and b, an admin and an outsider, each a login role (helpers.World)."""
+    with world_of(dsn) as w:
+        yield w
+
+
+@pytest.fixture
+def prepared_ok(pg_server: Any) -> None:
+    """max_prepared_transactions > 0 (the suite's server has 0): restarts a throwaway
+    server once, or skips."""
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as su:
+        if int(scalar(su, "show max_prepared_transactions")) > 0:
+            return
+        if not pg_server.restartable:
+            pytest.skip("max_prepared_transactions = 0 and the server cannot restart")
+        su.execute("alter system set max_prepared_transactions = 10")
+    pg_server.restart()
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as su:
+        su.execute("alter system reset max_prepared_transactions")  # from the next restart
+
+
+def test_a_prepared_transaction_on_a_seen_key_stalls_nothing(prepared_ok: None,
+                                                             world: World) -> None:
+    """An outsider reads the slot and group keys from pg_locks and takes them in a
+    transaction it prepares (the locks outlive every session, pid null). Claims and
+    joins renew the keys: the next worker of the team joins, claims the slot under
+    a new key and owns it."""
+    with world.client("a") as first:
+        first.subscribe_slots("q", "g", slots=1)
+        assert first.claim_slot("q", "g", 0) and first.join_group("q", "g")
+        slot_key = first.slot_lock_key("q", "g", 0)
+        group_key = scalar(world.su, "select cg_lock_key from pgque.consumer_group")
+        first.release_slot("q", "g", 0)
+    gid = f"rv-{uuid.uuid4().hex[:8]}"
+    with world.raw("outsider", autocommit=False) as evil:
+        evil.execute("select pg_advisory_xact_lock(%s), pg_advisory_xact_lock(%s)",
+                     (slot_key, group_key))
+        evil.execute(f"prepare transaction '{gid}'")
+    try:
+        assert scalar(world.su, "select count(*) from pg_locks where locktype = 'advisory' "
+                                "and pid is null and granted") == 2
+        with world.client("a") as second:
+            assert second.group_status("q", "g").slots[0].owner_pid is None
+            assert second.join_group("q", "g") is True
+            assert second.claim_slot("q", "g", 0) is True
+            assert second.slot_lock_key("q", "g", 0) != slot_key
+            status = second.group_status("q", "g")
+            assert status.slots[0].mine and status.members == 1
+    finally:
+        world.su.execute(f"rollback prepared '{gid}'")

@@ -13,9 +13,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import installs_under, scalar, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from test_review_upgrade import _installs_under
 
 import pgque
 
@@ -318,7 +317,7 @@ def test_installs_under_create_and_drop_queue(dsn: str) -> None:
             client.send(name, "e", 1)
             client.drop_queue(name)
 
-    failed, side = _installs_under(dsn, churn, 15)
+    failed, side = installs_under(dsn, churn, 15)
     assert failed == [] and side == []
     with psycopg.connect(dsn) as c:
         assert not scalar(c, "select pgque._event_writer_due()")

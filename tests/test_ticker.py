@@ -11,7 +11,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import dump_state, long_variant, scalar, wait_for
+from helpers import dump_state, long_variant, run_in_thread, scalar, wait_for
+from psycopg.conninfo import make_conninfo
 
 import pgque
 
@@ -214,3 +215,18 @@ def test_drop_queue_with_force_never_deadlocks_with_a_running_ticker(
             client.drop_queue(f"q{n}", force=True)
         assert ticker.alive and ticker.error is None
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_ticker_that_never_connects_stops_after_connect_timeout(dsn: str) -> None:
+    """A Ticker that has never connected since it started gives up once
+    connect_timeout has passed, as a Worker does: its run() raises the ConnectError
+    (ticker.error keeps it)."""
+    ticker = pgque.Ticker(make_conninfo(dsn, dbname="pgque_no_such_dbname"),
+                          connect_timeout=1)
+    runner, raised = run_in_thread(ticker)
+    runner.join(15)
+    if runner.is_alive():
+        ticker.stop()
+    assert not runner.is_alive(), "still retrying after 15 s"
+    assert [type(e) for e in raised] == [pgque.ConnectError]
+    assert ticker.error is raised[0]

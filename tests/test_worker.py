@@ -1,4 +1,5 @@
-"""The Worker: skip policy, fair sharing of slots, clean stops, reconnects."""
+"""The Worker: skip policy, fair sharing of slots, clean stops, reconnects, and
+lanes whose sessions cannot connect or are lost."""
 
 from __future__ import annotations
 
@@ -6,13 +7,18 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import first_value, lane_pids, queue_with_effects, scalar, slots_drained, wait_for
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
@@ -356,3 +362,177 @@ def test_key_concurrency_is_checked(dsn: str, options: dict[str, Any], message: 
     with pytest.raises(ValueError, match=message):
         pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=lambda m, *rest: None,
                      ticker=False, **options)
+
+
+# -- lanes whose sessions cannot connect or are lost ------------------------------------------
+
+
+@pytest.fixture
+def limited_dsn(dsn: str) -> Iterator[str]:
+    """A DSN of a login role (a pgque reader) with CONNECTION LIMIT 2."""
+    role = f"pgque_rv11_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(sql.SQL("create role {} login connection limit 2").format(
+            sql.Identifier(role)))
+        su.execute(sql.SQL("grant pgque_reader, pgque_writer to {}").format(sql.Identifier(role)))
+        params = conninfo_to_dict(dsn)
+        try:
+            yield make_conninfo(**{**params, "user": role})  # type: ignore[arg-type]
+        finally:
+            su.execute("select pg_terminate_backend(pid) from pg_stat_activity "
+                       "where usename = %s", (role,))
+            wait_for(lambda: not scalar(su, "select count(*) from pg_stat_activity "
+                                            "where usename = %s", (role,)),
+                     what="the role's sessions to end")
+            su.execute(sql.SQL("drop owned by {}").format(sql.Identifier(role)))
+            su.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+def test_the_slots_of_a_lane_that_cannot_connect_are_handled_by_a_connected_one(
+        client: pgque.Client, limited_dsn: str, dsn: str,
+        conn: psycopg.Connection[Any]) -> None:
+    """A lane that cannot connect (max_connections or the role's connection limit
+    reached) strands none of the slots handed to it: they go to a lane that has a
+    session, which takes turns between its slots. With the role's limit leaving
+    the worker one lane, the events of both slots are handled."""
+    client.create_queue("q", ticker_max_lag=0)
+    with pgque.connect(limited_dsn) as owner:  # the role subscribes (owns) the group
+        owner.subscribe_slots("q", "g", slots=2)
+    seen: set[str] = set()
+
+    def handle(message: pgque.Message[Any]) -> None:
+        seen.add(message.partition_key or "")
+
+    keys = {}
+    for n in range(40):
+        keys.setdefault(scalar(conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)), f"k{n}")
+    # Control + one lane fill the limit of 2; the second lane cannot connect.
+    with pgque.Worker(limited_dsn, queue="q", consumer="g", slots=2, handler=handle,
+                      ticker=False, connect_timeout=2, rebalance_interval=0.2,
+                      poll_interval=0.05, name="limited") as worker, pgque.Ticker(dsn):
+        wait_for(lambda: worker.sessions == 1, what="a first lane", dsn=dsn)
+        client.send_batch("q", [("e", 0, keys[0]), ("e", 1, keys[1])])
+        wait_for(lambda: seen == {keys[0], keys[1]}, timeout=20,
+                 what="the events of both slots", dsn=dsn)
+
+
+def test_stop_while_a_lane_is_connecting(
+        client: pgque.Client, limited_dsn: str, dsn: str,
+        conn: psycopg.Connection[Any]) -> None:
+    """A stop while a lane retries its connection (the role's limit reached) returns
+    promptly; the worker's threads end and its sessions close, and the slot of the
+    connected lane is released with its epoch ended."""
+    client.create_queue("q", ticker_max_lag=0)
+    with pgque.connect(limited_dsn) as owner:
+        owner.subscribe_slots("q", "g", slots=2)
+    worker = pgque.Worker(limited_dsn, queue="q", consumer="g", slots=2,
+                          handler=lambda m: None, ticker=False, connect_timeout=30,
+                          rebalance_interval=0.2, name="stopconn")
+    worker.start()
+    try:
+        wait_for(lambda: worker.sessions == 1 and len(worker.owned_slots) == 1,
+                 what="one lane connected", dsn=dsn)
+        # An event of the owned slot, so that it takes an epoch (a slot with
+        # nothing in its ticks returns before taking one).
+        (owned,) = worker.owned_slots
+        key = next(k for k in (f"k{n}" for n in range(100))
+                   if scalar(conn, "select pgque.slot_of(%s, 2)", (k,)) == owned)
+        client.send("q", "e", 1, partition_key=key)
+        client.tick("q")
+        wait_for(lambda: scalar(conn, "select count(*) from pgque.slot_claim "
+                                      "where sc_pid is not null"),
+                 what="an epoch", dsn=dsn)
+        time.sleep(0.5)  # the fault: the second lane is retrying its connection
+        started = time.monotonic()
+        worker.stop(timeout=10)
+        assert not worker.alive and time.monotonic() - started < 5
+    finally:
+        worker.stop(timeout=10)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("stopconn")],
+             what="the worker's threads to end", dsn=dsn)
+    wait_for(lambda: not scalar(conn, "select count(*) from pg_stat_activity "
+                                      "where application_name like 'stopconn%%'"),
+             what="the worker's sessions to close", dsn=dsn)
+    assert scalar(conn, "select count(*) from pgque.slot_claim where sc_pid is not null") == 0
+
+
+def test_a_lost_control_session_keeps_the_lanes(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The control session ends while the lanes live: the worker reconnects its
+    control, keeps its lanes and slots (no second lane per slot), and stays within
+    concurrency + 1 sessions; every event is handled once."""
+    queue_with_effects(client, conn, slots=4)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def handle(message: pgque.Message[Any]) -> None:
+        with lock:
+            seen.append(message.payload)
+
+    with pgque.Worker(dsn, queue="q", consumer="g", slots=4, handler=handle, concurrency=2,
+                      ticker=False, rebalance_interval=0.2, poll_interval=0.05,
+                      name="ctl") as worker, pgque.Ticker(dsn):
+        wait_for(lambda: len(worker.owned_slots) == 4 and worker.sessions == 2,
+                 what="every slot", dsn=dsn)
+        lanes = lane_pids(conn, "ctl")
+        control = scalar(conn, "select pid from pg_stat_activity where application_name = 'ctl'")
+        assert scalar(conn, "select pg_terminate_backend(%s, 10000)", (control,))
+        wait_for(lambda: first_value(conn, "select pid from pg_stat_activity where "
+                                      "application_name = 'ctl' and pid <> %s", (control,)),
+                 what="a new control session", dsn=dsn)
+        client.send_batch("q", [("e", n, f"k{n}") for n in range(20)])
+        wait_for(lambda: sorted(seen) == list(range(20)), what="every event", dsn=dsn)
+        assert lane_pids(conn, "ctl") == lanes
+        assert worker.sessions == 2
+        assert scalar(conn, "select count(*) from pg_stat_activity "
+                            "where application_name like 'ctl%%'") == 3
+
+
+def test_a_lane_that_lost_its_session_keeps_its_slot_until_the_handler_returns(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A lane's session is terminated while its (non-transactional) handler runs; the
+    worker does not claim that slot on another lane until the handler has
+    returned, so one worker never runs two handlers of a slot at once; the event
+    is then delivered again and handled."""
+    queue_with_effects(client, conn, slots=2)
+    key = next(f"k{n}" for n in range(100)
+               if scalar(conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0)
+    running = 0
+    most = 0
+    calls: list[int] = []
+    lock = threading.Lock()
+    entered = threading.Event()
+    release = threading.Event()
+
+    def handle(message: pgque.Message[Any]) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+            calls.append(message.id)
+        try:
+            if len(calls) == 1:
+                entered.set()
+                release.wait(30)
+        finally:
+            with lock:
+                running -= 1
+
+    with pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handle, concurrency=2,
+                      ticker=False, rebalance_interval=0.1, poll_interval=0.05,
+                      name="inhand") as worker, pgque.Ticker(dsn):
+        wait_for(lambda: len(worker.owned_slots) == 2 and worker.sessions == 2,
+                 what="both slots", dsn=dsn)
+        [ev] = client.send_batch("q", [("e", 1, key)])
+        assert entered.wait(30)
+        owner = scalar(conn, "select owner_pid from pgque.partition_slot_status where slot = 0")
+        assert scalar(conn, "select pg_terminate_backend(%s, 10000)", (owner,))
+        deadline = time.monotonic() + 1.5  # 15 rebalance intervals
+        while time.monotonic() < deadline:
+            assert first_value(conn, "select owner_pid from pgque.partition_slot_status "
+                                "where slot = 0") is None
+            time.sleep(0.05)
+        release.set()
+        wait_for(lambda: calls == [ev, ev] and slots_drained(conn), timeout=30,
+                 what="the event again", dsn=dsn)
+    assert most == 1
