@@ -356,6 +356,31 @@ def installs_under(dsn: str, fn: Any, n: int = 20) -> tuple[list[str], list[str]
     return failed, side
 
 
+# -- slots: keys that route to one, a slot's cursor --------------------------------------------
+
+
+def slot_keys(conn: Any, slot: int, slots: int, count: int = 1, prefix: str = "k") -> list[str]:
+    """The first ``count`` keys prefix0, prefix1, ... that route to ``slot`` of ``slots``."""
+    keys: list[str] = []
+    n = 0
+    while len(keys) < count:
+        key = f"{prefix}{n}"
+        if int(scalar(conn, "select pgque.slot_of(%s, %s)", (key, slots))) == slot:
+            keys.append(key)
+        n += 1
+    return keys
+
+
+def slot_cursor(client: pgque.Client, consumer: str) -> tuple[Any, ...]:
+    """(cur_last_tick, cur_batch) of subscription ``consumer``'s current cursor."""
+    row = client.conn.execute(
+        "select c.cur_last_tick, c.cur_batch from pgque.subscription s"
+        " cross join lateral pgque._current_cursor(s.sub_id) c"
+        " where s.sub_consumer = %s", (consumer,)).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
 # -- services run in a thread ------------------------------------------------------------------
 
 

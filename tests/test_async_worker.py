@@ -6,6 +6,7 @@ and a sync Worker handed a coroutine stops and names the AsyncWorker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Coroutine
 from typing import Any
 
@@ -75,6 +77,44 @@ def test_a_plain_handler_that_returns_a_coroutine_stops_the_worker_unacked(
     assert batch is not None and [m.id for m in batch.messages] == ids
     assert [m.retry_count for m in batch.messages] == [0, 0, 0]
 
+
+def test_an_async_handler_that_returns_a_coroutine_is_not_acked(
+        client: pgque.Client, dsn: str) -> None:
+    """The AsyncWorker's handler that returns a coroutine unawaited (``async def
+    handle(m): return work(m)``, a forgotten await) does not get its event acked
+    with no work done: either the work runs, or the event stays pending."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=1)
+    ran: list[int] = []
+
+    async def work(message: pgque.Message[Any]) -> None:
+        ran.append(message.id)
+
+    async def handle(message: pgque.Message[Any]) -> Any:
+        return work(message)  # forgot the await
+
+    [ev] = client.send_batch("q", [("e", None, "k")])
+
+    async def main() -> pgque.AsyncWorker[Any]:
+        worker: pgque.AsyncWorker[Any] = pgque.AsyncWorker(
+            dsn, queue="q", consumer="g", slots=1, handler=handle, retry_after=100)
+        task = asyncio.get_running_loop().create_task(worker.run())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not task.done() and worker.handled == 0:
+            await asyncio.sleep(0.05)
+        if not task.done():
+            await worker.stop()
+        with contextlib.suppress(Exception):
+            await task
+        return worker
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "never awaited"
+        worker = asyncio.run(main())
+    # Either the event was really handled, or it was not acked (still pending).
+    pending = scalar(client.conn, "select pending_events from pgque.partition_slot_status")
+    assert ran == [ev] or (worker.handled == 0 and pending == 1), (
+        f"handled={worker.handled} ran={ran} pending={pending}")
 
 # -- SIGTERM with several run()s in one process ----------------------------------------------
 

@@ -39,6 +39,7 @@ import pgtest
 import psycopg
 import pytest
 from doc_blocks import ROOT, RUNNABLE, Block, extract
+from helpers import scalar
 from markdown_it import MarkdownIt
 
 import pgque
@@ -472,3 +473,33 @@ def test_split_sql() -> None:
         "select 'it''s; fine' as x",
     ]
     assert split_sql("select $1::int, a$b$c from t") == ["select $1::int, a$b$c from t"]
+
+
+def test_documented_sql_argument_names_work_in_named_notation(client: pgque.Client) -> None:
+    """docs/api.md gives every SQL function's arguments by name and says that in
+    named notation they carry a p_ prefix (`p_exist_ok => true`): every
+    documented argument name, so prefixed, is the function's."""
+    conn = client.conn
+    api = (ROOT / "docs" / "api.md").read_text("utf-8")
+    assert "p_exist_ok => true" in api
+    assert scalar(conn, "select pgque.create_queue('q', p_exist_ok => true)") > 0
+    assert scalar(conn, "select count(*) from pgque.dead_letters('q', p_after_id => 0)") == 0
+    sql = api[api.index("## SQL"):]
+    checked = 0
+    for name, args in re.findall(r"^\| `(\w+)\(([^)]*)\)", sql, re.M):
+        documented = {f"p_{a.split()[0]}" for a in args.split(",")
+                      if a.strip() and not a.strip().startswith("out ")}
+        real = {n for (names,) in conn.execute(
+                    "select proargnames from pg_proc where pronamespace = 'pgque'::regnamespace "
+                    "and proname = %s", (name,)) for n in (names or [])}
+        assert documented <= real, (name, documented - real)
+        checked += 1
+    assert checked > 40
+
+
+def test_readme_does_not_deny_the_upgrade_path() -> None:
+    """README.md states no "no migration path": upgrades in place exist
+    (operations.md "Upgrades")."""
+    readme = (ROOT / "README.md").read_text("utf-8")
+    assert "no migration path" not in readme
+    assert "This is 0.1" not in readme

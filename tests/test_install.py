@@ -288,6 +288,25 @@ def test_install_names_objects_of_others_built_on_its_code(empty_dsn: str) -> No
         assert client.send("q", "e", 1) > 0
 
 
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_installing_again_with_queues_and_groups_changes_no_catalog_row(dsn: str) -> None:
+    """With queues and groups of several slot counts, and their maintenance done,
+    an install (twice) changes no catalog row and leaves no maintenance due."""
+    with pgque.connect(dsn) as client:
+        for n, slots in enumerate((2, 5, 16)):
+            client.create_queue(f"q{n}")
+            client.subscribe_slots(f"q{n}", "g", slots=slots)
+            client.subscribe_slots(f"q{n}", "h", slots=3)
+        client.maintenance()
+        assert client.maintenance() == []
+        before = catalog(client.conn)
+        client.install()
+        assert catalog(client.conn) == before
+        assert client.maintenance() == []
+        client.install()
+        assert catalog(client.conn) == before
+
+
 # -- a squatter's pgque.version() never runs as the installer ---------------------------------
 
 

@@ -1,14 +1,24 @@
 """The records pgque hands back are frozen and typed: info calls return QueueInfo,
 ConsumerInfo and SlotStatus, group_status states the group's facts once, and an
-event is the columns pgque uses (no ev_extra2..4); each field of a Message,
-received in binary, is what a text-mode read of the event table gives."""
+event is the columns pgque uses (no ev_extra2..4). A setting is never reported
+as the opposite of what it is, the CLI's JSON is the records, and each field
+of a Message, received in binary, is what a text-mode read of the event table
+gives.
+
+The tests marked both_clients run with the Client and the AsyncClient (conftest.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import pgtest
 import psycopg
 import pytest
 from helpers import dbname, scalar, wait_for
@@ -18,9 +28,10 @@ from hypothesis import strategies as st
 import pgque
 from pgque.info import from_row
 
-pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.both_clients
 def test_info_calls_return_typed_records(client: pgque.Client) -> None:
     client.create_queue("q", max_retries=0)
     client.create_queue("other")
@@ -74,6 +85,7 @@ def test_info_calls_return_typed_records(client: pgque.Client) -> None:
     assert msgspec.structs.asdict(queue)["queue_name"] == "q"
 
 
+@pytest.mark.both_clients
 def test_a_record_ignores_columns_a_newer_schema_adds(client: pgque.Client) -> None:
     """A client keeps working while the schema it talks to is newer than itself."""
     client.create_queue("q")
@@ -82,6 +94,7 @@ def test_a_record_ignores_columns_a_newer_schema_adds(client: pgque.Client) -> N
     assert from_row(pgque.QueueInfo, row) == queue
 
 
+@pytest.mark.both_clients
 def test_group_status_states_the_group_once(client: pgque.Client, dsn: str) -> None:
     client.create_queue("q")
     client.subscribe_slots("q", "g", slots=3)
@@ -113,6 +126,7 @@ def test_group_status_states_the_group_once(client: pgque.Client, dsn: str) -> N
         assert status.my_rank is None and status.fair_share() == 0 and status.owned == []
 
 
+@pytest.mark.both_clients
 def test_stalled_after_is_the_callers_or_the_queues(client: pgque.Client) -> None:
     """The info calls judge stalls by the threshold given, else by the queue's own:
     twice its ticker_idle_period, at least 10 seconds."""
@@ -144,6 +158,7 @@ def test_stalled_after_is_the_callers_or_the_queues(client: pgque.Client) -> Non
             call()
 
 
+@pytest.mark.both_clients
 def test_group_info_counts_members_and_owned_slots(client: pgque.Client, dsn: str) -> None:
     client.create_queue("q")
     client.subscribe_slots("q", "g", slots=3)
@@ -160,6 +175,7 @@ def test_group_info_counts_members_and_owned_slots(client: pgque.Client, dsn: st
     assert client.group_info("q")[0].owned_slots == 1
 
 
+@pytest.mark.both_clients
 def test_ticker_info_names_the_active_ticker(client: pgque.Client, dsn: str) -> None:
     assert client.ticker_info() == pgque.TickerInfo(None, None)
     with pgque.connect(dsn, application_name="ops-ticker") as ticker:
@@ -168,6 +184,7 @@ def test_ticker_info_names_the_active_ticker(client: pgque.Client, dsn: str) -> 
                                                         "ops-ticker")
 
 
+@pytest.mark.both_clients
 @given(slots=st.integers(1, 64), members=st.integers(1, 70))
 def test_fair_shares_add_up_to_the_slots(slots: int, members: int) -> None:
     owners = tuple(pgque.SlotOwner(n, None, False) for n in range(slots))
@@ -176,6 +193,7 @@ def test_fair_shares_add_up_to_the_slots(slots: int, members: int) -> None:
     assert max(shares) - min(shares) <= 1
 
 
+@pytest.mark.both_clients
 def test_events_carry_only_the_columns_pgque_uses(client: pgque.Client) -> None:
     """ev_extra2..4 came from PgQ's event shape; no pgque function set them."""
     client.create_queue("q")
@@ -191,6 +209,59 @@ def test_events_carry_only_the_columns_pgque_uses(client: pgque.Client) -> None:
     assert columns["pgque.batch_event"] == ["batch_id", "ev_id", "ev_time", "ev_retry", "ev_type",
                                             "ev_data", "ev_extra1", "epoch"]
     assert not hasattr(pgque.Message(1, "t", None, None, 0, datetime.now()), "extra")
+
+
+def test_an_infinite_interval_setting_is_not_reported_as_zero(
+        client: pgque.Client, pg_server: pgtest.PgServer) -> None:
+    """On PostgreSQL 17 and later 'infinity' is an interval: create_queue either
+    refuses it for rotation_period (InvalidConfig, as PostgreSQL 15 does) or
+    reports it as what it is, never as timedelta(0) in QueueInfo, and in seconds
+    in queue_config() (docs/api.md)."""
+    if pg_server.major_version < 17:
+        pytest.skip("infinite intervals exist from PostgreSQL 17")
+    try:
+        client.create_queue("q", rotation_period="infinity")
+    except pgque.InvalidConfig:
+        return
+    [info] = client.queue_info("q")
+    assert info.rotation_period != timedelta(0)
+    assert isinstance(client.queue_config("q")["rotation_period"], (int, float))
+
+
+def test_cli_json_status_and_queue_list_are_the_records(dsn: str) -> None:
+    """`pgque status --json` is {ticker, queues, consumers, groups, slots} with
+    one object per record, the records' fields as keys, intervals as seconds,
+    times as ISO 8601 and unset values null; `pgque queue list --json` is the
+    QueueInfo list; a queue that is not there fails with exit code 1."""
+    with pgque.connect(dsn) as client:
+        client.create_queue("q")
+        client.subscribe("q", "p")
+        client.subscribe_slots("q", "g", slots=2)
+        client.send("q", "e", {"a": 1}, partition_key="k")
+    env = {**os.environ, "PGQUE_DSN": dsn, "PYTHONPATH": str(ROOT)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pgque.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    done = cli("status", "--json")
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    assert set(status) == {"ticker", "queues", "consumers", "groups", "slots"}
+    assert [set(g) for g in status["groups"]] == [set(pgque.GroupInfo.__struct_fields__)]
+    assert [set(q) for q in status["queues"]] == [set(pgque.QueueInfo.__struct_fields__)]
+    assert {frozenset(c) for c in status["consumers"]} == {
+        frozenset(pgque.ConsumerInfo.__struct_fields__)}
+    assert [s["slot"] for s in status["slots"]] == [0, 1]
+    assert set(status["slots"][0]) == set(pgque.SlotStatus.__struct_fields__)
+    assert status["slots"][0]["owner_pid"] is None
+    assert status["queues"][0]["rotation_period"] == 7200.0
+    assert status["queues"][0]["events_since_last_tick"] == 1
+    listed = cli("queue", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [q["queue_name"] for q in json.loads(listed.stdout)] == ["q"]
+    missing = cli("status", "--json", "nope")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
 
 
 # -- Messages received in binary: what a text-mode read gives ----------------------------------

@@ -6,7 +6,9 @@ migration record tampered with (pgque/schema.py, pgque/sql/)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -665,3 +667,186 @@ def test_cli_refuses_a_newer_schema_clearly(empty_dsn: str) -> None:
     assert out.returncode != 0
     assert "9.9.9" in out.stderr + out.stdout
     assert "upgraded" not in out.stdout and "installed" not in out.stdout
+
+
+# -- slots, retries and dead letters across the upgrade from 0.1.0 ----------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_upgrade_while_a_0_1_session_owns_a_slot_mid_batch(empty_dsn: str) -> None:
+    """A session that claimed slot 0 under 0.1.0 (its key was derived then) and
+    holds half of its batch when the upgrade runs no longer owns the slot
+    afterwards: its ack is refused (SlotNotOwned, G2), another session claims
+    the slot at once and gets every event of the slot, the two the old owner had
+    in hand among them; the old owner cannot take it back."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as setup:
+        setup.create_queue("q")
+        setup.subscribe_slots("q", "g", slots=2)
+        sent = setup.send_batch("q", [("e", {"n": n}, f"k{n}") for n in range(20)])
+        setup.tick("q")
+        slot0 = {ev for n, ev in enumerate(sent)
+                 if scalar(setup.conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0}
+    with pgque.connect(empty_dsn) as old, pgque.connect(empty_dsn) as new:
+        assert old.claim_slot("q", "g", 0)
+        in_hand = old.receive_partitioned("q", "g", slot=0, slots=2, max_events=2)
+        assert in_hand is not None and len(in_hand) == 2
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            assert pgque.install(conn) == "0.1.0"
+        with pytest.raises(pgque.SlotNotOwned):
+            old.ack(in_hand)
+        assert new.claim_slot("q", "g", 0)
+        got: list[int] = []
+        while (batch := new.receive_partitioned("q", "g", slot=0, slots=2)):
+            got.extend(m.id for m in batch)
+            new.ack(batch)
+        assert sorted(got) == sorted(slot0)
+        assert not old.claim_slot("q", "g", 0)
+
+
+def test_upgrade_keeps_retries_keys_nacks_and_replays_of_slots(empty_dsn: str) -> None:
+    """Across the upgrade (migration 0003 drops ev_extra2..4 from retries and dead
+    letters), a slot's waiting retry comes back to the same slot with its
+    partition key and retry count; a nack of 0.1.0 in a still-open batch repeated
+    after the upgrade changes nothing (batch_nack kept); a 0.1.0 dead letter of a
+    slot, replayed, goes back to its slot with its key and payload."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as c:
+        c.create_queue("q", max_retries=3)
+        c.subscribe("q", "plain")
+        c.subscribe_slots("q", "g", slots=2)
+        key = next(f"k{n}" for n in range(100)
+                   if scalar(c.conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0)
+        c.send("q", "e", {"n": 1}, partition_key=key)
+        c.tick("q")
+        assert c.claim_slot("q", "g", 0)
+        batch = c.receive_partitioned("q", "g", slot=0, slots=2)
+        assert batch is not None
+        retried = batch.messages[0].id
+        c.ack(batch, nack=[retried], retry_after=3600)
+        plain = c.receive("q", "plain")
+        assert plain is not None
+        assert c.nack(plain, plain.messages, retry_after=0) == 0
+        c.create_queue("d", max_retries=0)
+        c.subscribe_slots("d", "g", slots=2)
+        c.send("d", "e", {"z": 1}, partition_key=key)
+        c.tick("d")
+        assert c.claim_slot("d", "g", 0)
+        doomed = c.receive_partitioned("d", "g", slot=0, slots=2)
+        assert doomed is not None
+        c.ack(doomed, nack={doomed.messages[0].id: "boom"})
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.1.0"
+        conn.execute("update pgque.retry_queue set ev_retry_after = now() - interval '1 s'")
+    with pgque.connect(empty_dsn) as c:
+        assert c.nack(plain, plain.messages, retry_after=0) == 0
+        c.ack(plain)
+        assert scalar(c.conn, "select count(*) from pgque.retry_queue") == 2
+        c.maintenance()
+        c.tick("q")
+        assert c.claim_slot("q", "g", 0)
+        batch = c.receive_partitioned("q", "g", slot=0, slots=2)
+        assert batch is not None
+        assert [(m.id, m.partition_key, m.retry_count) for m in batch] == [(retried, key, 1)]
+        c.ack(batch)
+        [letter] = c.dead_letters("d")
+        assert letter.partition_key == key and letter.reason == "boom"
+        event = c.replay_dead_letter("d", letter.id)
+        c.tick("d")
+        assert c.claim_slot("d", "g", 0)
+        batch = c.receive_partitioned("d", "g", slot=0, slots=2)
+        assert batch is not None
+        assert [(m.id, m.partition_key, m.retry_count, m.payload) for m in batch] == [
+            (event, key, 0, {"z": 1})]
+
+
+# What helpers.catalog does not compare: types, column storage, identity and
+# inheritance, sequence parameters, routine properties, the one-row tables.
+UPGRADE_CATALOG = {
+    "types": """
+        select t.typname, t.typtype, t.typacl::text,
+               (select string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod),
+                                  ', ' order by a.attnum)
+                  from pg_attribute a
+                 where a.attrelid = t.typrelid and a.attnum > 0 and not a.attisdropped)
+          from pg_type t where t.typnamespace = 'pgque'::regnamespace order by 1""",
+    "attributes": """
+        select c.relname, a.attnum, a.attname, a.attstattarget, a.attstorage,
+               a.attidentity, a.attgenerated, a.attislocal, a.attinhcount, a.attcollation
+          from pg_attribute a join pg_class c on c.oid = a.attrelid
+         where c.relnamespace = 'pgque'::regnamespace and a.attnum > 0 and not a.attisdropped
+         order by 1, 2""",
+    "classes": """
+        select relname, relkind, relpersistence, relreplident, relrowsecurity,
+               relowner::regrole::text
+          from pg_class where relnamespace = 'pgque'::regnamespace order by 1""",
+    "sequences": """
+        select c.relname, s.seqtypid::regtype::text, s.seqstart, s.seqincrement, s.seqmax,
+               s.seqmin, s.seqcache, s.seqcycle
+          from pg_sequence s join pg_class c on c.oid = s.seqrelid
+         where c.relnamespace = 'pgque'::regnamespace order by 1""",
+    "inherits": """
+        select inhrelid::regclass::text, inhparent::regclass::text, inhseqno
+          from pg_inherits i join pg_class c on c.oid = i.inhrelid
+         where c.relnamespace = 'pgque'::regnamespace order by 1""",
+    "routines": """
+        select oid::regprocedure::text, proowner::regrole::text, provolatile, proparallel,
+               prosecdef, proisstrict, procost, prorows, proconfig::text, proacl::text
+          from pg_proc where pronamespace = 'pgque'::regnamespace order by 1""",
+    "one-row tables": """
+        select (select count(*) from pgque.installed), (select count(*) from pgque.install_lock),
+               (select count(*) from pgque.ticker_election),
+               (select count(*) from pgque.queue_lock)""",
+}
+
+
+def test_an_upgraded_catalog_equals_a_fresh_one_beyond_what_catalog_compares(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """With two queues (one of 5 tables) and a group, the upgraded database and a
+    fresh install agree on what helpers.catalog() does not compare: composite
+    and row types, column storage, identity and inheritance, sequence
+    parameters, routine volatility, cost and parallel safety, one-row tables.
+    (Only dropped columns differ: migration 0003 leaves ev_extra2..4 as dropped
+    columns in the upgraded event tables, as PostgreSQL does; nothing reads them.)"""
+    def setup(client: pgque.Client) -> None:
+        client.create_queue("q", max_retries=1)
+        client.create_queue("r", event_tables=5)
+        client.subscribe("q", "p")
+        client.subscribe_slots("q", "g", slots=2)
+
+    def upgrade_catalog(dsn: str) -> dict[str, list[Any]]:
+        with psycopg.connect(dsn) as conn:
+            return {k: conn.execute(q).fetchall() for k, q in UPGRADE_CATALOG.items()}
+
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        setup(client)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        pgque.install(conn)
+    upgraded = upgrade_catalog(empty_dsn)
+    with pg_server.scratch_database(prefix="pgque_test_empty") as fresh_dsn:
+        with pgque.connect(fresh_dsn) as fresh:
+            fresh.install()
+            setup(fresh)
+        installed = upgrade_catalog(fresh_dsn)
+    for name in UPGRADE_CATALOG:
+        assert upgraded[name] == installed[name], f"{name} differs after the upgrade"
+
+
+def test_an_older_package_does_not_silently_downgrade_a_newer_install(
+        empty_dsn: str) -> None:
+    """A database installed by a newer pgque that added no migration (a patch
+    release: code only, pgque.installed says e.g. 0.3.0) is not overwritten by
+    an older package's code: `pgque install` does not call it an upgrade, and
+    the installed version stays (operations.md: "never run an older pgque's
+    install over a newer one's")."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.conn.execute("update pgque.installed set in_version = '0.3.0'")
+    env = {**os.environ, "PGQUE_DSN": empty_dsn, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "pgque.cli", "install"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "upgraded from 0.3.0" not in done.stdout
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert scalar(conn, "select in_version from pgque.installed") == "0.3.0"
