@@ -29,6 +29,7 @@ report header names the server (the plugin names it at the end with -q).
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -38,6 +39,7 @@ import pgtest
 import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 from pgque.testing import session_server
@@ -263,3 +265,46 @@ def netns_dsn(netns_server: Any) -> Iterator[str]:
     finally:
         netns_server.link.stop()
         pgtest.drop_database(netns_server, name)
+
+
+@pytest.fixture
+def role_clients(dsn: str) -> Iterator[dict[str, pgque.Client]]:
+    """A client of a login role in each pgque role ("reader", "writer", "admin"), of
+    a second reader ("other") and of a role in none ("nobody"), with a queue q whose
+    group g (4 slots) the reader subscribed."""
+    suffix = uuid.uuid4().hex[:8]
+    params = conninfo_to_dict(dsn)
+    names = {kind: f"rv_{kind}_{suffix}" for kind in ("reader", "other", "writer", "admin",
+                                                     "nobody")}
+    clients: dict[str, pgque.Client] = {}
+    with psycopg.connect(dsn, autocommit=True) as su:
+        for kind, name in names.items():
+            su.execute(f"create role {name} login")
+            if kind in ("reader", "other", "writer", "admin"):
+                su.execute(f"grant pgque_{'reader' if kind == 'other' else kind} to {name}")
+        su.execute("select pgque.create_queue('q')")
+        try:
+            for kind, name in names.items():
+                clients[kind] = pgque.connect(make_conninfo(**{**params, "user": name}))
+            clients["reader"].subscribe_slots("q", "g", slots=4)
+            yield clients
+        finally:
+            for client in clients.values():
+                client.close()
+            with psycopg.connect(dsn, autocommit=True) as su2:
+                su2.execute("select pgque.drop_queue('q', true)")
+                for name in names.values():
+                    su2.execute(f"drop owned by {name} cascade")
+                    su2.execute(f"drop role if exists {name}")
+
+
+@pytest.fixture
+def reader_role(dsn: str) -> Iterator[str]:
+    """A login role with pgque_reader only (not an admin); yields its name."""
+    role = f"pgque_rv_reader_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"create role {role} login")
+        su.execute(f"grant pgque_reader to {role}")
+    yield role
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"drop role if exists {role}")

@@ -1,15 +1,19 @@
 """The AsyncClient used natively, on asyncio (each test runs its coroutine with
 asyncio.run). The Client's own tests run against it too (modules marked
 both_clients, see conftest.py); these are the cases only asyncio code has: an
-AsyncConnection of the caller's, tasks instead of threads, the type checks."""
+AsyncConnection of the caller's, tasks instead of threads (the owner task's
+sends inside notifies() and a pipeline, tasks gathered alongside it), the type
+checks."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
+from helpers import committed_ids, scalar
 
 import pgque
 
@@ -202,3 +206,97 @@ def test_connect_errors_and_a_stop_event() -> None:
         assert asyncio.get_running_loop().time() - started < 5
 
     asyncio.run(main())
+
+
+# -- the owner task's sends ---------------------------------------------------------------------
+
+
+DEADLINE = 8.0  # seconds a call that should return at once may take before it counts as stuck
+
+
+def run_async(main: Callable[[], Any]) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(main(), DEADLINE * 2)
+    return asyncio.run(bounded())
+
+
+def test_the_owner_tasks_send_inside_async_notifies_does_not_hang(
+        dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """AsyncConnection.notifies() holds the connection while it yields: the owner
+    task's send from inside the loop commits on its own, through the pool."""
+    async def main() -> list[int]:
+        async with await pgque.connect_async(dsn) as client:
+            await client.create_queue("q")
+            await client.conn.execute("listen review")
+            conn.execute("notify review, 'hello'")
+            sent = []
+            async for note in client.conn.notifies(timeout=DEADLINE, stop_after=1):
+                # Awaited here, not in wait_for: that would send from a task of its own.
+                sent.append(await client.send("q", "Notified", note.payload))
+            return sent
+
+    sent = run_async(main)
+    assert committed_ids(conn, sent) == sent
+
+
+def test_the_owner_tasks_send_in_a_pipeline_commits_on_its_own(
+        dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """In pipeline mode the statements until the next sync share one implicit
+    transaction: the owner task's send there commits on its own all the same, and
+    an error of the pipeline takes nothing of it back."""
+    async def main() -> list[int]:
+        async with await pgque.connect_async(dsn) as client:
+            await client.create_queue("q")
+            sent = []
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                async with client.conn.pipeline():
+                    sent.append(await client.send("q", "Piped", 1))
+                    sent += await client.send_batch("q", [("Piped", 2)])
+                    assert committed_ids(conn, sent) == sent
+                    await client.conn.execute("select 1 / 0")
+            return sent
+
+    sent = run_async(main)
+    assert committed_ids(conn, sent) == sent
+
+
+def test_tasks_gathered_alongside_the_owner(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Inside the owner's transaction: gathered tasks commit on their own, the
+    owner's sends roll back with it; a task whose statement holds client.conn
+    does not hold up the owner's send; outside, the owner commits alone."""
+    key = 434343
+
+    async def main() -> tuple[list[int], list[int], list[int]]:
+        async with await pgque.connect_async(dsn, pool_size=3) as client:
+            await client.create_queue("q")
+            theirs: list[int] = []
+
+            async def other(n: int) -> None:
+                theirs.append(await client.send("q", "Theirs", n))
+
+            mine: list[int] = []
+            with pytest.raises(ZeroDivisionError):
+                async with client.conn.transaction():
+                    mine.append(await client.send("q", "Mine", 0))
+                    await asyncio.gather(other(1), other(2), other(3))
+                    mine.append(await client.send("q", "Mine", 4))
+                    raise ZeroDivisionError
+            conn.execute("select pg_advisory_lock(%s)", (key,))
+            pid = (await (await client.conn.execute("select pg_backend_pid()")).fetchone())[0]
+            busy = asyncio.create_task(client.conn.execute(
+                "select pg_advisory_lock(%s)", (key,)))
+            while not scalar(conn, "select wait_event = 'advisory' from pg_stat_activity"
+                                   " where pid = %s", (pid,)):
+                await asyncio.sleep(0.01)  # polling the server, with the test's deadline
+            alone = [await client.send("q", "Alone", 5)]  # the owner's, not a wait_for task
+            assert committed_ids(conn, alone) == alone and not busy.done()
+            conn.execute("select pg_advisory_unlock(%s)", (key,))
+            await busy
+            await client.conn.execute("select pg_advisory_unlock(%s)", (key,))
+            alone.append(await client.send("q", "Alone", 6))
+            return mine, theirs, alone
+
+    mine, theirs, alone = run_async(main)
+    assert committed_ids(conn, mine) == []
+    assert committed_ids(conn, theirs) == sorted(theirs) and len(theirs) == 3
+    assert committed_ids(conn, alone) == alone

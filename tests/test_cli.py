@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import socket
@@ -13,63 +12,29 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
 import psycopg
 import pytest
-from helpers import drain, scalar, wait_for
+from helpers import (
+    BAD_DSN,
+    TESTS_DIR,
+    assert_one_line_error,
+    cli_env,
+    cli_process,
+    drain,
+    ok,
+    run_cli,
+    scalar,
+    wait_for,
+)
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 from pgque import cli
 from pgque.testing import Deployment
-
-CLI = [sys.executable, "-m", "pgque.cli"]
-TESTS_DIR = str(Path(__file__).resolve().parent)
-BAD_DSN = "postgresql://nobody@127.0.0.1:1/x"
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI run: ours, minus anything that would change its behaviour."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PGQUE_DSN", "PGQUE_DEBUG")}
-    env.update(extra)
-    return env
-
-
-def run_cli(*args: str, input: str | None = None, timeout: float = 60,
-            **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], input=input, capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(**env))
-
-
-@contextmanager
-def cli_process(*args: str, **env: str) -> Iterator[subprocess.Popen[str]]:
-    """The CLI running in the background; killed if the test leaves it running."""
-    with subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          stdin=subprocess.DEVNULL, text=True, env=cli_env(**env)) as proc:
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-
-
-def ok(result: subprocess.CompletedProcess[str]) -> str:
-    """The stdout of a run that must have succeeded."""
-    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
-    return result.stdout
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int) -> str:
-    """The run failed with ``code`` and said why in one line, without a traceback."""
-    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
-    assert result.stdout == ""
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def tail_consumers(client: pgque.Client) -> list[str]:

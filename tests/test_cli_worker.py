@@ -16,8 +16,15 @@ from typing import Any
 import cli_handlers
 import psycopg
 import pytest
-from helpers import scalar, wait_for
-from test_cli import BAD_DSN, TESTS_DIR, assert_one_line_error, cli_process, run_cli
+from helpers import (
+    BAD_DSN,
+    TESTS_DIR,
+    assert_one_line_error,
+    cli_process,
+    run_cli,
+    scalar,
+    wait_for,
+)
 
 import pgque
 from pgque import cli

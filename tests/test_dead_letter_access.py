@@ -1,10 +1,12 @@
-"""Team self-service for dead letters, in the recommended deployment (issue 24).
+"""Team self-service for dead letters, in the recommended deployment.
 
 The role that may use a consumer (its owner, a role it was granted to, and
 their members) lists, replays and purges that consumer's dead letters; another
 team is refused with ConsumerAccessDenied (PQ014), a queue's 'consume' grants
 still apply (PQ015), a role outside pgque gets 42501, and admins may do all.
-Dead letters of a consumer that was unsubscribed are the admins' alone. Every
+Dead letters of a consumer that was unsubscribed are the admins' alone, not the
+next owner's of its name, and a plain consumer and a group of one name keep
+theirs apart. Every
 refusal leaves the log, the cursors and the dead letters as they were, and the
 CLI's refusal says what the role lacks.
 """
@@ -17,8 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import refused
-from test_cli import assert_one_line_error, run_cli
+from helpers import World, assert_one_line_error, refused, run_cli, world_of
 
 import pgque
 from pgque.testing import Deployment
@@ -254,3 +255,113 @@ def test_the_cli_says_what_the_role_lacks(setup: Setup) -> None:
     assert line == (f"error: queue '{QUEUE}' has no dead letter {letters[PLAIN][0]}"
                     " that this role may see")
     assert setup.state() == before
+
+
+# -- dead letters of a consumer that is gone, and the next owner of its name ------------------
+
+
+@pytest.fixture
+def world(dsn: str) -> Iterator[World]:
+    """Teams a and b, an admin and an outsider, each a login role (helpers.World)."""
+    with world_of(dsn) as w:
+        yield w
+
+
+def _dead_letter_one(client: pgque.Client, admin: pgque.Client, *, slot: bool) -> None:
+    client.send("dq", "secret", {"card": "4111"}, partition_key="k")
+    admin.tick("dq")
+    if slot:
+        assert client.claim_slot("dq", "g", 0)
+        batch = client.receive_partitioned("dq", "g", slot=0, slots=1)
+    else:
+        batch = client.receive("dq", "c")
+    assert batch is not None and len(batch) == 1
+    client.ack(batch, nack=[batch.messages[0].id])
+
+
+def test_dead_letters_of_an_unsubscribed_consumer_do_not_go_to_the_next_owner_of_its_name(
+        world: World) -> None:
+    """Once a consumer is gone, its dead letters are the admins' only: another team
+    that subscribes a consumer of the same name reads none of them."""
+    with world.client("a") as a, world.client("b") as b, world.client("admin") as admin:
+        admin.create_queue("dq", max_retries=0)
+        a.subscribe("dq", "c")
+        _dead_letter_one(a, admin, slot=False)
+        assert len(admin.dead_letters("dq", "c")) == 1
+        a.unsubscribe("dq", "c")
+        assert b.subscribe("dq", "c") is True  # the name is free again
+        assert b.dead_letters("dq") == []
+        assert b.dead_letters("dq", "c") == []
+
+
+def test_dead_letters_of_a_removed_group_do_not_go_to_the_next_owner_of_its_name(
+        world: World) -> None:
+    """The same for a consumer group: unsubscribe_slots keeps the dead letters of
+    "g#k/N", and another team that subscribes group "g" next reads none of them."""
+    with world.client("a") as a, world.client("b") as b, world.client("admin") as admin:
+        admin.create_queue("dq", max_retries=0)
+        a.subscribe_slots("dq", "g", slots=1)
+        _dead_letter_one(a, admin, slot=True)
+        a.unsubscribe_slots("dq", "g")
+        assert b.subscribe_slots("dq", "g", slots=1) == 1
+        assert b.dead_letters("dq") == []
+        assert b.dead_letters("dq", "g") == []
+
+
+# -- a plain consumer and a group of one name, of two teams -----------------------------------
+
+
+@pytest.fixture
+def deployment(pgque_deployment: Deployment) -> Deployment:
+    return pgque_deployment
+
+
+@pytest.fixture
+def owner(deployment: Deployment) -> Iterator[pgque.Client]:
+    """The installer (an admin): creates the queue and ticks by hand."""
+    with pgque.connect(deployment.dsn(deployment.owner)) as client:
+        client.create_queue(QUEUE)
+        yield client
+
+
+@pytest.fixture
+def producer(deployment: Deployment, owner: pgque.Client) -> Iterator[pgque.Client]:
+    with pgque.connect(deployment.dsn(deployment.producer)) as client:
+        yield client
+
+
+def team_dsn(deployment: Deployment, index: int = 0) -> str:
+    return deployment.dsn(deployment.login(deployment.teams[index]))
+
+
+def test_a_plain_consumer_and_a_group_of_one_name_keep_their_dead_letters_apart(
+        deployment: Deployment, owner: pgque.Client, producer: pgque.Client) -> None:
+    """billing's plain consumer and shipping's group share the name "x" on one queue.
+    Each team, naming "x", lists and purges its own dead letters only, and is
+    refused the other's by id."""
+    owner.set_queue_config(QUEUE, max_retries=0)
+    billing, shipping = deployment.teams
+    with pgque.connect(team_dsn(deployment, 0)) as b, pgque.connect(team_dsn(deployment, 1)) as s:
+        b.conn.execute(f"set role {billing}")
+        b.subscribe(QUEUE, "x")
+        s.conn.execute(f"set role {shipping}")
+        s.subscribe_slots(QUEUE, "x", slots=1)
+        producer.send(QUEUE, "e", {"n": 1}, partition_key="k")
+        owner.tick(QUEUE)
+        plain = b.receive(QUEUE, "x")
+        assert plain is not None
+        b.ack(plain, nack=plain.messages)
+        assert s.claim_slot(QUEUE, "x", 0)
+        slot = s.receive_partitioned(QUEUE, "x", slot=0, slots=1)
+        assert slot is not None
+        s.ack(slot, nack=slot.messages)
+        mine = b.dead_letters(QUEUE, "x")
+        theirs = s.dead_letters(QUEUE, "x")
+        assert [d.consumer for d in mine] == ["x"]
+        assert [d.consumer for d in theirs] == ["x#0/1"]
+        with pytest.raises(pgque.ConsumerAccessDenied):
+            b.replay_dead_letter(QUEUE, theirs[0].id)
+        with pytest.raises(pgque.ConsumerAccessDenied):
+            s.purge_dead_letters(QUEUE, "x", ids=[mine[0].id])
+        assert b.purge_dead_letters(QUEUE, "x") == 1
+        assert [d.consumer for d in owner.dead_letters(QUEUE)] == ["x#0/1"]

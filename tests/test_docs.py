@@ -25,7 +25,6 @@ so an example cannot slip out of the suite by accident.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import re
@@ -39,78 +38,17 @@ from typing import Any
 import pgtest
 import psycopg
 import pytest
+from doc_blocks import ROOT, RUNNABLE, Block, extract
+from helpers import scalar
 from markdown_it import MarkdownIt
 
 import pgque
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-RUNNABLE = ("python", "sql")
-NOT_RUNNABLE = ("sh", "ini", "text")
-PRINTS = "It prints:"  # a paragraph between a python block and the text it prints
 # Roles are cluster-wide: the ones an example creates are dropped after its file ran,
 # so that the examples also run twice on a server given by PGQUE_TEST_DSN.
 CREATE_ROLE = re.compile(r'^\s*create\s+(?:role|user)\s+("[^"]+"|\w+)',
                          re.IGNORECASE | re.MULTILINE)
-
-
-@dataclass(frozen=True)
-class Block:
-    """One fenced code block of a Markdown file."""
-
-    path: Path
-    language: str
-    code: str
-    line: int  # 1-based line of the block's first code line in the file
-    number: int = 0  # 1-based among the runnable blocks of its file (0: not runnable)
-    prints: str | None = None  # what a python block must print, when the page says so
-
-    @property
-    def name(self) -> str:
-        return self.path.relative_to(ROOT).as_posix()
-
-    @property
-    def test_id(self) -> str:
-        return f"{self.name}-block{self.number}-{self.language}"
-
-
-def extract(path: Path, text: str | None = None) -> tuple[list[Block], list[str]]:
-    """The fenced blocks of a Markdown file, and a list of problems (indented code
-    blocks, fences without a language, unknown languages).
-
-    A python block followed by a paragraph "It prints:" and a ``text`` block
-    must print exactly that text.
-    """
-    if text is None:
-        text = path.read_text("utf-8")
-    blocks: list[Block] = []
-    problems: list[str] = []
-    number = 0
-    tokens = MarkdownIt("commonmark").parse(text)
-    for index, token in enumerate(tokens):
-        if (token.type == "fence" and token.info.strip() == "text" and blocks
-                and blocks[-1].language == "python" and index >= 4
-                and tokens[index - 2].content.strip() == PRINTS
-                and tokens[index - 4].type == "fence" and tokens[index - 4].info == "python"):
-            blocks[-1] = dataclasses.replace(blocks[-1], prints=token.content)
-        if token.map is None:
-            continue
-        where = f"{path.name}:{token.map[0] + 1}"
-        if token.type == "code_block":
-            problems.append(f"{where}: indented code block; use a fence with a language")
-            continue
-        if token.type != "fence":
-            continue
-        language = token.info.split()[0] if token.info.strip() else ""
-        if language not in RUNNABLE + NOT_RUNNABLE:
-            problems.append(f"{where}: fence language {language!r} is none of "
-                            f"{RUNNABLE + NOT_RUNNABLE}")
-            continue
-        runnable = language in RUNNABLE
-        number += runnable
-        blocks.append(Block(path, language, token.content, token.map[0] + 2,
-                            number if runnable else 0))
-    return blocks, problems
 
 
 def split_sql(script: str) -> list[str]:
@@ -535,3 +473,33 @@ def test_split_sql() -> None:
         "select 'it''s; fine' as x",
     ]
     assert split_sql("select $1::int, a$b$c from t") == ["select $1::int, a$b$c from t"]
+
+
+def test_documented_sql_argument_names_work_in_named_notation(client: pgque.Client) -> None:
+    """docs/api.md gives every SQL function's arguments by name and says that in
+    named notation they carry a p_ prefix (`p_exist_ok => true`): every
+    documented argument name, so prefixed, is the function's."""
+    conn = client.conn
+    api = (ROOT / "docs" / "api.md").read_text("utf-8")
+    assert "p_exist_ok => true" in api
+    assert scalar(conn, "select pgque.create_queue('q', p_exist_ok => true)") > 0
+    assert scalar(conn, "select count(*) from pgque.dead_letters('q', p_after_id => 0)") == 0
+    sql = api[api.index("## SQL"):]
+    checked = 0
+    for name, args in re.findall(r"^\| `(\w+)\(([^)]*)\)", sql, re.M):
+        documented = {f"p_{a.split()[0]}" for a in args.split(",")
+                      if a.strip() and not a.strip().startswith("out ")}
+        real = {n for (names,) in conn.execute(
+                    "select proargnames from pg_proc where pronamespace = 'pgque'::regnamespace "
+                    "and proname = %s", (name,)) for n in (names or [])}
+        assert documented <= real, (name, documented - real)
+        checked += 1
+    assert checked > 40
+
+
+def test_readme_does_not_deny_the_upgrade_path() -> None:
+    """README.md states no "no migration path": upgrades in place exist
+    (operations.md "Upgrades")."""
+    readme = (ROOT / "README.md").read_text("utf-8")
+    assert "no migration path" not in readme
+    assert "This is 0.1" not in readme

@@ -12,6 +12,7 @@ included). tests/test_cli.py runs a few of them as real subprocesses too.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import socket
 import struct
@@ -19,8 +20,9 @@ import threading
 import time
 import traceback
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from typing import Any
 
 import psycopg
 import pytest
@@ -503,3 +505,54 @@ def test_redact_masks_the_pieces_of_a_password(text: str, dsn: str, expected: st
 def test_redact_masks_extra_secrets() -> None:
     assert redact(f"it was {P1}", "host=h", secrets=[P1]) == "it was ***"
     assert redact(f"it was {P1}", None, secrets=[P1]) == "it was ***"
+
+
+# -- every failed connect: nothing it shows holds a piece of the password ---------------------
+
+
+def everything_shown(call: Callable[[], Any]) -> str:
+    """What a failed call shows: its error's text, repr and traceback, its chain,
+    and every log record on the way (psycopg's debug records included)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    loggers = [logging.getLogger(n) for n in ("", "psycopg", "psycopg.pool", "pgque")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.DEBUG)
+    loggers[0].addHandler(handler)
+    shown: list[str] = []
+    try:
+        call()
+    except Exception as exc:
+        shown.append("".join(traceback.format_exception(exc)))
+        current: BaseException | None = exc
+        while current is not None:
+            shown += [str(current), repr(current)]
+            current = current.__cause__ or current.__context__
+    finally:
+        loggers[0].removeHandler(handler)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+    return "\n".join([*shown, stream.getvalue()])
+
+
+@pytest.mark.parametrize("dsn", [
+    # A double quote in a URI's password cuts libpq's quoted piece short.
+    pytest.param(f'postgresql://u:{P1}"{P2}%zz@127.0.0.1:1/db', id="uri-quote-bad-escape"),
+    pytest.param(f'postgresql://u@127.0.0.1:1/db?password={P1}"{P2}%', id="query-quote-escape"),
+    # SQL's doubled quote is no escape for libpq: the quoted value ends there.
+    pytest.param(f"host=127.0.0.1 port=1 user=u password='{P1}''{P2}' dbname=x",
+                 id="kv-doubled-quote"),
+    # The first '@' ends the user info: the rest of the password is a host, which
+    # psycopg looks up (a DNS query) and logs.
+    pytest.param(f"postgresql://u:{P1}@{P2}/x@127.0.0.1:1/db", id="uri-at-then-slash"),
+])
+def test_no_piece_of_a_password_shows_for_these_malformed_dsns(dsn: str) -> None:
+    """No error, traceback or log line names a password (docs/api.md), not even a
+    piece of one: for a double quote inside the piece libpq quotes, for SQL's
+    doubled quote (no escape for libpq: the quoted value ends there), and for an
+    '@' then a '/' in a URI password (which would leave a piece of the password
+    for a host name, looked up and logged)."""
+    text = everything_shown(lambda: pgque.connect(dsn, timeout=0.1, pool_size=0))
+    assert "ConnectError" in text or "InvalidDSN" in text
+    assert P1 not in text and P2 not in text, text[-600:]

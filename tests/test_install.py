@@ -1,51 +1,37 @@
-"""Installing: idempotent, concurrent-safe, and possible for a non-superuser owner."""
+"""Installing: idempotent, concurrent-safe (with other installs, uninstalls,
+maintenance and queues made and dropped), and possible for a non-superuser owner;
+safe from what other roles planted (a squatter's schema, functions in public, the
+script run without one transaction), and refusing to drop objects of others built
+on pgque's code."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pgtest
 import psycopg
 import pytest
-from helpers import drain, scalar
+from helpers import (
+    CATALOG_QUERIES,
+    PLANTS,
+    catalog,
+    drain,
+    drop_role,
+    install_0_1,
+    installs_under,
+    run_cli,
+    scalar,
+    scratch_database,
+)
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
-
-CATALOG_QUERIES = {
-    "functions": """
-        select p.oid::regprocedure::text, pg_get_functiondef(p.oid), p.proacl::text,
-               p.prosecdef, p.proconfig::text
-          from pg_proc p where p.pronamespace = 'pgque'::regnamespace order by 1""",
-    "relations": """
-        select c.relname, c.relkind, c.reloptions::text, c.relacl::text,
-               a.attnum, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
-               pg_get_expr(d.adbin, d.adrelid)
-          from pg_class c
-          left join pg_attribute a on a.attrelid = c.oid and a.attnum > 0 and not a.attisdropped
-          left join pg_attrdef d on d.adrelid = c.oid and d.adnum = a.attnum
-         where c.relnamespace = 'pgque'::regnamespace order by 1, 5""",
-    "indexes": "select indexname, indexdef from pg_indexes where schemaname = 'pgque' order by 1",
-    "constraints": """
-        select conrelid::regclass::text, conname, pg_get_constraintdef(oid)
-          from pg_constraint where connamespace = 'pgque'::regnamespace order by 1, 2""",
-    "views": """
-        select viewname, definition from pg_views where schemaname = 'pgque' order by 1""",
-    "schema": "select nspname, nspowner::regrole::text, nspacl::text from pg_namespace "
-              "where nspname = 'pgque'",
-    "roles": "select rolname, rolcanlogin from pg_roles where rolname like 'pgque\\_%' order by 1",
-}
-
-
-def catalog(conn: psycopg.Connection[Any]) -> dict[str, list[Any]]:
-    return {name: conn.execute(sql).fetchall() for name, sql in CATALOG_QUERIES.items()}
 
 
 def test_install_twice_changes_nothing(empty_dsn: str) -> None:
@@ -125,29 +111,6 @@ def test_install_by_non_superuser_database_owner(dsn: str) -> None:
             su.execute(f"drop role if exists {owner}")
 
 
-def _drop_role(dsn: str, role: str) -> None:
-    """Drop a test role after dropping what it owns in dsn's database."""
-    with psycopg.connect(dsn, autocommit=True) as su:
-        su.execute(f"drop owned by {role} cascade")
-        su.execute(f"drop role if exists {role}")
-
-
-# Functions and operators a role without any pgque grant plants in public, where
-# PostgreSQL 14 (and databases upgraded from it) lets every role create. Each
-# would record that it ran, as whoever called it, and return the right answer.
-PLANTS = [
-    """create function public.format(text, text) returns text language plpgsql as $$
-       begin insert into public.pwned values ('format'); return $2; end $$""",
-    """create function public.pg_advisory_xact_lock(integer) returns void language plpgsql as $$
-       begin insert into public.pwned values ('pg_advisory_xact_lock'); end $$""",
-    """create function public.now() returns timestamptz language plpgsql as $$
-       begin insert into public.pwned values ('now'); return pg_catalog.now(); end $$""",
-    """create function public.pwn_eq(name, text) returns boolean language plpgsql as $$
-       begin insert into public.pwned values ('='); return pg_catalog.nameeqtext($1, $2); end $$""",
-    "create operator public.= (leftarg = name, rightarg = text, function = public.pwn_eq)",
-]
-
-
 def test_install_never_runs_what_others_planted_in_public(empty_dsn: str) -> None:
     """The install pins search_path for its whole transaction: a superuser installing
     with public first on its path calls nothing another role planted there."""
@@ -177,7 +140,7 @@ def test_install_never_runs_what_others_planted_in_public(empty_dsn: str) -> Non
             ran = conn.execute("select what from public.pwned").fetchall()
         assert ran == []
     finally:
-        _drop_role(empty_dsn, planter)
+        drop_role(empty_dsn, planter)
 
 
 def test_install_refuses_a_schema_someone_else_owns(empty_dsn: str) -> None:
@@ -209,7 +172,7 @@ def test_install_refuses_a_schema_someone_else_owns(empty_dsn: str) -> None:
             assert s.execute("select nspowner::regrole::text from pg_namespace "
                              "where nspname = 'pgque'").fetchone() == (squatter,)
     finally:
-        _drop_role(empty_dsn, squatter)
+        drop_role(empty_dsn, squatter)
 
 
 def test_install_refuses_an_object_someone_else_owns_in_its_schema(dsn: str) -> None:
@@ -229,47 +192,10 @@ def test_install_refuses_an_object_someone_else_owns_in_its_schema(dsn: str) -> 
                 pgque.install(conn)
             assert caught.value.sqlstate == "PQ013"
     finally:
-        _drop_role(dsn, squatter)
+        drop_role(dsn, squatter)
 
 
 # -- upgrades ----------------------------------------------------------------------------
-
-# Two commits on main called themselves pgque 0.1.0, with different tables: 3bd2224
-# (the first, without pgque.batch_nack) and 09e6af5. Their install scripts, frozen,
-# by commit: upgrades start from either. The tests that need one 0.1.0 take the later.
-BASELINES_0_1 = {commit: Path(__file__).resolve().parent / "data" / f"pgque-0.1.0-{commit}.sql"
-                 for commit in ("3bd2224", "09e6af5")}
-
-
-def install_0_1(dsn: str, commit: str = "09e6af5") -> None:
-    """Install the 0.1.0 of that commit, in one transaction, as its installer did."""
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-        conn.execute(BASELINES_0_1[commit].read_bytes())
-        assert scalar(conn, "select pgque.version()") == "0.1.0"
-
-
-# The install script of pgque 0.2.0 as it landed (2f0bb29), frozen: it installs 0.2.0
-# into an empty database and upgrades a 0.1.0 as that release did, wrongly over
-# 3bd2224 (it records migration 1 without making pgque.batch_nack).
-BASELINE_0_2 = Path(__file__).resolve().parent / "data" / "pgque-0.2.0-2f0bb29.sql"
-
-
-def install_0_2(dsn: str) -> None:
-    """Install (or upgrade to) the landed 0.2.0, in one transaction, as its installer did."""
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
-        conn.execute(BASELINE_0_2.read_bytes())
-        assert scalar(conn, "select pgque.version()") == "0.2.0"
-
-
-@contextmanager
-def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
-    name = pgtest.scratch_name("e")
-    pgtest.create_database(pg_server, name)
-    try:
-        yield pg_server.dsn(name)
-    finally:
-        pgtest.drop_database(pg_server, name)
-
 
 def test_upgrade_from_0_1_keeps_queues_ticking_and_maintained(
         empty_dsn: str, pg_server: pgtest.PgServer) -> None:
@@ -360,3 +286,300 @@ def test_install_names_objects_of_others_built_on_its_code(empty_dsn: str) -> No
         client.conn.execute("drop view public.lagging")
         client.install()
         assert client.send("q", "e", 1) > 0
+
+
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_installing_again_with_queues_and_groups_changes_no_catalog_row(dsn: str) -> None:
+    """With queues and groups of several slot counts, and their maintenance done,
+    an install (twice) changes no catalog row and leaves no maintenance due."""
+    with pgque.connect(dsn) as client:
+        for n, slots in enumerate((2, 5, 16)):
+            client.create_queue(f"q{n}")
+            client.subscribe_slots(f"q{n}", "g", slots=slots)
+            client.subscribe_slots(f"q{n}", "h", slots=3)
+        client.maintenance()
+        assert client.maintenance() == []
+        before = catalog(client.conn)
+        client.install()
+        assert catalog(client.conn) == before
+        assert client.maintenance() == []
+        client.install()
+        assert catalog(client.conn) == before
+
+
+# -- a squatter's pgque.version() never runs as the installer ---------------------------------
+
+
+def _role_dsn(dsn: str, role: str) -> str:
+    return make_conninfo(**{**conninfo_to_dict(dsn), "user": role})
+
+
+def _squat(dsn: str) -> str:
+    """A role with CREATE on the database makes schema pgque first, with a
+    version() that counts its calls in a sequence (nextval is not rolled back)."""
+    squatter = f"pgque_squatter_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"create role {squatter} login")
+        su.execute(f"grant create on database {conninfo_to_dict(dsn)['dbname']} to {squatter}")
+    with psycopg.connect(_role_dsn(dsn, squatter), autocommit=True) as s:
+        s.execute("create schema pgque")
+        s.execute("grant usage on schema pgque to public")
+        s.execute("create sequence pgque.ran")
+        s.execute("grant usage, select on sequence pgque.ran to public")
+        s.execute("create table pgque.ran_as (who text, super text)")
+        s.execute("grant insert on pgque.ran_as to public")
+        s.execute("""create function pgque.version() returns text language plpgsql as $$
+                     begin
+                         perform nextval('pgque.ran');
+                         insert into pgque.ran_as
+                         values (current_user, current_setting('is_superuser'));
+                         return '0.0.1';
+                     end $$""")
+    return squatter
+
+
+def test_install_never_calls_a_squatters_version_function(empty_dsn: str) -> None:
+    """A role with CREATE on the database that made schema pgque first, with a
+    pgque.version() of its own, gets none of its code run as the installer
+    (usually a superuser): install() refuses with PQ013 before anything calls into
+    schema pgque. (The squatter's version() counts its calls in a sequence, which
+    the refused install's rollback would not undo.)"""
+    squatter = _squat(empty_dsn)
+    try:
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            with pytest.raises(psycopg.Error) as caught:
+                pgque.install(conn)
+            assert caught.value.sqlstate == "PQ013"
+            assert scalar(conn, "select is_called from pgque.ran") is False, \
+                "the squatter's pgque.version() ran as the installer"
+    finally:
+        drop_role(empty_dsn, squatter)
+
+
+def test_cli_install_never_calls_a_squatters_version_function(empty_dsn: str) -> None:
+    """The same through `pgque install`: it fails, saying why (PQ013), and the
+    squatter's version() never ran (it would record, committed, that it ran as the
+    installer)."""
+    squatter = _squat(empty_dsn)
+    try:
+        out = run_cli("install", "--dsn", empty_dsn)
+        assert out.returncode != 0
+        assert "PQ013" in out.stderr or "cannot be installed" in out.stderr, out.stderr
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            ran = conn.execute("select who, super from pgque.ran_as").fetchall()
+        assert ran == [], f"the squatter's code ran, committed, as {ran}"
+    finally:
+        drop_role(empty_dsn, squatter)
+
+
+# -- objects of others built on pgque's code ---------------------------------------------------
+
+
+def test_a_table_column_of_an_array_of_pgque_type_is_refused_not_dropped(
+        empty_dsn: str) -> None:
+    """A user table with a column of type pgque.batch_event[] (the array type of
+    pgque's composite type) is built on pgque's code: the install refuses
+    (DependentObjects, naming the table), and the column stays."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.conn.execute("create table public.keep (id int, evs pgque.batch_event[])")
+        client.conn.execute("insert into public.keep values (1, array[null::pgque.batch_event])")
+        refused = None
+        try:
+            client.install()
+        except pgque.DependentObjects as exc:
+            refused = exc
+        cols = client.conn.execute(
+            "select attname from pg_attribute where attrelid = 'public.keep'::regclass "
+            "and attnum > 0 and not attisdropped order by attnum").fetchall()
+        assert cols == [("id",), ("evs",)], f"column evs silently dropped: {cols}"
+        assert refused is not None and "keep" in str(refused)
+
+
+def test_a_function_taking_an_array_of_a_pgque_view_row_is_refused(empty_dsn: str) -> None:
+    """A user function taking pgque.queue_info[] (the array type of a pgque view's row
+    type): the install refuses, naming it, and the function stays."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.conn.execute("create function public.nqueues(pgque.queue_info[]) returns int "
+                            "language sql as $$ select cardinality($1) $$")
+        refused = None
+        try:
+            client.install()
+        except pgque.DependentObjects as exc:
+            refused = exc
+        left = scalar(client.conn, "select to_regprocedure("
+                      "'public.nqueues(pgque.queue_info[])') is not null")
+        assert left, "public.nqueues silently dropped"
+        assert refused is not None and "nqueues" in str(refused)
+
+
+@pytest.mark.parametrize("ddl, name", [
+    ("create table public.t (v text default pgque.version())", "public.t"),
+    ("create table public.t (k text, s int generated always as (pgque.slot_of(k, 4)) stored)",
+     "public.t"),
+    ("create table public.t (v text check (v <> pgque.version()))", "public.t"),
+    ("create domain public.ver as text check (value <> pgque.version())", "public.ver"),
+    ("create function public.f() returns text begin atomic select pgque.version(); end",
+     "public.f"),
+    ("create materialized view public.mv as select * from pgque.queue_info", "public.mv"),
+    ("create function public.g() returns setof pgque.batch_event language sql "
+     "as $$ select null::pgque.batch_event $$", "public.g"),
+])
+def test_objects_on_pgque_code_are_refused_and_named(empty_dsn: str, ddl: str,
+                                                     name: str) -> None:
+    """Defaults, generated columns, checks, domains, SQL-body functions, materialized
+    views and functions returning pgque's types, built on pgque's code: the install
+    refuses (PQ017), names them, and changes nothing."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.conn.execute(ddl)
+        before = catalog(client.conn)
+        with pytest.raises(pgque.DependentObjects, match=name.split(".")[1]):
+            client.install()
+        assert catalog(client.conn) == before
+
+
+def test_a_trigger_calling_pgque_send_survives_installs(empty_dsn: str) -> None:
+    """A trigger function (plpgsql) that calls pgque.send has no catalog dependency;
+    it keeps working after the install replaces pgque.send."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.create_queue("q")
+        client.subscribe("q", "c")
+        client.conn.execute("create table public.orders (id int)")
+        client.conn.execute("""create function public.on_order() returns trigger
+            language plpgsql as $$ begin
+            perform pgque.send('q', 'order', to_jsonb(new.id), null); return new; end $$""")
+        client.conn.execute("create trigger t after insert on public.orders for each row "
+                            "execute function public.on_order()")
+        client.conn.execute("insert into public.orders values (1)")
+        client.install()
+        client.conn.execute("insert into public.orders values (2)")
+        assert [m.payload for m in drain(client, "q", "c")] == [1, 2]
+
+
+# -- the printed script run without one transaction ------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("psql") is None, reason="no psql")
+def test_the_printed_script_without_one_transaction_refuses_clearly(
+        empty_dsn: str, tmp_path: Path) -> None:
+    """`psql -f pgque.sql` without -1 (or a migration tool running statements in
+    autocommit) would run the script one autocommitted statement at a time, under
+    the caller's search_path (its SET LOCAL pins nothing outside a transaction
+    block): the script refuses at once, saying it needs one transaction, and
+    leaves nothing behind."""
+    script = tmp_path / "pgque.sql"
+    script.write_text(pgque.install_script())
+    result = subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", str(script),
+                             "-d", empty_dsn], capture_output=True, text=True, timeout=120)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        installed = scalar(conn, "select count(*) from pg_namespace where nspname = 'pgque'")
+    assert result.returncode != 0, f"ran outside a transaction: {result.stderr[:300]}"
+    assert "transaction" in result.stderr
+    assert installed == 0, "left a partial install behind"
+
+
+@pytest.mark.skipif(shutil.which("psql") is None, reason="no psql")
+def test_psql_without_one_transaction_runs_no_plant(empty_dsn: str, tmp_path: Path) -> None:
+    """The same, with PLANTS (code another role planted in public) in public and
+    public first on the installer's path: none of it runs as the installer."""
+    planter = f"pgque_planter_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(empty_dsn, autocommit=True) as su:
+        su.execute(f"create role {planter} login")
+        su.execute("grant create on schema public to public")
+    try:
+        with psycopg.connect(_role_dsn(empty_dsn, planter), autocommit=True) as p:
+            p.execute("create table public.pwned (what text)")
+            p.execute("grant insert on public.pwned to public")
+            for plant in PLANTS:
+                p.execute(plant)
+            p.execute("grant execute on all functions in schema public to public")
+        script = tmp_path / "pgque.sql"
+        script.write_text(pgque.install_script())
+        subprocess.run(["psql", "-X", "-q", "-f", str(script), "-d", empty_dsn],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ,
+                            "PGOPTIONS": "-c search_path=public,pg_catalog"})
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            ran = conn.execute("select distinct what from public.pwned").fetchall()
+        assert ran == [], f"planted code ran as the installer: {ran}"
+    finally:
+        drop_role(empty_dsn, planter)
+
+
+# -- installs racing other work -----------------------------------------------------------------
+
+
+def _loop(errors: list[BaseException], fn: Any, n: int) -> threading.Thread:
+    def run() -> None:
+        for _ in range(n):
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+                return
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_install_and_uninstall_concurrently(empty_dsn: str) -> None:
+    """Installs and uninstalls racing: each call either succeeds or waits; none fails."""
+    errors: list[BaseException] = []
+
+    def install() -> None:
+        with psycopg.connect(empty_dsn, autocommit=True) as c:
+            pgque.install(c)
+
+    def uninstall() -> None:
+        with psycopg.connect(empty_dsn, autocommit=True) as c:
+            pgque.uninstall(c)
+
+    threads = [_loop(errors, install, 8), _loop(errors, install, 8),
+               _loop(errors, uninstall, 8)]
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    install()
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        assert client.tick("q") > 0
+
+
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_install_while_maintenance_rotates(dsn: str) -> None:
+    """Workers may keep running through an install (an upgrade), so installs while
+    maintenance rotates event tables, as every running Worker's ticker does, all
+    succeed: no "tuple concurrently updated", no deadlock."""
+    with pgque.connect(dsn) as client:
+        for n in range(4):
+            client.create_queue(f"r{n}", rotation_period="1 second", event_tables=3)
+
+    def rotate() -> None:
+        with pgque.connect(dsn) as client:
+            for n in range(4):
+                client.send(f"r{n}", "e", 1)
+                client.tick(f"r{n}")
+            client.conn.execute("update pgque.queue set queue_switch_time = "
+                                "queue_switch_time - interval '1 hour'")
+            client.maintenance()
+
+    failed, _ = installs_under(dsn, rotate, 25)
+    assert failed == [], failed
+
+
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_install_while_queues_are_created_and_dropped(dsn: str) -> None:
+    """The same while an admin creates and drops queues: every install succeeds, and
+    no create or drop fails with "tuple concurrently updated"."""
+    def churn() -> None:
+        with pgque.connect(dsn) as client:
+            name = f"q{uuid.uuid4().hex[:6]}"
+            client.create_queue(name)
+            client.drop_queue(name, force=True)
+
+    failed, side = installs_under(dsn, churn, 25)
+    assert failed == [], failed
+    assert not [e for e in side if "concurrently updated" in e], side

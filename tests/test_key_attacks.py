@@ -1,6 +1,7 @@
 """Roles outside a consumer group (or outside pgque) cannot stall it through the
 session advisory locks that carry slot ownership, group membership and the ticker
-election: advisory locks need no privilege, and pg_locks shows held keys to all.
+election: advisory locks need no privilege, pg_locks shows held keys to all, and
+a key taken in a prepared transaction outlives every session.
 
 Every attacker here is a login role with no pgque grant, or a reader of another
 team, and every victim call runs with a statement timeout, so that a blocking
@@ -16,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import World, advisory_keys, scalar, wait_for, waits_on_advisory_lock, world_of
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -55,27 +56,6 @@ def attacker(dsn: str) -> psycopg.Connection[Any]:
     return psycopg.connect(dsn, autocommit=True)
 
 
-def held_keys(conn: psycopg.Connection[Any], pid: int, mode: str) -> list[int]:
-    """The bigint advisory keys a backend holds in mode, read from pg_locks the way
-    any role can."""
-    rows = conn.execute(
-        "select (classid::bigint << 32) | objid::bigint from pg_locks "
-        "where locktype = 'advisory' and objsubid = 1 and granted and pid = %s and mode = %s",
-        (pid, mode)).fetchall()
-    # pg_locks shows the key as two unsigned halves; advisory functions take it signed.
-    return [(k + 2**63) % 2**64 - 2**63 for (k,) in rows]
-
-
-def member_keys(conn: psycopg.Connection[Any], pid: int) -> list[tuple[int, int]]:
-    """The two-integer advisory keys (a group member's) a backend holds, as any role
-    can read them in pg_locks."""
-    rows = conn.execute(
-        "select classid::bigint, objid::bigint from pg_locks "
-        "where locktype = 'advisory' and objsubid = 2 and granted and pid = %s",
-        (pid,)).fetchall()
-    return [tuple((k + 2**31) % 2**32 - 2**31 for k in row) for row in rows]  # type: ignore[misc]
-
-
 def wait_on_key(dsn: str, *key: int, shared: bool = False) -> tuple[threading.Thread,
                                                                    psycopg.Connection[Any]]:
     """An attacker session that waits for the key (a bigint, or two integers; queued
@@ -91,11 +71,6 @@ def wait_on_key(dsn: str, *key: int, shared: bool = False) -> tuple[threading.Th
     thread = threading.Thread(target=take, daemon=True)
     thread.start()
     return thread, conn
-
-
-def waiting(conn: psycopg.Connection[Any], pid: int) -> bool:
-    return bool(scalar(conn, "select exists (select 1 from pg_locks where pid = %s "
-                             "and locktype = 'advisory' and not granted)", (pid,)))
 
 
 def test_the_old_fixed_keys_stall_nothing(roles: dict[str, str]) -> None:
@@ -126,10 +101,11 @@ def test_an_outsider_waiting_on_a_seen_slot_key_cannot_keep_the_slot(
     first = pgque.connect(roles["team"])
     assert first.claim_slot("q", "g", 0)
     evil_probe = attacker(roles["outsider"])
-    (key,) = held_keys(evil_probe, first.conn.info.backend_pid, "ExclusiveLock")
+    ((key,),) = advisory_keys(evil_probe, first.conn.info.backend_pid, size=1)
     thread, evil = wait_on_key(roles["outsider"], key)
     try:
-        wait_for(lambda: waiting(evil_probe, evil.info.backend_pid), what="the outsider to queue")
+        wait_for(lambda: waits_on_advisory_lock(evil_probe, evil.info.backend_pid),
+                 what="the outsider to queue")
         first.close()  # the worker goes; the outsider now holds the old key
         wait_for(lambda: not thread.is_alive(), what="the outsider to get the old key")
         with pgque.connect(roles["team"]) as second, pgque.connect(roles["admin"]) as admin:
@@ -153,7 +129,7 @@ def test_a_reader_of_another_team_is_an_outsider_to_the_group(roles: dict[str, s
     with pgque.connect(roles["team"]) as team, attacker(roles["stranger"]) as stranger:
         team.subscribe_slots("q", "g", slots=1)
         assert team.claim_slot("q", "g", 0)
-        (key,) = held_keys(stranger, team.conn.info.backend_pid, "ExclusiveLock")
+        ((key,),) = advisory_keys(stranger, team.conn.info.backend_pid, size=1)
         team.release_slot("q", "g", 0)
         assert scalar(stranger, "select pg_try_advisory_lock(%s)", (key,))
         assert team.group_status("q", "g").slots[0].owner_pid is None
@@ -169,7 +145,8 @@ def test_shared_holders_of_the_group_key_are_not_members(roles: dict[str, str]) 
         team.subscribe_slots("q", "g", slots=8)
         assert team.join_group("q", "g")
         with attacker(roles["outsider"]) as probe:
-            ((group_class, member),) = member_keys(probe, team.conn.info.backend_pid)
+            ((group_class, member),) = advisory_keys(probe, team.conn.info.backend_pid,
+                                                     mode=None, size=2)
         evil = [attacker(roles["outsider"]) for _ in range(7)]
         try:
             for n, conn in enumerate(evil):
@@ -193,10 +170,10 @@ def test_an_outsider_queued_on_the_group_key_cannot_keep_workers_out(
         first.subscribe_slots("q", "g", slots=2)
         assert first.join_group("q", "g")
         with attacker(roles["outsider"]) as probe:
-            (pair,) = member_keys(probe, first.conn.info.backend_pid)
+            (pair,) = advisory_keys(probe, first.conn.info.backend_pid, mode=None, size=2)
             thread, evil = wait_on_key(roles["outsider"], *pair)
             try:
-                wait_for(lambda: waiting(probe, evil.info.backend_pid),
+                wait_for(lambda: waits_on_advisory_lock(probe, evil.info.backend_pid),
                          what="the outsider to queue")
                 assert second.join_group("q", "g") is True
                 assert second.group_status("q", "g").members == 2
@@ -211,10 +188,11 @@ def test_an_outsider_on_the_ticker_key_cannot_keep_the_election(roles: dict[str,
                                                                  dsn: str) -> None:
     with pgque.Ticker(dsn) as ticker, attacker(roles["outsider"]) as probe:
         assert ticker.wait_active(10)
-        (key,) = held_keys(probe, ticker.backend_pid or 0, "ExclusiveLock")
+        ((key,),) = advisory_keys(probe, ticker.backend_pid or 0, size=1)
         thread, evil = wait_on_key(roles["outsider"], key)
         try:
-            wait_for(lambda: waiting(probe, evil.info.backend_pid), what="the outsider to queue")
+            wait_for(lambda: waits_on_advisory_lock(probe, evil.info.backend_pid),
+                     what="the outsider to queue")
             ticker.stop()
             wait_for(lambda: not thread.is_alive(), what="the outsider to get the old key")
             with pgque.Ticker(dsn) as successor, pgque.connect(roles["admin"]) as admin:
@@ -224,3 +202,59 @@ def test_an_outsider_on_the_ticker_key_cannot_keep_the_election(roles: dict[str,
                 wait_for(lambda: successor.ticks > 0, what="the successor to tick")
         finally:
             evil.close()
+
+
+# -- prepared transactions on the keys --------------------------------------------------------
+
+
+@pytest.fixture
+def world(dsn: str) -> Iterator[World]:
+    """Teams a and b, an admin and an outsider, each a login role (helpers.World)."""
+    with world_of(dsn) as w:
+        yield w
+
+
+@pytest.fixture
+def prepared_ok(pg_server: Any) -> None:
+    """max_prepared_transactions > 0 (the suite's server has 0): restarts a throwaway
+    server once, or skips."""
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as su:
+        if int(scalar(su, "show max_prepared_transactions")) > 0:
+            return
+        if not pg_server.restartable:
+            pytest.skip("max_prepared_transactions = 0 and the server cannot restart")
+        su.execute("alter system set max_prepared_transactions = 10")
+    pg_server.restart()
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as su:
+        su.execute("alter system reset max_prepared_transactions")  # from the next restart
+
+
+def test_a_prepared_transaction_on_a_seen_key_stalls_nothing(prepared_ok: None,
+                                                             world: World) -> None:
+    """An outsider reads the slot and group keys from pg_locks and takes them in a
+    transaction it prepares (the locks outlive every session, pid null). Claims and
+    joins renew the keys: the next worker of the team joins, claims the slot under
+    a new key and owns it."""
+    with world.client("a") as first:
+        first.subscribe_slots("q", "g", slots=1)
+        assert first.claim_slot("q", "g", 0) and first.join_group("q", "g")
+        slot_key = first.slot_lock_key("q", "g", 0)
+        group_key = scalar(world.su, "select cg_lock_key from pgque.consumer_group")
+        first.release_slot("q", "g", 0)
+    gid = f"rv-{uuid.uuid4().hex[:8]}"
+    with world.raw("outsider", autocommit=False) as evil:
+        evil.execute("select pg_advisory_xact_lock(%s), pg_advisory_xact_lock(%s)",
+                     (slot_key, group_key))
+        evil.execute(f"prepare transaction '{gid}'")
+    try:
+        assert scalar(world.su, "select count(*) from pg_locks where locktype = 'advisory' "
+                                "and pid is null and granted") == 2
+        with world.client("a") as second:
+            assert second.group_status("q", "g").slots[0].owner_pid is None
+            assert second.join_group("q", "g") is True
+            assert second.claim_slot("q", "g", 0) is True
+            assert second.slot_lock_key("q", "g", 0) != slot_key
+            status = second.group_status("q", "g")
+            assert status.slots[0].mine and status.members == 1
+    finally:
+        world.su.execute(f"rollback prepared '{gid}'")

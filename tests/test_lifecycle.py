@@ -1,8 +1,10 @@
 """The lifecycle of long-running services (Worker, Ticker): a stop is noticed
 within a second also while the database is unreachable, errors that cannot heal
 stop the service instead of looping and reach the caller (run(), the with
-block's end, wait()), a worker whose role may not tick runs without ticking, and
-a worker whose session is gone stops handling its batch at the next event."""
+block's end, wait()), a service that never connected gives up after
+connect_timeout while one that did retries an outage for ever, a worker whose
+role may not tick runs without ticking, and a worker whose session is gone stops
+handling its batch at the next event."""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from typing import Any
 import faults
 import psycopg
 import pytest
-from helpers import scalar, wait_for
-from psycopg.conninfo import make_conninfo
+from helpers import run_in_thread, scalar, wait_for
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
@@ -481,3 +483,65 @@ def test_a_worker_whose_role_may_not_tick_runs_without_ticking(
     assert [r.levelno for r in said] == [logging.INFO]
     assert [r.getMessage() for r in caplog.records
             if r.name.startswith("pgque") and r.levelno >= logging.WARNING] == []
+
+
+# -- a service that never connected gives up; one that did retries ----------------------------
+
+
+@pytest.mark.parametrize("missing", ["dbname", "user"])
+def test_a_worker_that_never_connects_stops_after_connect_timeout(
+        dsn: str, missing: str) -> None:
+    """libpq reports every connection failure without an SQLSTATE, a missing database
+    or role alike: a worker that has never connected since it started gives up
+    once connect_timeout has passed without a first connection, and run() raises
+    the ConnectError (worker.error keeps it)."""
+    params = conninfo_to_dict(dsn)
+    params[missing] = "pgque_no_such_" + missing
+    worker = pgque.Worker(make_conninfo(**params), queue="q", consumer="g", slots=1,
+                          handler=lambda message: None, connect_timeout=1)
+    started = time.monotonic()
+    runner, raised = run_in_thread(worker)
+    runner.join(15)
+    took = time.monotonic() - started
+    if runner.is_alive():
+        worker.stop()
+    assert not runner.is_alive(), "still retrying after 15 s"
+    assert [type(e) for e in raised] == [pgque.ConnectError]
+    assert worker.error is raised[0]
+    assert 1 <= took < 12
+
+
+def test_a_worker_that_connected_retries_an_outage_longer_than_connect_timeout(
+        client: pgque.Client, dsn: str) -> None:
+    """Once a worker has connected, an outage is retried for ever (with backoff),
+    however long it lasts: here three times connect_timeout, with every
+    connection attempt held unanswered."""
+    connect_timeout = 1.0
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=1)
+    handled: list[int] = []
+    params = conninfo_to_dict(dsn)
+    proxy = faults.TcpProxy(str(params.get("host") or "127.0.0.1"),
+                            int(params.get("port") or 5432))
+    try:
+        worker = pgque.Worker(proxy.dsn(dsn), queue="q", consumer="g", slots=1,
+                              handler=lambda message: handled.append(message.id),
+                              ticker=False, connect_timeout=connect_timeout,
+                              network_timeout=2,
+                              poll_interval=0.05, rebalance_interval=0.2)
+        with worker:
+            wait_for(lambda: worker.owned_slots, timeout=20, what="the slot claimed", dsn=dsn)
+            proxy.blackhole()
+            proxy.cut()
+            down = time.monotonic()
+            while time.monotonic() - down < 3 * connect_timeout:
+                assert worker.alive and worker.error is None
+                time.sleep(0.1)
+            proxy.heal()
+            ids = client.send_batch("q", [("e", 1, "k")])
+            client.tick("q")
+            wait_for(lambda: ids[0] in handled, timeout=30, what="handling after the outage",
+                     dsn=dsn)
+        assert worker.error is None
+    finally:
+        proxy.stop()

@@ -1,23 +1,37 @@
 """The records pgque hands back are frozen and typed: info calls return QueueInfo,
 ConsumerInfo and SlotStatus, group_status states the group's facts once, and an
-event is the columns pgque uses (no ev_extra2..4)."""
+event is the columns pgque uses (no ev_extra2..4). A setting is never reported
+as the opposite of what it is, the CLI's JSON is the records, and each field
+of a Message, received in binary, is what a text-mode read of the event table
+gives.
+
+The tests marked both_clients run with the Client and the AsyncClient (conftest.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import msgspec
+import pgtest
+import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import dbname, scalar, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 
 import pgque
 from pgque.info import from_row
 
-pytestmark = pytest.mark.both_clients  # with the Client and the AsyncClient (conftest.py)
+ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.both_clients
 def test_info_calls_return_typed_records(client: pgque.Client) -> None:
     client.create_queue("q", max_retries=0)
     client.create_queue("other")
@@ -71,6 +85,7 @@ def test_info_calls_return_typed_records(client: pgque.Client) -> None:
     assert msgspec.structs.asdict(queue)["queue_name"] == "q"
 
 
+@pytest.mark.both_clients
 def test_a_record_ignores_columns_a_newer_schema_adds(client: pgque.Client) -> None:
     """A client keeps working while the schema it talks to is newer than itself."""
     client.create_queue("q")
@@ -79,6 +94,7 @@ def test_a_record_ignores_columns_a_newer_schema_adds(client: pgque.Client) -> N
     assert from_row(pgque.QueueInfo, row) == queue
 
 
+@pytest.mark.both_clients
 def test_group_status_states_the_group_once(client: pgque.Client, dsn: str) -> None:
     client.create_queue("q")
     client.subscribe_slots("q", "g", slots=3)
@@ -110,6 +126,7 @@ def test_group_status_states_the_group_once(client: pgque.Client, dsn: str) -> N
         assert status.my_rank is None and status.fair_share() == 0 and status.owned == []
 
 
+@pytest.mark.both_clients
 def test_stalled_after_is_the_callers_or_the_queues(client: pgque.Client) -> None:
     """The info calls judge stalls by the threshold given, else by the queue's own:
     twice its ticker_idle_period, at least 10 seconds."""
@@ -141,6 +158,7 @@ def test_stalled_after_is_the_callers_or_the_queues(client: pgque.Client) -> Non
             call()
 
 
+@pytest.mark.both_clients
 def test_group_info_counts_members_and_owned_slots(client: pgque.Client, dsn: str) -> None:
     client.create_queue("q")
     client.subscribe_slots("q", "g", slots=3)
@@ -157,6 +175,7 @@ def test_group_info_counts_members_and_owned_slots(client: pgque.Client, dsn: st
     assert client.group_info("q")[0].owned_slots == 1
 
 
+@pytest.mark.both_clients
 def test_ticker_info_names_the_active_ticker(client: pgque.Client, dsn: str) -> None:
     assert client.ticker_info() == pgque.TickerInfo(None, None)
     with pgque.connect(dsn, application_name="ops-ticker") as ticker:
@@ -165,6 +184,7 @@ def test_ticker_info_names_the_active_ticker(client: pgque.Client, dsn: str) -> 
                                                         "ops-ticker")
 
 
+@pytest.mark.both_clients
 @given(slots=st.integers(1, 64), members=st.integers(1, 70))
 def test_fair_shares_add_up_to_the_slots(slots: int, members: int) -> None:
     owners = tuple(pgque.SlotOwner(n, None, False) for n in range(slots))
@@ -173,6 +193,7 @@ def test_fair_shares_add_up_to_the_slots(slots: int, members: int) -> None:
     assert max(shares) - min(shares) <= 1
 
 
+@pytest.mark.both_clients
 def test_events_carry_only_the_columns_pgque_uses(client: pgque.Client) -> None:
     """ev_extra2..4 came from PgQ's event shape; no pgque function set them."""
     client.create_queue("q")
@@ -188,3 +209,202 @@ def test_events_carry_only_the_columns_pgque_uses(client: pgque.Client) -> None:
     assert columns["pgque.batch_event"] == ["batch_id", "ev_id", "ev_time", "ev_retry", "ev_type",
                                             "ev_data", "ev_extra1", "epoch"]
     assert not hasattr(pgque.Message(1, "t", None, None, 0, datetime.now()), "extra")
+
+
+def test_an_infinite_interval_setting_is_not_reported_as_zero(
+        client: pgque.Client, pg_server: pgtest.PgServer) -> None:
+    """On PostgreSQL 17 and later 'infinity' is an interval: create_queue either
+    refuses it for rotation_period (InvalidConfig, as PostgreSQL 15 does) or
+    reports it as what it is, never as timedelta(0) in QueueInfo, and in seconds
+    in queue_config() (docs/api.md)."""
+    if pg_server.major_version < 17:
+        pytest.skip("infinite intervals exist from PostgreSQL 17")
+    try:
+        client.create_queue("q", rotation_period="infinity")
+    except pgque.InvalidConfig:
+        return
+    [info] = client.queue_info("q")
+    assert info.rotation_period != timedelta(0)
+    assert isinstance(client.queue_config("q")["rotation_period"], (int, float))
+
+
+def test_cli_json_status_and_queue_list_are_the_records(dsn: str) -> None:
+    """`pgque status --json` is {ticker, queues, consumers, groups, slots} with
+    one object per record, the records' fields as keys, intervals as seconds,
+    times as ISO 8601 and unset values null; `pgque queue list --json` is the
+    QueueInfo list; a queue that is not there fails with exit code 1."""
+    with pgque.connect(dsn) as client:
+        client.create_queue("q")
+        client.subscribe("q", "p")
+        client.subscribe_slots("q", "g", slots=2)
+        client.send("q", "e", {"a": 1}, partition_key="k")
+    env = {**os.environ, "PGQUE_DSN": dsn, "PYTHONPATH": str(ROOT)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pgque.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    done = cli("status", "--json")
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    assert set(status) == {"ticker", "queues", "consumers", "groups", "slots"}
+    assert [set(g) for g in status["groups"]] == [set(pgque.GroupInfo.__struct_fields__)]
+    assert [set(q) for q in status["queues"]] == [set(pgque.QueueInfo.__struct_fields__)]
+    assert {frozenset(c) for c in status["consumers"]} == {
+        frozenset(pgque.ConsumerInfo.__struct_fields__)}
+    assert [s["slot"] for s in status["slots"]] == [0, 1]
+    assert set(status["slots"][0]) == set(pgque.SlotStatus.__struct_fields__)
+    assert status["slots"][0]["owner_pid"] is None
+    assert status["queues"][0]["rotation_period"] == 7200.0
+    assert status["queues"][0]["events_since_last_tick"] == 1
+    listed = cli("queue", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [q["queue_name"] for q in json.loads(listed.stdout)] == ["q"]
+    missing = cli("status", "--json", "nope")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+# -- Messages received in binary: what a text-mode read gives ----------------------------------
+
+
+class Order(msgspec.Struct):
+    n: int
+    text: str
+
+
+PAYLOAD_CASES: list[tuple[Any, str | None]] = [
+    ({"n": 1, "text": "plain"}, "k-1"),
+    (None, None),
+    ({"n": 2, "text": "ünïcödé ✓ 日本語 עברית \U0001f600 e\u0301"}, "ключ-\U0001f511"),
+    ({"n": 3, "text": "nul \u0000 and quotes \" ' \\ and newlines \n\r\t"}, ""),
+    ({"n": 4, "text": "x" * 1_500_000}, "é" * 256),
+    ({"n": 5, "text": "big ints", "i": 2**63 - 1, "f": 1e308}, "k-5"),
+    ([1, "two", None, {"three": [3]}], "k-6"),
+    ("just a string", None),
+    (12345678901234567890, "k-8"),
+]
+
+
+def stored_rows(dsn: str, timezone: str) -> dict[tuple[int, int], tuple[Any, ...]]:
+    """The event table read in text mode by a session of that TimeZone (and
+    psycopg's DateStyle, ISO), by (ev_id, ev_retry): a retried event is in the
+    log twice."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("select set_config('TimeZone', %s, false)", (timezone,))
+        with conn.cursor(binary=False) as cur:
+            cur.execute("select ev_id, ev_type, ev_data, ev_extra1, ev_retry, ev_time"
+                        " from pgque.event_1")
+            return {(row[0], row[4]): row for row in cur.fetchall()}
+
+
+def check_messages(batch: pgque.Batch[Any] | None,
+                   stored: dict[tuple[int, int], tuple[Any, ...]],
+                   payload_type: Any = None) -> list[int]:
+    """Every message of ``batch`` is its row of ``stored``, field by field, with
+    the types text mode gives; returns their ids."""
+    assert batch is not None
+    for m in batch:
+        ev_id, ev_type, ev_data, key, retry, time = stored[m.id, m.retry_count]
+        assert (m.id, m.type, m.data, m.partition_key, m.retry_count) == (
+            ev_id, ev_type, ev_data, key, retry)
+        assert type(m.id) is int and type(m.retry_count) is int and type(m.type) is str
+        assert m.data is None or type(m.data) is str
+        assert m.partition_key is None or type(m.partition_key) is str
+        # The same aware datetime: the instant, the offset and the zone.
+        assert m.created_at == time
+        assert m.created_at.tzinfo == time.tzinfo, (m.created_at, time)
+        assert m.created_at.isoformat() == time.isoformat()
+        assert m.created_at.utcoffset() == time.utcoffset()
+        if payload_type is None:
+            assert m.payload == (None if ev_data is None else msgspec.json.decode(ev_data))
+        elif ev_data is not None and ev_data.startswith('{"n"'):
+            assert m.payload == msgspec.json.decode(ev_data, type=payload_type)
+    if batch.fence is not None:
+        assert type(batch.fence.epoch) is int and batch.fence.epoch > 0
+        assert all(m.fence == batch.fence for m in batch)
+    return [m.id for m in batch]
+
+
+def fill_everything(client: pgque.Client, slots: int) -> list[int]:
+    """Queue q with consumer c and group g (every slot claimed), the payload cases
+    sent, one of them nacked and retried (retry count 1), ticked."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    client.subscribe("q", "r")
+    client.subscribe_slots("q", "g", slots=slots)
+    client.maintenance()
+    ids = client.send_batch("q", [("Case", payload, key) for payload, key in PAYLOAD_CASES])
+    ids.append(client.send("q", "Single", {"n": 9, "text": "one by one"}, partition_key="k-9"))
+    client.tick("q")
+    batch = client.receive("q", "r")
+    assert batch is not None
+    client.ack(batch, nack=[batch.messages[0]])
+    client.maintenance("q")  # the retry goes back into the log, ev_retry 1
+    client.tick("q")
+    for slot in range(slots):
+        assert client.claim_slot("q", "g", slot)
+    return ids
+
+
+@pytest.mark.both_clients
+@pytest.mark.parametrize("timezone", ["UTC", "America/St_Johns", "UTC+3", "<+0545>-05:45",
+                                      "Pacific/Chatham"])
+def test_every_receive_path_gives_what_text_mode_reads(
+        client: pgque.Client, dsn: str, timezone: str) -> None:
+    """Every receive path (receive, with a payload type or without, receive_slots,
+    ack_and_receive, receive_partitioned) reads its rows in binary and gives each
+    field of a Message as a text-mode read of the event table gives it, whatever
+    the session's TimeZone, DateStyle and IntervalStyle: NULLs, unicode, NUL
+    characters, large payloads and numbers, a retried event."""
+    slots = 3
+    client.conn.execute("select set_config('TimeZone', %s, false),"
+                        " set_config('DateStyle', 'SQL, DMY', false),"
+                        " set_config('IntervalStyle', 'sql_standard', false)", (timezone,))
+    ids = fill_everything(client, slots)
+    stored = stored_rows(dsn, timezone)
+    assert any(row[4] == 1 for row in stored.values())  # a retried event is in the table
+    seen = check_messages(client.receive("q", "c"), stored)
+    seen += check_messages(client.receive("q", "r", payload_type=Order), stored, Order)
+    [first, *rest] = client.receive_slots("q", "g", slots=slots, owned=range(slots),
+                                          max_events=1)
+    seen += check_messages(first, stored) + [i for b in rest for i in check_messages(b, stored)]
+    seen += check_messages(client.ack_and_receive(first, max_events=100, payload_type=Order),
+                           stored, Order)
+    client.ack_slots(rest)
+    for batch in rest:
+        assert batch.slot is not None
+        again = client.receive_partitioned("q", "g", slot=batch.slot, slots=slots)
+        if again is not None:
+            seen += check_messages(again, stored)
+    # Every event of the table came through a plain consumer and the group.
+    assert set(ids) <= set(seen)
+    assert len(seen) >= 2 * len(ids)
+
+
+@pytest.mark.both_clients
+def test_binary_receives_through_pgbouncer(client: pgque.Client, dsn: str, pgbouncer: Any,
+                                           pgbouncer_session: Any) -> None:
+    """A plain consumer through a transaction-mode pooler, and a group (which needs
+    a session) through a session-mode one: the same fields as a direct read."""
+    slots = 2
+    ids = fill_everything(client, slots)
+    for slot in range(slots):
+        client.release_slot("q", "g", slot)
+    stored = stored_rows(dsn, "Asia/Kathmandu")
+    with pgque.connect(pgbouncer.dsn(dbname(dsn)), prepare_threshold=None) as pooled:
+        pooled.conn.execute("set TimeZone = 'Asia/Kathmandu'")
+        seen = check_messages(pooled.receive("q", "c", max_events=3), stored)
+        for _ in range(3):  # repeat receives: each may land on another server session
+            seen += check_messages(pooled.receive("q", "c", max_events=3), stored)
+        assert seen[:3] == seen[3:6]
+        batch = pooled.receive("q", "r", payload_type=Order)
+        check_messages(batch, stored, Order)
+        assert batch is not None and pooled.ack(batch)
+    with pgque.connect(pgbouncer_session.dsn(dbname(dsn))) as session:
+        session.conn.execute("set TimeZone = 'America/St_Johns'")
+        stored = stored_rows(dsn, "America/St_Johns")
+        for slot in range(slots):
+            assert session.claim_slot("q", "g", slot)
+        got = [i for b in session.receive_slots("q", "g", slots=slots, owned=range(slots))
+               for i in check_messages(b, stored)]
+        assert set(got) >= set(ids) - {ids[0]}

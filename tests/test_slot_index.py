@@ -1,16 +1,23 @@
 """Slot indexes (pgque/sql/code/62_slot_index.sql): a slot of a group reads only
 its own events, through an index on the routing formula that exists exactly
 while a group of that slot count does, and that never changes which events
-a slot gets (G1 stays pgque.slot_of)."""
+a slot gets (G1 stays pgque.slot_of), nor holds up producers while it is made.
+
+And the idle-slot probe (_slot_has_nothing) and pending_slots: a slot with
+nothing in its ticks is told so without reading its events, yet finds what
+transactions in progress at a tick and retries bring it, and still moves its
+cursor, so that it neither pins rotation nor lags behind a queue that stopped
+ticking."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import scalar, slot_cursor, slot_keys, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -302,3 +309,281 @@ def test_an_idle_slot_catches_up_on_a_queue_that_stopped_ticking(client: pgque.C
     assert slot1_behind() == 1  # skipped: its last tick is fresh
     wait_for(lambda: slot1_behind() == 0, timeout=10, interval=0.2,
              what="the idle slot's cursor to reach the newest tick")
+
+
+def test_an_idle_slot_moves_its_cursor_after_a_second_when_ticking_stops(
+        client: pgque.Client) -> None:
+    """An idle slot's poll writes nothing while its last tick is under a second
+    old, and moves its cursor to the newest tick once it is older, although
+    the queue ticks no more; the other slot still gets its events."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=4)
+    client.maintenance()
+    [key] = slot_keys(client.conn, 0, 4)
+    client.send_batch("q", [("e", n, key) for n in range(5)])
+    newest = client.tick("q")
+    assert client.claim_slot("q", "g", 1)
+    before = slot_cursor(client, "g#1/4")
+    assert before[0] < newest
+    assert client.receive_partitioned("q", "g", slot=1, slots=4) is None
+    assert slot_cursor(client, "g#1/4") == before  # idle: nothing written
+    assert client.pending_slots("q", "g") == {0}
+    time.sleep(1.1)  # the queue ticks no more
+    assert client.receive_partitioned("q", "g", slot=1, slots=4) is None
+    assert slot_cursor(client, "g#1/4") == (newest, None)
+    # And slot 0 still gets its five.
+    assert client.claim_slot("q", "g", 0)
+    batch = client.receive_partitioned("q", "g", slot=0, slots=4)
+    assert batch is not None and len(batch) == 5
+
+
+def _slot_of(conn: psycopg.Connection[Any], key: str | None, slots: int) -> int:
+    return int(scalar(conn, "select pgque.slot_of(%s, %s)", (key, slots)))
+
+
+def _drain_slot(client: pgque.Client, slot: int, slots: int, group: str = "g") -> list[int]:
+    got: list[int] = []
+    while (batch := client.receive_partitioned("q", group, slot=slot, slots=slots)) is not None:
+        got.extend(m.id for m in batch)
+        client.ack(batch)
+    return got
+
+
+def test_receive_partitioned_with_a_null_slot_count_gets_only_its_slot(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """receive_partitioned returns only its hash class, filtered server-side,
+    also for a NULL slot count (the group's count then): a buggy client never
+    reaches another slot's events."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=4)
+    other = slot_keys(conn, 1, 4, 3)
+    mine = slot_keys(conn, 0, 4, 2)
+    client.send_batch("q", [("e", None, k) for k in other + mine])
+    client.tick("q")
+    assert client.claim_slot("q", "g", 0)
+    rows = client.conn.execute(
+        "select ev_extra1 from pgque.receive_partitioned('q', 'g', 0, null)").fetchall()
+    keys = [r[0] for r in rows]
+    assert sorted(keys) == sorted(mine), f"slot 0 received {keys}"
+
+
+def test_concurrent_producers_in_progress_at_tick_time_reach_their_slot(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The xip arm of the slot filter with the slot index: producers whose
+    transactions are open across several ticks (so their txids are in the
+    ticks' xip lists, and the idle probe says "nothing" meanwhile) commit in
+    an order unlike their txids; every slot gets exactly its events."""
+    slots = 4
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=slots)
+    for slot in range(slots):
+        assert client.claim_slot("q", "g", slot)
+    expected: dict[int, set[int]] = {s: set() for s in range(slots)}
+    producers = [psycopg.connect(dsn) for _ in range(6)]
+    try:
+        for n, producer in enumerate(producers):
+            producer.execute("select pg_current_xact_id()")  # a txid now, in order
+            key = f"p{n}"
+            ev = pgque.Client(producer).send("q", "e", n, partition_key=key, conn=producer)
+            expected[_slot_of(conn, key, slots)].add(ev)
+        got: dict[int, set[int]] = {s: set() for s in range(slots)}
+        # Commit in reverse txid order, with ticks and receives in between.
+        for producer in reversed(producers):
+            client.tick("q")
+            for slot in range(slots):
+                got[slot].update(_drain_slot(client, slot, slots))
+            producer.commit()
+        client.tick("q")
+        for slot in range(slots):
+            got[slot].update(_drain_slot(client, slot, slots))
+        assert got == expected
+    finally:
+        for producer in producers:
+            producer.close()
+
+
+def test_idle_probe_finds_an_event_committed_after_a_tick_that_saw_it_in_progress(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A slot whose cursor moved to a tick that had the producer's transaction in
+    progress (xip), probed within the second after: the probe finds the event
+    through the xip arm, it does not say "nothing"."""
+    slots = 4
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=slots)
+    assert client.claim_slot("q", "g", 1)
+    [key] = slot_keys(conn, 1, slots, 1)
+    with psycopg.connect(dsn) as producer:
+        ev = client.send("q", "e", None, partition_key=key, conn=producer)
+        # Make the slot's cursor move past a tick with the producer in progress:
+        # the probe only lets a cursor move when >= 1 s of ticks lie ahead.
+        client.tick("q")
+        client.conn.execute("update pgque.tick set tick_time = tick_time - interval '5 s'"
+                            " where tick_id < (select max(tick_id) from pgque.tick)")
+        client.tick("q")
+        assert client.receive_partitioned("q", "g", slot=1, slots=slots) is None
+        last = scalar(conn, "select last_tick_id from pgque.consumer_info"
+                            " where consumer_name = 'g#1/4'")
+        xip = scalar(conn, "select array(select pg_snapshot_xip(tick_snapshot))::text"
+                           " from pgque.tick where tick_id = %s", (last,))
+        assert xip != "{}", "the slot's last tick should have the producer in progress"
+        producer.commit()
+    client.tick("q")  # < 1 s after the slot's last tick: the probe is asked
+    assert _drain_slot(client, 1, slots) == [ev]
+
+
+def test_idle_probe_finds_a_retry_meant_for_the_slot(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """A retry re-inserted by maintenance (ev_owner the slot's subscription, a
+    new txid) in a tick less than a second after the slot's last one is found
+    by the probe, and only by its own slot: a second group of the same N never
+    sees it."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=4)
+    client.subscribe_slots("q", "h", slots=4)
+    [key] = slot_keys(conn, 2, 4, 1)
+    [ev] = client.send_batch("q", [("e", None, key)])
+    client.tick("q")
+    assert client.claim_slot("q", "g", 2) and client.claim_slot("q", "h", 2)
+    batch = client.receive_partitioned("q", "g", slot=2, slots=4)
+    assert batch is not None and [m.id for m in batch] == [ev]
+    client.ack(batch, nack={ev: "boom"}, retry_after=0)
+    assert _drain_slot(client, 2, 4, "h") == [ev]
+    client.maintenance("q")
+    client.tick("q")
+    batch = client.receive_partitioned("q", "g", slot=2, slots=4)
+    assert batch is not None and [(m.id, m.retry_count) for m in batch] == [(ev, 1)]
+    client.ack(batch)
+    assert _drain_slot(client, 2, 4, "h") == []
+
+
+def test_an_idle_slot_does_not_pin_rotation(client: pgque.Client,
+                                            conn: psycopg.Connection[Any]) -> None:
+    """A slot that never gets an event, polled as a worker polls it, still moves
+    its cursor (at least once a second of ticks), so the queue's old tables are
+    truncated while only the other slot has traffic."""
+    client.create_queue("q", rotation_period=0)
+    client.subscribe_slots("q", "g", slots=2)
+    for slot in (0, 1):
+        assert client.claim_slot("q", "g", slot)
+    busy = slot_keys(conn, 0, 2, 5)
+
+    switches: list[int] = []
+
+    def rotated_through() -> bool:
+        for key in busy:
+            client.send("q", "e", None, partition_key=key)
+        client.tick("q")
+        _drain_slot(client, 0, 2)
+        assert _drain_slot(client, 1, 2) == []
+        client.maintenance("q")
+        current = scalar(conn, "select current_table from pgque.queue_info")
+        if not switches or switches[-1] != current:
+            switches.append(current)
+        # Three tables: a fifth current table means used tables were truncated.
+        return len(switches) >= 5
+
+    wait_for(rotated_through, timeout=15, interval=0.1, what=f"rotation ({switches})")
+
+
+@pytest.mark.parametrize("call", ["subscribe_slots", "unsubscribe_slots"])
+def test_subscribing_in_a_transaction_does_not_hold_the_producers(
+        client: pgque.Client, dsn: str, call: str) -> None:
+    """A group subscribed (or unsubscribed) inside a longer transaction, as a
+    schema migration does, leaves the event tables free: a send meanwhile does
+    not wait for that transaction (docs/operations.md, Sizing N: "no producer
+    waits for an index build")."""
+    client.create_queue("q")
+    client.subscribe("q", "plain")
+    if call == "unsubscribe_slots":
+        client.subscribe_slots("q", "g", slots=4)
+    with psycopg.connect(dsn) as migration, psycopg.connect(dsn, autocommit=True) as producer:
+        if call == "subscribe_slots":
+            migration.execute("select pgque.subscribe_slots('q', 'g', 4)")
+        else:
+            migration.execute("select pgque.unsubscribe_slots('q', 'g')")
+        # ... the migration goes on with other work; meanwhile the application sends.
+        producer.execute("set lock_timeout = '1s'")
+        try:
+            producer.execute("select pgque.send('q', 'e', '1', 'k')")
+        finally:
+            migration.rollback()
+
+
+def test_concurrent_subscribes_with_producers_lose_and_misroute_nothing(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Two groups of different N subscribe at the same time (index syncs of one
+    queue one at a time), a third unsubscribes, while producers send without
+    pause; both new groups end with their indexes (made by maintenance), and
+    each slot of each gets exactly the events committed after its group
+    existed, routed by slot_of."""
+    queue_id = client.create_queue("q")
+    client.subscribe_slots("q", "old", slots=3)
+    stop = threading.Event()
+    sent: list[tuple[int, str]] = []
+
+    def produce(n: int) -> None:
+        with pgque.connect(dsn) as producer:
+            i = 0
+            while not stop.is_set():
+                key = f"p{n}-{i}"
+                sent.append((producer.send("q", "e", None, partition_key=key), key))
+                i += 1
+
+    producers = [threading.Thread(target=produce, args=(n,)) for n in range(2)]
+    for thread in producers:
+        thread.start()
+    try:
+        wait_for(lambda: len(sent) > 50, what="producers running")
+        barrier = threading.Barrier(3)
+        errors: list[BaseException] = []
+
+        def act(call: str, *args: Any) -> None:
+            try:
+                with pgque.connect(dsn) as other:
+                    barrier.wait(5)
+                    if call == "subscribe_slots":
+                        other.subscribe_slots("q", args[0], slots=args[1])
+                    else:
+                        other.unsubscribe_slots("q", *args)
+            except BaseException as exc:
+                errors.append(exc)
+
+        actors = [threading.Thread(target=act, args=("subscribe_slots", "a", 4)),
+                  threading.Thread(target=act, args=("subscribe_slots", "b", 8)),
+                  threading.Thread(target=act, args=("unsubscribe_slots", "old"))]
+        for thread in actors:
+            thread.start()
+        for thread in actors:
+            thread.join(30)
+        assert errors == []
+        after = len(sent)  # sent once both groups existed: each must get all of them
+        wait_for(lambda: len(sent) > after + 200, what="more events")
+    finally:
+        stop.set()
+        for thread in producers:
+            thread.join(10)
+    client.maintenance()  # where the slot indexes are made
+    names = {r[0] for r in conn.execute(
+        "select c.relname from pg_class c join pg_namespace n on n.oid = c.relnamespace"
+        " where n.nspname = 'pgque' and c.relkind = 'i' and c.relname ~ %s",
+        (f"^event_{queue_id}_[0-9]+_slots[0-9]+$",))}
+    # A table busy beyond 50 ms may lack its index; the rest must have them.
+    assert any(name.endswith("_slots4") for name in names)
+    assert any(name.endswith("_slots8") for name in names)
+    client.tick("q")
+    for group, slots in (("a", 4), ("b", 8)):
+        got: dict[int, int] = {}
+        for slot in range(slots):
+            assert client.claim_slot("q", group, slot)
+            while (batch := client.receive_partitioned("q", group, slot=slot,
+                                                       slots=slots)) is not None:
+                for m in batch:
+                    assert m.id not in got
+                    got[m.id] = slot
+                client.ack(batch)
+        for ev, key in sent:
+            if ev in got:
+                assert got[ev] == _slot_of(conn, key, slots), f"event {ev} misrouted"
+        assert set(got) <= {ev for ev, _ in sent}
+        missing = [ev for ev, _ in sent[after:] if ev not in got]
+        assert missing == [], f"group {group} lost {len(missing)} events"

@@ -14,8 +14,9 @@ from typing import Any
 import pgtest
 import psycopg
 import pytest
+from doc_blocks import extract
 from helpers import scalar
-from test_docs import extract
+from psycopg.conninfo import make_conninfo
 
 import pgque
 from pgque.testing import LocalServer, run_worker
@@ -317,3 +318,20 @@ def test_run_worker_times_out(client: pgque.Client, dsn: str, queue: str) -> Non
                    handler=lambda m: None)
     with pytest.raises(ValueError, match="events"):
         run_worker(dsn, queue=queue, consumer="g", events=0, handler=lambda m: None)
+
+
+def test_run_worker_drains_for_a_role_that_is_not_an_admin(dsn: str, reader_role: str) -> None:
+    """run_worker tells "drained" also under a role that is not an admin (the
+    application's own pgque_reader, something else ticking, as docs/testing.md
+    allows with ticker=False): it returns once the group is drained."""
+    with pgque.connect(dsn) as admin:
+        admin.create_queue("q")
+    reader_dsn = make_conninfo(dsn, user=reader_role)
+    with pgque.connect(reader_dsn) as owner:
+        owner.subscribe_slots("q", "g", slots=2)
+    with pgque.connect(dsn) as admin:
+        admin.send_batch("q", [("e", {"n": n}, f"k{n}") for n in range(5)])
+    with pgque.Ticker(dsn):
+        run = run_worker(reader_dsn, queue="q", consumer="g", slots=2,
+                         handler=lambda message: None, ticker=False, timeout=10)
+    assert len(run.handled) == 5

@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import dump_state, long_variant, scalar, wait_for
+from helpers import dump_state, long_variant, run_in_thread, scalar, wait_for
+from psycopg.conninfo import make_conninfo
 
 import pgque
 
@@ -214,3 +216,57 @@ def test_drop_queue_with_force_never_deadlocks_with_a_running_ticker(
             client.drop_queue(f"q{n}", force=True)
         assert ticker.alive and ticker.error is None
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_ticker_that_never_connects_stops_after_connect_timeout(dsn: str) -> None:
+    """A Ticker that has never connected since it started gives up once
+    connect_timeout has passed, as a Worker does: its run() raises the ConnectError
+    (ticker.error keeps it)."""
+    ticker = pgque.Ticker(make_conninfo(dsn, dbname="pgque_no_such_dbname"),
+                          connect_timeout=1)
+    runner, raised = run_in_thread(ticker)
+    runner.join(15)
+    if runner.is_alive():
+        ticker.stop()
+    assert not runner.is_alive(), "still retrying after 15 s"
+    assert [type(e) for e in raised] == [pgque.ConnectError]
+    assert ticker.error is raised[0]
+
+
+def test_a_worker_whose_ticker_never_connected_does_not_run_on_silently(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A Worker's own Ticker that cannot connect for connect_timeout after it
+    starts (here its role's connection limit is taken during the first seconds,
+    a transient state) while the Worker itself is connected: either the events
+    are still delivered once the state is over, or the Worker stops and says
+    why (worker.error); it never runs on with nothing ticking."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=1)
+    role = f"pgque_test_ticker_{uuid.uuid4().hex[:8]}"
+    conn.execute(f"create role {role} login connection limit 1")
+    conn.execute(f"grant pgque_admin to {role}")
+    ticker_dsn = make_conninfo(dsn, user=role)
+    handled = threading.Event()
+    blocker = psycopg.connect(ticker_dsn)  # the role's one connection, for now
+    try:
+        ticker = pgque.Ticker(ticker_dsn, connect_timeout=1.0)
+        worker = pgque.Worker(dsn, queue="q", consumer="g", slots=1, ticker=ticker,
+                              handler=lambda m: handled.set())
+        worker.start()
+        try:
+            wait_for(lambda: worker.owned_slots == {0}, what="the slot owned")
+            wait_for(lambda: not ticker.alive, timeout=15, what="the ticker to give up")
+            blocker.close()  # the limit is free again: the transient state is over
+            client.send("q", "e", None, partition_key="k")
+            # Either the event is delivered, or the worker has stopped and says why.
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not handled.is_set() and worker.alive:
+                time.sleep(0.05)
+            assert handled.is_set() or (not worker.alive and worker.error is not None), (
+                f"worker alive={worker.alive} error={worker.error!r}, ticker error "
+                f"{ticker.error!r}: the event waits for a tick that never comes")
+        finally:
+            worker.stop()
+    finally:
+        blocker.close()
+        conn.execute(f"drop role {role}")

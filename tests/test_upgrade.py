@@ -1,23 +1,42 @@
 """Upgrades: numbered migrations over every catalog a released version left (the
 0.1.0s of 3bd2224 and 09e6af5, the 0.2.0 that landed as 2f0bb29, and a 0.1.0 that
-0.2.0 upgraded), code recreated, and nothing lost on the way (pgque/schema.py,
-pgque/sql/)."""
+0.2.0 upgraded, also by a database owner who is no superuser), code recreated,
+and nothing lost on the way, with odd state, an upgrade killed mid-way, or the
+migration record tampered with (pgque/schema.py, pgque/sql/)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pgtest
 import psycopg
 import pytest
-from helpers import drain, scalar, wait_for
-from test_cli import run_cli
-from test_install import BASELINES_0_1, catalog, install_0_1, install_0_2, scratch_database
+from helpers import (
+    BASELINE_0_2,
+    BASELINES_0_1,
+    catalog,
+    drain,
+    install_0_1,
+    install_0_2,
+    run_cli,
+    scalar,
+    scratch_database,
+    wait_for,
+)
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
-from pgque.schema import migrations
+from pgque.schema import Migration, _wrapped, migrations
+from pgque.testing import Deployment
 
 # The migrations the landed 0.2.0 had, and so recorded as applied by "0.2.0".
 MIGRATIONS_0_2 = range(1, 6)
@@ -345,3 +364,489 @@ def test_workers_keep_going_while_the_install_replaces_the_code(dsn: str) -> Non
                     assert pgque.install(conn) == pgque.__version__
             wait_for(lambda: handled >= set(sent), timeout=30, what="every event handled")
             assert worker.alive and worker.error is None
+
+
+# -- upgrades by the database owner, used by a team --------------------------------------------
+
+
+@pytest.fixture
+def deployment(pgque_deployment: Deployment) -> Deployment:
+    return pgque_deployment
+
+
+def owned_database(deployment: Deployment, tag: str) -> Deployment:
+    """The deployment pointed at a new database of its owner, without pgque."""
+    name = f"{deployment.prefix}_{tag}_{uuid.uuid4().hex[:6]}"
+    with deployment.server.admin() as su:
+        su.execute(sql.SQL("create database {} owner {} template template0").format(
+            sql.Identifier(name), sql.Identifier(deployment.owner)))
+    return replace(deployment, dbname=name)
+
+
+def run_script(dsn: str, script: Path) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(script.read_bytes())
+
+
+RELEASES = {
+    "0.2.0": [BASELINE_0_2],
+    "0.1.0-09e6af5": [BASELINES_0_1["09e6af5"]],
+    "0.1.0-3bd2224-then-0.2.0": [BASELINES_0_1["3bd2224"], BASELINE_0_2],
+}
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_the_owner_upgrades_every_release_and_the_team_fences_and_nacks_after(
+        deployment: Deployment, release: str) -> None:
+    """Each frozen release installed by the database owner (no superuser), used by a
+    team's login (a group, a dead letter), then upgraded by the owner: the catalog
+    equals the owner's fresh install, the team's fences pass, a nack comes back as a
+    retry, and the team lists its dead letter."""
+    old, fresh = owned_database(deployment, "old"), owned_database(deployment, "new")
+    billing = deployment.teams[0]
+    try:
+        first, *later = RELEASES[release]
+        run_script(old.dsn(deployment.owner), first)
+        with psycopg.connect(old.dsn(deployment.owner), autocommit=True) as conn:
+            conn.execute("select pgque.create_queue('q', '{\"max_retries\": 0}')")
+        with psycopg.connect(old.dsn(old.login(billing)), autocommit=True) as conn:
+            conn.execute(f"set role {billing}")
+            conn.execute("select pgque.subscribe_slots('q', 'g', 2)")
+            conn.execute("reset role")
+            with psycopg.connect(old.dsn(deployment.producer), autocommit=True) as p:
+                p.execute("select pgque.send('q', 'e', '1', 'k1')")
+            with psycopg.connect(old.dsn(deployment.owner), autocommit=True) as o:
+                o.execute("select pgque.tick('q')")
+            slot = scalar(conn, "select pgque.slot_of('k1', 2)")
+            assert scalar(conn, "select pgque.claim_slot('q', 'g', %s)", (slot,))
+            rows = conn.execute("select batch_id, ev_id from pgque.receive_partitioned("
+                                "'q', 'g', %s, 2)", (slot,)).fetchall()
+            assert rows
+            conn.execute("select pgque.nack_partitioned('q', 'g', %s, 2, %s, %s, '0', 'x'),"
+                         "       pgque.ack_partitioned('q', 'g', %s, 2, %s)",
+                         (slot, rows[0][0], [rows[0][1]], slot, rows[0][0]))
+        for script in later:  # the old release's own upgrade, as it was run then
+            run_script(old.dsn(deployment.owner), script)
+        with psycopg.connect(old.dsn(deployment.owner), autocommit=True) as conn:
+            pgque.install(conn)
+        with psycopg.connect(fresh.dsn(deployment.owner), autocommit=True) as conn:
+            pgque.install(conn)
+            conn.execute("select pgque.create_queue('q', '{\"max_retries\": 0}')")
+        with psycopg.connect(fresh.dsn(fresh.login(billing)), autocommit=True) as conn:
+            conn.execute(f"set role {billing}")
+            conn.execute("select pgque.subscribe_slots('q', 'g', 2)")
+        for d in (old, fresh):
+            with pgque.connect(d.dsn(deployment.owner)) as o:
+                o.maintenance()
+        with psycopg.connect(old.dsn(deployment.owner)) as a, \
+                psycopg.connect(fresh.dsn(deployment.owner)) as b:
+            upgraded, installed = catalog(a), catalog(b)
+        for name in upgraded:
+            assert upgraded[name] == installed[name], f"{name} differs after the upgrade"
+        with pgque.connect(old.dsn(old.login(billing))) as t, \
+                pgque.connect(old.dsn(old.login(billing))) as other, \
+                pgque.connect(old.dsn(deployment.owner)) as o, \
+                pgque.connect(old.dsn(deployment.producer)) as p:
+            assert [d.consumer for d in t.dead_letters("q")] == [f"g#{slot}/2"]
+            assert t.claim_slot("q", "g", slot)
+            p.send("q", "e", 2, partition_key="k1")
+            o.tick("q")
+            batch = t.receive_partitioned("q", "g", slot=slot, slots=2)
+            assert batch is not None and batch.fence is not None and len(batch) == 1
+            t.check_fence(batch.fence)
+            other.check_fence(batch.fence)
+            t.ack(batch, nack=batch.messages)  # max_retries 0: a dead letter
+            o.set_queue_config("q", max_retries=3)
+            p.send("q", "e", 3, partition_key="k1")
+            o.tick("q")
+            batch = t.receive_partitioned("q", "g", slot=slot, slots=2)
+            assert batch is not None and batch.fence is not None
+            t.ack(batch, nack=batch.messages)
+            assert ("q", "retry", 1) in o.maintenance()
+            o.tick("q")
+            batch = t.receive_partitioned("q", "g", slot=slot, slots=2)
+            assert batch is not None and [m.retry_count for m in batch] == [1]
+            assert batch.fence is not None and batch.messages[0].fence == batch.fence
+            other.check_fence(batch.fence)
+            t.ack(batch)
+            assert len(t.dead_letters("q")) == 2
+    finally:
+        deployment.server.drop_database(old.dbname)
+        deployment.server.drop_database(fresh.dbname)
+
+
+# -- upgrades from 0.1 with odd state -----------------------------------------------------------
+
+
+def test_upgrade_then_install_again_changes_nothing(empty_dsn: str) -> None:
+    """Installing again after an upgrade from 0.1 changes neither the catalog nor the
+    migration records."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        client.subscribe("q", "c")
+        client.send("q", "e", 1)
+        assert pgque.install(client.conn) == "0.1.0"
+        first = catalog(client.conn)
+        mig = client.conn.execute("select * from pgque.migration order by 1").fetchall()
+        assert pgque.install(client.conn) == pgque.__version__
+        assert catalog(client.conn) == first
+        assert client.conn.execute("select * from pgque.migration order by 1").fetchall() == mig
+
+
+def test_upgrade_of_many_odd_queues(empty_dsn: str) -> None:
+    """0.1 with 30 queues, some dropped, one with 5 event tables rotated a few times,
+    a consumer mid-batch: all kept, every queue ticks, sends, rotates."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        for n in range(30):
+            client.create_queue(f"q{n}")
+        for n in range(0, 30, 3):
+            client.drop_queue(f"q{n}", force=True)
+        client.create_queue("wide", event_tables=5, rotation_period=1)
+        client.subscribe("wide", "c")
+        sent = []
+        for _ in range(7):
+            sent.append(client.send("wide", "e", len(sent)))
+            client.tick("wide")
+            client.conn.execute("update pgque.queue set queue_switch_time = "
+                                "queue_switch_time - interval '1 hour' "
+                                "where queue_name = 'wide'")
+            client.maintenance("wide")
+        batch = client.receive("wide", "c", max_events=1)
+        assert batch is not None
+        held = [m.id for m in batch]
+        pgque.install(client.conn)
+        assert client.queue_config("wide")["event_tables"] == 5
+        assert sorted(r.queue_name for r in client.queue_info()) == sorted(
+            ["wide", *(f"q{n}" for n in range(30) if n % 3)])
+        client.ack(batch)
+        got = [m.id for m in drain(client, "wide", "c")]
+        assert held + got == sent
+        for n in range(1, 30, 3):
+            client.send(f"q{n}", "e", 1)
+            assert client.tick(f"q{n}") > 0
+        assert scalar(client.conn, "select count(*) from pgque.queue_lock") == 2 * 21
+
+
+def test_upgrade_by_a_non_superuser_owner_of_its_0_1_install(dsn: str) -> None:
+    """0.1 installed (in one transaction, as psql -1 does) by a database owner without
+    superuser, upgraded by that owner; a superuser is not the installer, and is
+    refused (PQ013), as documented."""
+    suffix = uuid.uuid4().hex[:8]
+    owner, database = f"pgque_owner_{suffix}", f"owned_{suffix}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(f"create role {owner} login nosuperuser nocreaterole nocreatedb")
+        su.execute(f"create database {database} owner {owner}")
+    try:
+        owner_dsn = make_conninfo(**{**conninfo_to_dict(dsn), "user": owner, "dbname": database})
+        install_0_1(owner_dsn)
+        with pgque.connect(owner_dsn) as client:
+            client.create_queue("q")
+            client.subscribe("q", "c")
+            sent = client.send("q", "e", 1)
+            assert pgque.install(client.conn) == "0.1.0"
+            assert [m.id for m in drain(client, "q", "c")] == [sent]
+        # A superuser is not the installer: refused, as documented.
+        with psycopg.connect(make_conninfo(**{**conninfo_to_dict(dsn), "dbname": database}),
+                             autocommit=True) as su, pytest.raises(psycopg.Error) as caught:
+            pgque.install(su)
+        assert caught.value.sqlstate == "PQ013"
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as su:
+            su.execute(f"drop database if exists {database} with (force)")
+            su.execute(f"drop role if exists {owner}")
+
+
+def test_installer_killed_mid_way_leaves_nothing(empty_dsn: str) -> None:
+    """An upgrade from 0.1 whose backend is terminated mid-script leaves 0.1 as it
+    was; the next install upgrades."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        before = catalog(client.conn)
+    with psycopg.connect(empty_dsn, autocommit=True) as blocker:
+        # Hold a lock the code step needs, so the install stops mid-way.
+        blocker.execute("begin")
+        blocker.execute("lock table pgque.queue in access share mode")  # 0002 alters it
+        conn = psycopg.connect(empty_dsn, autocommit=True)
+        pid = conn.info.backend_pid
+        outcome: list[BaseException] = []
+
+        def doomed() -> None:
+            try:
+                pgque.install(conn)
+            except psycopg.Error as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=doomed)
+        t.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not scalar(
+                blocker, "select wait_event_type = 'Lock' from pg_stat_activity where pid = %s",
+                (pid,)):
+            time.sleep(0.05)
+        assert scalar(blocker, "select wait_event_type = 'Lock' from pg_stat_activity "
+                               "where pid = %s", (pid,)), "the install never got stuck"
+        with psycopg.connect(empty_dsn, autocommit=True) as killer:
+            assert scalar(killer, "select pg_terminate_backend(%s)", (pid,))
+        t.join(30)
+        assert outcome, "the install was not cut off"
+        conn.close()
+        blocker.execute("rollback")
+    with pgque.connect(empty_dsn) as client:
+        assert catalog(client.conn) == before
+        assert pgque.install(client.conn) == "0.1.0"
+        assert client.tick("q") > 0
+
+
+def test_upgrade_of_0_1_with_a_user_view_is_refused_and_leaves_0_1(empty_dsn: str) -> None:
+    """A view of the user's over 0.1's consumer_info: the upgrade refuses with PQ017
+    naming it, after migration 2 ran in the same transaction: all rolled back, 0.1
+    as it was."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        client.conn.execute("create view public.lagging as select * from pgque.consumer_info")
+        before = catalog(client.conn)
+        with pytest.raises(psycopg.Error, match=r"public\.lagging") as caught:
+            pgque.install(client.conn)
+        assert caught.value.sqlstate == "PQ017"
+        assert catalog(client.conn) == before
+        assert scalar(client.conn, "select to_regclass('pgque.migration')") is None
+        assert scalar(client.conn, "select pgque.version()") == "0.1.0"
+
+
+# -- the migration record -----------------------------------------------------------------------
+
+
+def test_a_migration_holding_the_outer_dollar_tag_is_refused(empty_dsn: str) -> None:
+    """A migration holding the outer dollar tag ($pgque_migrate$) cannot end the DO
+    block that wraps it early: _wrapped() refuses it, or the wrapped step runs
+    whole and records the migration."""
+    bad = Migration(99, "tagged", "do $pgque_migrate$ begin null; end $pgque_migrate$;")
+    try:
+        step = _wrapped(bad)
+    except RuntimeError:
+        return
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        pgque.install(conn)
+        with conn.transaction(force_rollback=True):
+            conn.execute(step.encode())
+            assert scalar(conn, "select count(*) from pgque.migration "
+                                "where mig_number = 99") == 1
+
+
+def test_a_lost_migration_table_is_rebuilt(empty_dsn: str) -> None:
+    """With pgque.migration dropped (a partial restore), or only the row of migration
+    1 deleted, every migration missing from it runs again harmlessly (0001 creates
+    only what is missing, as over a 0.1.0 install; the later ones too), and the
+    events stay."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.create_queue("q")
+        client.subscribe("q", "c")
+        sent = client.send("q", "e", 1)
+        for tamper in ("drop table pgque.migration",
+                       "delete from pgque.migration where mig_number = 1"):
+            client.conn.execute(tamper)
+            client.install()
+            assert [r[0] for r in client.conn.execute(
+                "select mig_number from pgque.migration order by 1")] == [
+                    m.number for m in migrations()]
+        assert [m.id for m in drain(client, "q", "c")] == [sent]
+
+
+def test_cli_refuses_a_newer_schema_clearly(empty_dsn: str) -> None:
+    """`pgque install` over a newer migration: non-zero, says so, nothing claimed."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.conn.execute("insert into pgque.migration (mig_number, mig_name, mig_package) "
+                            "values (99, 'future', '9.9.9')")
+    out = run_cli("install", "--dsn", empty_dsn)
+    assert out.returncode != 0
+    assert "9.9.9" in out.stderr + out.stdout
+    assert "upgraded" not in out.stdout and "installed" not in out.stdout
+
+
+# -- slots, retries and dead letters across the upgrade from 0.1.0 ----------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_upgrade_while_a_0_1_session_owns_a_slot_mid_batch(empty_dsn: str) -> None:
+    """A session that claimed slot 0 under 0.1.0 (its key was derived then) and
+    holds half of its batch when the upgrade runs no longer owns the slot
+    afterwards: its ack is refused (SlotNotOwned, G2), another session claims
+    the slot at once and gets every event of the slot, the two the old owner had
+    in hand among them; the old owner cannot take it back."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as setup:
+        setup.create_queue("q")
+        setup.subscribe_slots("q", "g", slots=2)
+        sent = setup.send_batch("q", [("e", {"n": n}, f"k{n}") for n in range(20)])
+        setup.tick("q")
+        slot0 = {ev for n, ev in enumerate(sent)
+                 if scalar(setup.conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0}
+    with pgque.connect(empty_dsn) as old, pgque.connect(empty_dsn) as new:
+        assert old.claim_slot("q", "g", 0)
+        in_hand = old.receive_partitioned("q", "g", slot=0, slots=2, max_events=2)
+        assert in_hand is not None and len(in_hand) == 2
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            assert pgque.install(conn) == "0.1.0"
+        with pytest.raises(pgque.SlotNotOwned):
+            old.ack(in_hand)
+        assert new.claim_slot("q", "g", 0)
+        got: list[int] = []
+        while (batch := new.receive_partitioned("q", "g", slot=0, slots=2)):
+            got.extend(m.id for m in batch)
+            new.ack(batch)
+        assert sorted(got) == sorted(slot0)
+        assert not old.claim_slot("q", "g", 0)
+
+
+def test_upgrade_keeps_retries_keys_nacks_and_replays_of_slots(empty_dsn: str) -> None:
+    """Across the upgrade (migration 0003 drops ev_extra2..4 from retries and dead
+    letters), a slot's waiting retry comes back to the same slot with its
+    partition key and retry count; a nack of 0.1.0 in a still-open batch repeated
+    after the upgrade changes nothing (batch_nack kept); a 0.1.0 dead letter of a
+    slot, replayed, goes back to its slot with its key and payload."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as c:
+        c.create_queue("q", max_retries=3)
+        c.subscribe("q", "plain")
+        c.subscribe_slots("q", "g", slots=2)
+        key = next(f"k{n}" for n in range(100)
+                   if scalar(c.conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0)
+        c.send("q", "e", {"n": 1}, partition_key=key)
+        c.tick("q")
+        assert c.claim_slot("q", "g", 0)
+        batch = c.receive_partitioned("q", "g", slot=0, slots=2)
+        assert batch is not None
+        retried = batch.messages[0].id
+        c.ack(batch, nack=[retried], retry_after=3600)
+        plain = c.receive("q", "plain")
+        assert plain is not None
+        assert c.nack(plain, plain.messages, retry_after=0) == 0
+        c.create_queue("d", max_retries=0)
+        c.subscribe_slots("d", "g", slots=2)
+        c.send("d", "e", {"z": 1}, partition_key=key)
+        c.tick("d")
+        assert c.claim_slot("d", "g", 0)
+        doomed = c.receive_partitioned("d", "g", slot=0, slots=2)
+        assert doomed is not None
+        c.ack(doomed, nack={doomed.messages[0].id: "boom"})
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.1.0"
+        conn.execute("update pgque.retry_queue set ev_retry_after = now() - interval '1 s'")
+    with pgque.connect(empty_dsn) as c:
+        assert c.nack(plain, plain.messages, retry_after=0) == 0
+        c.ack(plain)
+        assert scalar(c.conn, "select count(*) from pgque.retry_queue") == 2
+        c.maintenance()
+        c.tick("q")
+        assert c.claim_slot("q", "g", 0)
+        batch = c.receive_partitioned("q", "g", slot=0, slots=2)
+        assert batch is not None
+        assert [(m.id, m.partition_key, m.retry_count) for m in batch] == [(retried, key, 1)]
+        c.ack(batch)
+        [letter] = c.dead_letters("d")
+        assert letter.partition_key == key and letter.reason == "boom"
+        event = c.replay_dead_letter("d", letter.id)
+        c.tick("d")
+        assert c.claim_slot("d", "g", 0)
+        batch = c.receive_partitioned("d", "g", slot=0, slots=2)
+        assert batch is not None
+        assert [(m.id, m.partition_key, m.retry_count, m.payload) for m in batch] == [
+            (event, key, 0, {"z": 1})]
+
+
+# What helpers.catalog does not compare: types, column storage, identity and
+# inheritance, sequence parameters, routine properties, the one-row tables.
+UPGRADE_CATALOG = {
+    "types": """
+        select t.typname, t.typtype, t.typacl::text,
+               (select string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod),
+                                  ', ' order by a.attnum)
+                  from pg_attribute a
+                 where a.attrelid = t.typrelid and a.attnum > 0 and not a.attisdropped)
+          from pg_type t where t.typnamespace = 'pgque'::regnamespace order by 1""",
+    "attributes": """
+        select c.relname, a.attnum, a.attname, a.attstattarget, a.attstorage,
+               a.attidentity, a.attgenerated, a.attislocal, a.attinhcount, a.attcollation
+          from pg_attribute a join pg_class c on c.oid = a.attrelid
+         where c.relnamespace = 'pgque'::regnamespace and a.attnum > 0 and not a.attisdropped
+         order by 1, 2""",
+    "classes": """
+        select relname, relkind, relpersistence, relreplident, relrowsecurity,
+               relowner::regrole::text
+          from pg_class where relnamespace = 'pgque'::regnamespace order by 1""",
+    "sequences": """
+        select c.relname, s.seqtypid::regtype::text, s.seqstart, s.seqincrement, s.seqmax,
+               s.seqmin, s.seqcache, s.seqcycle
+          from pg_sequence s join pg_class c on c.oid = s.seqrelid
+         where c.relnamespace = 'pgque'::regnamespace order by 1""",
+    "inherits": """
+        select inhrelid::regclass::text, inhparent::regclass::text, inhseqno
+          from pg_inherits i join pg_class c on c.oid = i.inhrelid
+         where c.relnamespace = 'pgque'::regnamespace order by 1""",
+    "routines": """
+        select oid::regprocedure::text, proowner::regrole::text, provolatile, proparallel,
+               prosecdef, proisstrict, procost, prorows, proconfig::text, proacl::text
+          from pg_proc where pronamespace = 'pgque'::regnamespace order by 1""",
+    "one-row tables": """
+        select (select count(*) from pgque.installed), (select count(*) from pgque.install_lock),
+               (select count(*) from pgque.ticker_election),
+               (select count(*) from pgque.queue_lock)""",
+}
+
+
+def test_an_upgraded_catalog_equals_a_fresh_one_beyond_what_catalog_compares(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """With two queues (one of 5 tables) and a group, the upgraded database and a
+    fresh install agree on what helpers.catalog() does not compare: composite
+    and row types, column storage, identity and inheritance, sequence
+    parameters, routine volatility, cost and parallel safety, one-row tables.
+    (Only dropped columns differ: migration 0003 leaves ev_extra2..4 as dropped
+    columns in the upgraded event tables, as PostgreSQL does; nothing reads them.)"""
+    def setup(client: pgque.Client) -> None:
+        client.create_queue("q", max_retries=1)
+        client.create_queue("r", event_tables=5)
+        client.subscribe("q", "p")
+        client.subscribe_slots("q", "g", slots=2)
+
+    def upgrade_catalog(dsn: str) -> dict[str, list[Any]]:
+        with psycopg.connect(dsn) as conn:
+            return {k: conn.execute(q).fetchall() for k, q in UPGRADE_CATALOG.items()}
+
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        setup(client)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        pgque.install(conn)
+    upgraded = upgrade_catalog(empty_dsn)
+    with pg_server.scratch_database(prefix="pgque_test_empty") as fresh_dsn:
+        with pgque.connect(fresh_dsn) as fresh:
+            fresh.install()
+            setup(fresh)
+        installed = upgrade_catalog(fresh_dsn)
+    for name in UPGRADE_CATALOG:
+        assert upgraded[name] == installed[name], f"{name} differs after the upgrade"
+
+
+def test_an_older_package_does_not_silently_downgrade_a_newer_install(
+        empty_dsn: str) -> None:
+    """A database installed by a newer pgque that added no migration (a patch
+    release: code only, pgque.installed says e.g. 0.3.0) is not overwritten by
+    an older package's code: `pgque install` does not call it an upgrade, and
+    the installed version stays (operations.md: "never run an older pgque's
+    install over a newer one's")."""
+    with pgque.connect(empty_dsn) as client:
+        client.install()
+        client.conn.execute("update pgque.installed set in_version = '0.3.0'")
+    env = {**os.environ, "PGQUE_DSN": empty_dsn, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "pgque.cli", "install"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "upgraded from 0.3.0" not in done.stdout
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert scalar(conn, "select in_version from pgque.installed") == "0.3.0"

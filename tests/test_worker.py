@@ -1,4 +1,7 @@
-"""The Worker: skip policy, fair sharing of slots, clean stops, reconnects."""
+"""The Worker: skip policy, fair sharing of slots, clean stops, reconnects,
+lanes whose sessions cannot connect or are lost, targeted wakeups, and lanes
+that ack and receive in one call (fusing) under a backlog without starving a
+newcomer, another slot or a stop."""
 
 from __future__ import annotations
 
@@ -6,15 +9,30 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import (
+    first_value,
+    lane_pids,
+    queue_with_effects,
+    scalar,
+    slot_keys,
+    slots_drained,
+    wait_for,
+)
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
+from pgque import client as client_sync
+from pgque import client_async
 
 pytestmark = pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 
@@ -356,3 +374,385 @@ def test_key_concurrency_is_checked(dsn: str, options: dict[str, Any], message: 
     with pytest.raises(ValueError, match=message):
         pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=lambda m, *rest: None,
                      ticker=False, **options)
+
+
+# -- lanes whose sessions cannot connect or are lost ------------------------------------------
+
+
+@pytest.fixture
+def limited_dsn(dsn: str) -> Iterator[str]:
+    """A DSN of a login role (a pgque reader) with CONNECTION LIMIT 2."""
+    role = f"pgque_rv11_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as su:
+        su.execute(sql.SQL("create role {} login connection limit 2").format(
+            sql.Identifier(role)))
+        su.execute(sql.SQL("grant pgque_reader, pgque_writer to {}").format(sql.Identifier(role)))
+        params = conninfo_to_dict(dsn)
+        try:
+            yield make_conninfo(**{**params, "user": role})  # type: ignore[arg-type]
+        finally:
+            su.execute("select pg_terminate_backend(pid) from pg_stat_activity "
+                       "where usename = %s", (role,))
+            wait_for(lambda: not scalar(su, "select count(*) from pg_stat_activity "
+                                            "where usename = %s", (role,)),
+                     what="the role's sessions to end")
+            su.execute(sql.SQL("drop owned by {}").format(sql.Identifier(role)))
+            su.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+def test_the_slots_of_a_lane_that_cannot_connect_are_handled_by_a_connected_one(
+        client: pgque.Client, limited_dsn: str, dsn: str,
+        conn: psycopg.Connection[Any]) -> None:
+    """A lane that cannot connect (max_connections or the role's connection limit
+    reached) strands none of the slots handed to it: they go to a lane that has a
+    session, which takes turns between its slots. With the role's limit leaving
+    the worker one lane, the events of both slots are handled."""
+    client.create_queue("q", ticker_max_lag=0)
+    with pgque.connect(limited_dsn) as owner:  # the role subscribes (owns) the group
+        owner.subscribe_slots("q", "g", slots=2)
+    seen: set[str] = set()
+
+    def handle(message: pgque.Message[Any]) -> None:
+        seen.add(message.partition_key or "")
+
+    keys = {}
+    for n in range(40):
+        keys.setdefault(scalar(conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)), f"k{n}")
+    # Control + one lane fill the limit of 2; the second lane cannot connect.
+    with pgque.Worker(limited_dsn, queue="q", consumer="g", slots=2, handler=handle,
+                      ticker=False, connect_timeout=2, rebalance_interval=0.2,
+                      poll_interval=0.05, name="limited") as worker, pgque.Ticker(dsn):
+        wait_for(lambda: worker.sessions == 1, what="a first lane", dsn=dsn)
+        client.send_batch("q", [("e", 0, keys[0]), ("e", 1, keys[1])])
+        wait_for(lambda: seen == {keys[0], keys[1]}, timeout=20,
+                 what="the events of both slots", dsn=dsn)
+
+
+def test_stop_while_a_lane_is_connecting(
+        client: pgque.Client, limited_dsn: str, dsn: str,
+        conn: psycopg.Connection[Any]) -> None:
+    """A stop while a lane retries its connection (the role's limit reached) returns
+    promptly; the worker's threads end and its sessions close, and the slot of the
+    connected lane is released with its epoch ended."""
+    client.create_queue("q", ticker_max_lag=0)
+    with pgque.connect(limited_dsn) as owner:
+        owner.subscribe_slots("q", "g", slots=2)
+    worker = pgque.Worker(limited_dsn, queue="q", consumer="g", slots=2,
+                          handler=lambda m: None, ticker=False, connect_timeout=30,
+                          rebalance_interval=0.2, name="stopconn")
+    worker.start()
+    try:
+        wait_for(lambda: worker.sessions == 1 and len(worker.owned_slots) == 1,
+                 what="one lane connected", dsn=dsn)
+        # An event of the owned slot, so that it takes an epoch (a slot with
+        # nothing in its ticks returns before taking one).
+        (owned,) = worker.owned_slots
+        key = next(k for k in (f"k{n}" for n in range(100))
+                   if scalar(conn, "select pgque.slot_of(%s, 2)", (k,)) == owned)
+        client.send("q", "e", 1, partition_key=key)
+        client.tick("q")
+        wait_for(lambda: scalar(conn, "select count(*) from pgque.slot_claim "
+                                      "where sc_pid is not null"),
+                 what="an epoch", dsn=dsn)
+        time.sleep(0.5)  # the fault: the second lane is retrying its connection
+        started = time.monotonic()
+        worker.stop(timeout=10)
+        assert not worker.alive and time.monotonic() - started < 5
+    finally:
+        worker.stop(timeout=10)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("stopconn")],
+             what="the worker's threads to end", dsn=dsn)
+    wait_for(lambda: not scalar(conn, "select count(*) from pg_stat_activity "
+                                      "where application_name like 'stopconn%%'"),
+             what="the worker's sessions to close", dsn=dsn)
+    assert scalar(conn, "select count(*) from pgque.slot_claim where sc_pid is not null") == 0
+
+
+def test_a_lost_control_session_keeps_the_lanes(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The control session ends while the lanes live: the worker reconnects its
+    control, keeps its lanes and slots (no second lane per slot), and stays within
+    concurrency + 1 sessions; every event is handled once."""
+    queue_with_effects(client, conn, slots=4)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def handle(message: pgque.Message[Any]) -> None:
+        with lock:
+            seen.append(message.payload)
+
+    with pgque.Worker(dsn, queue="q", consumer="g", slots=4, handler=handle, concurrency=2,
+                      ticker=False, rebalance_interval=0.2, poll_interval=0.05,
+                      name="ctl") as worker, pgque.Ticker(dsn):
+        wait_for(lambda: len(worker.owned_slots) == 4 and worker.sessions == 2,
+                 what="every slot", dsn=dsn)
+        lanes = lane_pids(conn, "ctl")
+        control = scalar(conn, "select pid from pg_stat_activity where application_name = 'ctl'")
+        assert scalar(conn, "select pg_terminate_backend(%s, 10000)", (control,))
+        wait_for(lambda: first_value(conn, "select pid from pg_stat_activity where "
+                                      "application_name = 'ctl' and pid <> %s", (control,)),
+                 what="a new control session", dsn=dsn)
+        client.send_batch("q", [("e", n, f"k{n}") for n in range(20)])
+        wait_for(lambda: sorted(seen) == list(range(20)), what="every event", dsn=dsn)
+        assert lane_pids(conn, "ctl") == lanes
+        assert worker.sessions == 2
+        assert scalar(conn, "select count(*) from pg_stat_activity "
+                            "where application_name like 'ctl%%'") == 3
+
+
+def test_a_lane_that_lost_its_session_keeps_its_slot_until_the_handler_returns(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A lane's session is terminated while its (non-transactional) handler runs; the
+    worker does not claim that slot on another lane until the handler has
+    returned, so one worker never runs two handlers of a slot at once; the event
+    is then delivered again and handled."""
+    queue_with_effects(client, conn, slots=2)
+    key = next(f"k{n}" for n in range(100)
+               if scalar(conn, "select pgque.slot_of(%s, 2)", (f"k{n}",)) == 0)
+    running = 0
+    most = 0
+    calls: list[int] = []
+    lock = threading.Lock()
+    entered = threading.Event()
+    release = threading.Event()
+
+    def handle(message: pgque.Message[Any]) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+            calls.append(message.id)
+        try:
+            if len(calls) == 1:
+                entered.set()
+                release.wait(30)
+        finally:
+            with lock:
+                running -= 1
+
+    with pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handle, concurrency=2,
+                      ticker=False, rebalance_interval=0.1, poll_interval=0.05,
+                      name="inhand") as worker, pgque.Ticker(dsn):
+        wait_for(lambda: len(worker.owned_slots) == 2 and worker.sessions == 2,
+                 what="both slots", dsn=dsn)
+        [ev] = client.send_batch("q", [("e", 1, key)])
+        assert entered.wait(30)
+        owner = scalar(conn, "select owner_pid from pgque.partition_slot_status where slot = 0")
+        assert scalar(conn, "select pg_terminate_backend(%s, 10000)", (owner,))
+        deadline = time.monotonic() + 1.5  # 15 rebalance intervals
+        while time.monotonic() < deadline:
+            assert first_value(conn, "select owner_pid from pgque.partition_slot_status "
+                                "where slot = 0") is None
+            time.sleep(0.05)
+        release.set()
+        wait_for(lambda: calls == [ev, ev] and slots_drained(conn), timeout=30,
+                 what="the event again", dsn=dsn)
+    assert most == 1
+
+
+@pytest.mark.parametrize("slots,concurrency", [(8, 2), (8, 8), (1, 1)])
+def test_targeted_wakeups_deliver_every_slot_long_before_the_poll(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str, slots: int,
+        concurrency: int) -> None:
+    """With a poll_interval of 30 s, only tick notifications and pending_slots
+    can bring a slot's events in time. Events for one slot after another (lanes
+    owning several slots, one slot per lane, a worker of one slot), and a retry
+    that comes back through maintenance, each reach the handler within a few
+    seconds."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=slots)
+    seen: dict[int, int] = {}  # event id -> retry count seen last
+    lock = threading.Lock()
+
+    def handle(message: pgque.Message[Any]) -> None:
+        with lock:
+            seen[message.id] = message.retry_count
+        if (message.partition_key or "").startswith("retry-") and message.retry_count == 0:
+            raise RuntimeError("once")
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=slots,
+                          concurrency=concurrency, handler=handle, poll_interval=30,
+                          retry_after=0.2)
+    worker.start()
+    try:
+        wait_for(lambda: len(worker.owned_slots) == slots, timeout=15, what="all slots")
+        # The first round also warms up: after its event, each slot's next
+        # receive finds nothing and waits out 30 s unless woken.
+        for slot in list(range(slots))[::-1] * 2:
+            [key] = slot_keys(conn, slot, slots, 1, prefix=f"w{slot}-")
+            sent = client.send("q", "e", None, partition_key=key)
+            wait_for(lambda: sent in seen, timeout=5,  # noqa: B023 (called at once)
+                     what=f"event of slot {slot}")
+        [key] = slot_keys(conn, slots - 1, slots, 1, prefix="retry-")
+        ev = client.send("q", "e", None, partition_key=key)
+        wait_for(lambda: seen.get(ev) == 1, timeout=8, what="the retry")
+    finally:
+        worker.stop()
+
+
+# -- lanes that fuse the ack and the next receive under a backlog ---------------------------
+
+
+def make_backlog(client: pgque.Client, n: int, keys: int) -> list[int]:
+    client.create_queue("q", ticker_max_lag=0, ticker_max_count=200)
+    client.subscribe_slots("q", "g", slots=2)
+    return client.send_batch("q", [("e", i, f"k{i % keys}") for i in range(n)])
+
+
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the lanes' ack_and_receive calls (either client flavour)."""
+    calls = [0]
+    sync_method = client_sync.Client.ack_and_receive
+    async_method = client_async.AsyncClient.ack_and_receive
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return sync_method(self, *args, **kwargs)
+
+    async def acounted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return await async_method(self, *args, **kwargs)
+
+    monkeypatch.setattr(client_sync.Client, "ack_and_receive", counted)
+    monkeypatch.setattr(client_async.AsyncClient, "ack_and_receive", acounted)
+    return calls
+
+
+def test_under_a_backlog_a_newcomer_gets_its_share_order_holds_and_stop_is_prompt(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lane per slot, so each lane always fuses while it has a backlog: a
+    second worker still gets a slot (the release request stops the fusing),
+    each key's events come in send order with none lost or twice, and a stop
+    comes within a piece or so."""
+    fused = count_fused_calls(monkeypatch)
+    ids = make_backlog(client, 4000, keys=12)
+    key_of = {i: f"k{n % 12}" for n, i in enumerate(ids)}
+    seen: dict[str, list[int]] = defaultdict(list)
+    by_worker: dict[str, list[int]] = defaultdict(list)
+    lock = threading.Lock()
+
+    def handler_for(name: str) -> Any:
+        def handler(message: pgque.Message[Any]) -> None:
+            threading.Event().wait(0.001)
+            with lock:
+                seen[message.partition_key or ""].append(message.id)
+                by_worker[name].append(message.id)
+        return handler
+
+    def worker(name: str) -> pgque.Worker[Any]:
+        return pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handler_for(name),
+                            max_events=5, rebalance_interval=0.1, poll_interval=0.05,
+                            concurrency=2)
+
+    def count() -> int:
+        with lock:
+            return sum(len(v) for v in by_worker.values())
+
+    a = worker("a")
+    a.start()
+    try:
+        wait_for(lambda: len(a.owned_slots) == 2 and count() >= 50, what="a busy first worker",
+                 dsn=dsn)
+        b = worker("b")
+        b.start()
+        try:
+            started = time.monotonic()
+            wait_for(lambda: len(b.owned_slots) == 1, timeout=5,
+                     what="the newcomer's slot under load", dsn=dsn)
+            assert time.monotonic() - started < 5
+            assert count() < len(ids), "the backlog ran out before the test could tell"
+            wait_for(lambda: by_worker["b"], timeout=5, what="the newcomer's first event")
+            # A stop under load: within a piece (5 events of ~1 ms) and the release.
+            stopping = time.monotonic()
+            b.stop(timeout=10)
+            assert not b.alive and time.monotonic() - stopping < 3
+        finally:
+            b.stop()
+        wait_for(lambda: count() >= len(ids), timeout=30, what="the backlog to drain", dsn=dsn)
+        wait_for(lambda: scalar(conn, "select count(*) from pgque.consumer_info "
+                                      "where open_batch_id is not null") == 0,
+                 what="every batch acked", dsn=dsn)
+    finally:
+        a.stop()
+    with lock:
+        handled = [i for v in by_worker.values() for i in v]
+        assert sorted(handled) == ids  # none lost, none twice (clean stops ack)
+        for key, got in seen.items():
+            assert got == [i for i in ids if key_of[i] == key], key
+    assert fused[0] > 100  # the lanes did fuse: what this test is about
+
+
+def test_a_fusing_lane_still_polls_its_other_slot(client: pgque.Client, dsn: str) -> None:
+    """One lane with both slots (concurrency=1), no notifications: while one
+    slot has a backlog the lane fuses on it, but the other slot's event is
+    handled after about a poll interval, not after the backlog."""
+    client.create_queue("q", ticker_max_lag=0, ticker_max_count=200)
+    client.subscribe_slots("q", "g", slots=2)
+    keys: dict[int, str | None] = {0: None, 1: None}  # a key of each slot
+    n = 0
+    while None in keys.values():
+        slot = scalar(client.conn, "select pgque.slot_of(%s, 2)", (f"k{n}",))
+        keys[slot] = keys[slot] or f"k{n}"
+        n += 1
+    busy = client.send_batch("q", [("e", i, keys[0]) for i in range(3000)])
+    handled: list[int] = []
+    lock = threading.Lock()
+
+    def handler(message: pgque.Message[Any]) -> None:
+        threading.Event().wait(0.001)
+        with lock:
+            handled.append(message.id)
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handler,
+                          max_events=5, poll_interval=0.1, rebalance_interval=0.1,
+                          concurrency=1, listen=False)
+    with worker:
+        wait_for(lambda: len(handled) >= 100, what="the busy slot under way", dsn=dsn)
+        lone = client.send("q", "e", "lone", partition_key=keys[1])
+        wait_for(lambda: lone in handled, timeout=5, what="the other slot's event", dsn=dsn)
+        with lock:
+            assert len(handled) < len(busy), "the backlog ran out before the test could tell"
+
+
+def test_a_fusing_lane_whose_session_is_terminated_loses_nothing(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane's session ends (an admin terminates it) while the lane fuses under
+    a backlog: only its piece in flight comes again, every event is handled,
+    and each key's first deliveries keep send order."""
+    fused = count_fused_calls(monkeypatch)
+    ids = make_backlog(client, 3000, keys=12)
+    key_of = {i: f"k{n % 12}" for n, i in enumerate(ids)}
+    seen: dict[str, list[int]] = defaultdict(list)
+    handled: list[int] = []
+    lock = threading.Lock()
+
+    def handler(message: pgque.Message[Any]) -> None:
+        threading.Event().wait(0.001)
+        with lock:
+            seen[message.partition_key or ""].append(message.id)
+            handled.append(message.id)
+
+    def count() -> int:
+        with lock:
+            return len(set(handled))
+
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handler,
+                          max_events=5, rebalance_interval=0.1, poll_interval=0.05)
+    with worker:
+        wait_for(lambda: count() >= 300 and fused[0] > 10, what="fusing lanes", dsn=dsn)
+        [victim] = conn.execute(
+            "select pid from pg_stat_activity where application_name like %s "
+            "order by pid limit 1", ("%-lane%",)).fetchone()
+        assert scalar(conn, "select pg_terminate_backend(%s)", (victim,))
+        wait_for(lambda: count() >= len(ids), timeout=30, what="the backlog to drain", dsn=dsn)
+        wait_for(lambda: scalar(conn, "select count(*) from pgque.consumer_info "
+                                      "where open_batch_id is not null") == 0,
+                 what="every batch acked", dsn=dsn)
+    with lock:
+        assert sorted(set(handled)) == ids
+        assert len(handled) - len(ids) <= 2 * 5  # at most the pieces in flight, again
+        for key, got in seen.items():
+            first = list(dict.fromkeys(got))
+            assert first == [i for i in ids if key_of[i] == key], key

@@ -1,78 +1,43 @@
-"""Review of three changes, attacked where each could break its promise:
+"""Sending.
 
-1. ``pgque.send`` inlines the queue lookup, the event table's name and the
-   payload check: every input gives what the helper-based function gave
-   (PQ001, PQ005, PQ012, PQ015, the rows), as SECURITY DEFINER with a pinned
-   search_path, for the writer role only, and an error writes nothing.
-2. The receives read their rows in binary: every field of a Message is what a
-   text-mode read of the event table gives, whatever the session's TimeZone or
-   DateStyle, through PgBouncer, with NULLs, unicode and large payloads.
-3. A send from the thread (task) that made the client goes on ``client.conn``
-   when it is idle in autocommit: never into a transaction it did not join
-   (a pipeline's implicit one), never stuck behind a call that holds the
-   connection (a ``notifies()`` loop, another thread's statement), still
-   inside ``client.conn.transaction()``, still refused in a failed one, and
-   nothing lost when the session ends.
+``pgque.send``, the SQL function: for every input it gives what a reference send
+written with pgque's helper functions gives (PQ001, PQ005, PQ012, PQ015, the
+rows), as SECURITY DEFINER with a pinned search_path, for the writer role only;
+an error writes nothing, and every call follows the queue's current table.
+
+A ``Client.send`` from the thread (task) that made the client goes on
+``client.conn`` when it is idle in autocommit: never into a transaction it did
+not join (a pipeline's implicit one), never stuck behind a call that holds the
+connection (a ``notifies()`` loop, a stream, another thread's statement), still
+inside ``client.conn.transaction()``, still refused in a failed one, and nothing
+is lost when the session ends. (Tasks on asyncio: tests/test_async_client.py.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
 import psycopg
 import pytest
-from helpers import backends, drain, refused, scalar, wait_for
+from helpers import backends, committed_ids, dbname, drain, refused, scalar, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
 
-DEADLINE = 8.0  # seconds a call that should return at once may take before it counts as stuck
+# -- pgque.send, the SQL function --------------------------------------------------------------
 
 
-def dbname(dsn: str) -> str:
-    return str(conninfo_to_dict(dsn)["dbname"])
+# pgque.send written with pgque's helper functions (_queue_row, _require_queue,
+# _check_payloads, _check_keys, _event_table), under another name: the reference
+# the inlined pgque.send must match for every input.
 
 
-def committed(conn: psycopg.Connection[Any], ids: list[int]) -> list[int]:
-    """Which of ``ids`` another session sees committed, ascending."""
-    return [r[0] for r in conn.execute(
-        "select ev_id from pgque.event_1 where ev_id = any(%s) order by ev_id", (ids,))]
-
-
-def in_thread(target: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
-    """``target()`` in a thread of its own (so the client it makes is that thread's):
-    its result, or a failure once ``timeout`` passes (the thread, stuck, is left)."""
-    result: list[Any] = []
-
-    def run() -> None:
-        try:
-            result.append((True, target()))
-        except BaseException as exc:
-            result.append((False, exc))
-
-    thread = threading.Thread(target=run, daemon=True, name=what)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        pytest.fail(f"{what}: still running after {timeout}s (stuck)")
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
-
-
-# -- 1. pgque.send, inlined ------------------------------------------------------------
-
-# The function as it was before the inlining (git 4f0bf15^), under another name:
-# what the new one must give for every input.
-HELPER_SEND = """
-create function pgque._review_helper_send(
+REFERENCE_SEND = """
+create function pgque._reference_send(
     p_queue text, p_type text, p_payload text, p_partition_key text default null)
 returns bigint
 language plpgsql
@@ -100,13 +65,20 @@ end
 $$;
 """
 
+
 QUEUES = ["q", "missing", None, "Q", " q", "", "x'; drop table pgque.queue; --", 'a"b',
           "event_1_0", "q" * 150, "ünïcödé-queue"]
+
+
 TYPES = ["T", None, "", "Ünïcode ✓"]
+
+
 PAYLOADS = ['{"a": 1}', None, "null", "", " ", "not json", '{"a":', '{"a": 1}{"b": 2}',
             '"\\u0000"', '"\\ud800"', '"\\ud83d\\ude00"', "1e999999", " \t{\"a\": [1, 2]}\n",
             "NaN", "[" * 3000 + "]" * 3000, '"' + "x" * 300_000 + '"',
             '{"big": "' + "é" * 200_000 + '"', "{'single': 1}"]
+
+
 KEYS = [None, "", "k", "x" * 512, "x" * 513, "é" * 256, "é" * 256 + "x", "€" * 171,
         "\U0001f600" * 128, "\U0001f600" * 128 + "!"]
 
@@ -146,12 +118,16 @@ class _Undo(Exception):
         self.result = result
 
 
-def test_send_gives_what_the_helper_based_send_gave_for_every_input(
+def test_send_gives_what_the_reference_send_gives_for_every_input(
         conn: psycopg.Connection[Any]) -> None:
+    """pgque.send inlines the queue lookup, the event table's name and the payload and
+    key checks: for every queue, type, payload and key below it gives what the
+    reference gives, the same error (SQLSTATE, message, detail, hint) or the same
+    row, and an error writes nothing."""
     conn.execute("select pgque.create_queue('q')")
     conn.execute("select pgque.create_queue('restricted')")
     conn.execute("select pgque.grant_queue('restricted', 'pgque_admin', 'send')")
-    conn.execute(HELPER_SEND)
+    conn.execute(REFERENCE_SEND)
     compared = errors = 0
     codes: set[str] = set()
     cases: list[tuple[Any, ...]] = [(q, "T", '{"a": 1}', "k") for q in QUEUES]
@@ -159,7 +135,7 @@ def test_send_gives_what_the_helper_based_send_gave_for_every_input(
     cases += [("q", "T", p, k) for p in ('{"a": 1}', "not json") for k in KEYS]
     cases += [("restricted", "T", p, k) for p in ('{"a": 1}', "bad") for k in (None, "x" * 600)]
     for args in cases:
-        new, old = outcome(conn, "send", args), outcome(conn, "_review_helper_send", args)
+        new, old = outcome(conn, "send", args), outcome(conn, "_reference_send", args)
         assert new == old, f"send{args!r:.200}: {new!r:.400} != {old!r:.400}"
         compared += 1
         errors += new[0] == "error"
@@ -170,6 +146,8 @@ def test_send_gives_what_the_helper_based_send_gave_for_every_input(
 
 
 def test_send_errors_write_nothing_and_take_no_event_id(conn: psycopg.Connection[Any]) -> None:
+    """A failed send (PQ001, PQ005, PQ012) inserts nothing and takes no event id (the
+    checks come first); its error says what failed, a long queue name cut short."""
     conn.execute("select pgque.create_queue('q')")
     first = scalar(conn, "select pgque.send('q', 'T', '1')")
     failing: list[tuple[tuple[Any, ...], str]] = [
@@ -189,7 +167,7 @@ def test_send_errors_write_nothing_and_take_no_event_id(conn: psycopg.Connection
         second = scalar(conn, "select pgque.send('q', 'T', '2')")
     # The failures inserted nothing and consumed no id: the checks come first.
     assert second == first + 1
-    assert committed(conn, list(range(first, second + 5))) == [first, second]
+    assert committed_ids(conn, list(range(first, second + 5))) == [first, second]
     with pytest.raises(psycopg.Error) as raised:
         conn.execute("select pgque.send('q', 'T', 'nope')")
     err = raised.value
@@ -205,6 +183,9 @@ def test_send_errors_write_nothing_and_take_no_event_id(conn: psycopg.Connection
 
 def test_send_is_security_definer_with_its_search_path_pinned(
         conn: psycopg.Connection[Any]) -> None:
+    """Both pgque.send functions are SECURITY DEFINER with search_path pinned to
+    pg_catalog, pg_temp: a caller's objects named like pgque's (a temporary event
+    table, a schema first on its search_path) cannot divert them."""
     rows = conn.execute(
         "select p.oid::regprocedure::text, p.prosecdef, p.proconfig from pg_proc p"
         " where p.pronamespace = 'pgque'::regnamespace and p.proname = 'send'").fetchall()
@@ -253,6 +234,10 @@ def roles(dsn: str) -> Iterator[dict[str, str]]:
 
 def test_send_works_for_the_writer_and_is_refused_without_rights(
         roles: dict[str, str], conn: psycopg.Connection[Any]) -> None:
+    """A writer sends (a text or a jsonb payload), to a restricted queue when its
+    grants name it, and reaches the event table through send only; another writer
+    is refused the restricted queue, a reader and a role of none are refused
+    send."""
     conn.execute("select pgque.create_queue('q')")
     conn.execute("select pgque.create_queue('restricted')")
     conn.execute("select pgque.grant_queue('restricted', %s, 'send')", (roles["writer_name"],))
@@ -276,15 +261,15 @@ def test_send_works_for_the_writer_and_is_refused_without_rights(
     assert scalar(conn, "select count(*) from pgque.event_2") == 1 and jsonb > 0
 
 
-def test_send_gives_what_the_helper_based_send_gave_for_each_role(
+def test_send_gives_what_the_reference_send_gives_for_each_role(
         roles: dict[str, str], conn: psycopg.Connection[Any]) -> None:
     """PQ015 and the refusals: the same outcome for the writer the queue's grants
     name, another writer, a reader and a role of none (acting as each by SET ROLE)."""
     conn.execute("select pgque.create_queue('q')")
     conn.execute("select pgque.create_queue('restricted')")
     conn.execute("select pgque.grant_queue('restricted', %s, 'send')", (roles["writer_name"],))
-    conn.execute(HELPER_SEND)
-    helper = "pgque._review_helper_send(text, text, text, text)"
+    conn.execute(REFERENCE_SEND)
+    helper = "pgque._reference_send(text, text, text, text)"
     conn.execute(f"revoke all on function {helper} from public")  # as the install does
     conn.execute(f"grant execute on function {helper} to pgque_writer")
     seen = set()
@@ -294,7 +279,7 @@ def test_send_gives_what_the_helper_based_send_gave_for_each_role(
                      ("restricted", "T", "bad", None), ("missing", "T", "1", None),
                      ("restricted", "T", "1", "k" * 513)]:
             new = outcome(conn, "send", args, role)
-            old = outcome(conn, "_review_helper_send", args, role)
+            old = outcome(conn, "_reference_send", args, role)
             if new[1] == "42501":  # the message names the function refused
                 new, old = new[:2], old[:2]
             assert new == old, (kind, args, new, old)
@@ -341,148 +326,32 @@ def test_send_follows_rotation_and_a_queue_made_again_in_one_session(
         session.close()
 
 
-# -- 2. receives in binary ---------------------------------------------------------------
+# -- Client.send from the owner: on client.conn, never stuck, never in another's transaction ---
 
 
-class Order(msgspec.Struct):
-    n: int
-    text: str
+DEADLINE = 8.0  # seconds a call that should return at once may take before it counts as stuck
 
 
-PAYLOAD_CASES: list[tuple[Any, str | None]] = [
-    ({"n": 1, "text": "plain"}, "k-1"),
-    (None, None),
-    ({"n": 2, "text": "ünïcödé ✓ 日本語 עברית \U0001f600 e\u0301"}, "ключ-\U0001f511"),
-    ({"n": 3, "text": "nul \u0000 and quotes \" ' \\ and newlines \n\r\t"}, ""),
-    ({"n": 4, "text": "x" * 1_500_000}, "é" * 256),
-    ({"n": 5, "text": "big ints", "i": 2**63 - 1, "f": 1e308}, "k-5"),
-    ([1, "two", None, {"three": [3]}], "k-6"),
-    ("just a string", None),
-    (12345678901234567890, "k-8"),
-]
+def in_thread(target: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
+    """``target()`` in a thread of its own (so the client it makes is that thread's):
+    its result, or a failure once ``timeout`` passes (the thread, stuck, is left)."""
+    result: list[Any] = []
 
+    def run() -> None:
+        try:
+            result.append((True, target()))
+        except BaseException as exc:
+            result.append((False, exc))
 
-def stored_rows(dsn: str, timezone: str) -> dict[tuple[int, int], tuple[Any, ...]]:
-    """The event table read in text mode by a session of that TimeZone (and
-    psycopg's DateStyle, ISO), by (ev_id, ev_retry): a retried event is in the
-    log twice."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("select set_config('TimeZone', %s, false)", (timezone,))
-        with conn.cursor(binary=False) as cur:
-            cur.execute("select ev_id, ev_type, ev_data, ev_extra1, ev_retry, ev_time"
-                        " from pgque.event_1")
-            return {(row[0], row[4]): row for row in cur.fetchall()}
-
-
-def check_messages(batch: pgque.Batch[Any] | None,
-                   stored: dict[tuple[int, int], tuple[Any, ...]],
-                   payload_type: Any = None) -> list[int]:
-    """Every message of ``batch`` is its row of ``stored``, field by field, with
-    the types text mode gives; returns their ids."""
-    assert batch is not None
-    for m in batch:
-        ev_id, ev_type, ev_data, key, retry, time = stored[m.id, m.retry_count]
-        assert (m.id, m.type, m.data, m.partition_key, m.retry_count) == (
-            ev_id, ev_type, ev_data, key, retry)
-        assert type(m.id) is int and type(m.retry_count) is int and type(m.type) is str
-        assert m.data is None or type(m.data) is str
-        assert m.partition_key is None or type(m.partition_key) is str
-        # The same aware datetime: the instant, the offset and the zone.
-        assert m.created_at == time
-        assert m.created_at.tzinfo == time.tzinfo, (m.created_at, time)
-        assert m.created_at.isoformat() == time.isoformat()
-        assert m.created_at.utcoffset() == time.utcoffset()
-        if payload_type is None:
-            assert m.payload == (None if ev_data is None else msgspec.json.decode(ev_data))
-        elif ev_data is not None and ev_data.startswith('{"n"'):
-            assert m.payload == msgspec.json.decode(ev_data, type=payload_type)
-    if batch.fence is not None:
-        assert type(batch.fence.epoch) is int and batch.fence.epoch > 0
-        assert all(m.fence == batch.fence for m in batch)
-    return [m.id for m in batch]
-
-
-def fill_everything(client: pgque.Client, slots: int) -> list[int]:
-    """Queue q with consumer c and group g (every slot claimed), the payload cases
-    sent, one of them nacked and retried (retry count 1), ticked."""
-    client.create_queue("q")
-    client.subscribe("q", "c")
-    client.subscribe("q", "r")
-    client.subscribe_slots("q", "g", slots=slots)
-    client.maintenance()
-    ids = client.send_batch("q", [("Case", payload, key) for payload, key in PAYLOAD_CASES])
-    ids.append(client.send("q", "Single", {"n": 9, "text": "one by one"}, partition_key="k-9"))
-    client.tick("q")
-    batch = client.receive("q", "r")
-    assert batch is not None
-    client.ack(batch, nack=[batch.messages[0]])
-    client.maintenance("q")  # the retry goes back into the log, ev_retry 1
-    client.tick("q")
-    for slot in range(slots):
-        assert client.claim_slot("q", "g", slot)
-    return ids
-
-
-@pytest.mark.both_clients
-@pytest.mark.parametrize("timezone", ["UTC", "America/St_Johns", "UTC+3", "<+0545>-05:45",
-                                      "Pacific/Chatham"])
-def test_every_receive_path_gives_what_text_mode_reads(
-        client: pgque.Client, dsn: str, timezone: str) -> None:
-    slots = 3
-    client.conn.execute("select set_config('TimeZone', %s, false),"
-                        " set_config('DateStyle', 'SQL, DMY', false),"
-                        " set_config('IntervalStyle', 'sql_standard', false)", (timezone,))
-    ids = fill_everything(client, slots)
-    stored = stored_rows(dsn, timezone)
-    assert any(row[4] == 1 for row in stored.values())  # a retried event is in the table
-    seen = check_messages(client.receive("q", "c"), stored)
-    seen += check_messages(client.receive("q", "r", payload_type=Order), stored, Order)
-    [first, *rest] = client.receive_slots("q", "g", slots=slots, owned=range(slots),
-                                          max_events=1)
-    seen += check_messages(first, stored) + [i for b in rest for i in check_messages(b, stored)]
-    seen += check_messages(client.ack_and_receive(first, max_events=100, payload_type=Order),
-                           stored, Order)
-    client.ack_slots(rest)
-    for batch in rest:
-        assert batch.slot is not None
-        again = client.receive_partitioned("q", "g", slot=batch.slot, slots=slots)
-        if again is not None:
-            seen += check_messages(again, stored)
-    # Every event of the table came through a plain consumer and the group.
-    assert set(ids) <= set(seen)
-    assert len(seen) >= 2 * len(ids)
-
-
-@pytest.mark.both_clients
-def test_binary_receives_through_pgbouncer(client: pgque.Client, dsn: str, pgbouncer: Any,
-                                           pgbouncer_session: Any) -> None:
-    """A plain consumer through a transaction-mode pooler, and a group (which needs
-    a session) through a session-mode one: the same fields as a direct read."""
-    slots = 2
-    ids = fill_everything(client, slots)
-    for slot in range(slots):
-        client.release_slot("q", "g", slot)
-    stored = stored_rows(dsn, "Asia/Kathmandu")
-    with pgque.connect(pgbouncer.dsn(dbname(dsn)), prepare_threshold=None) as pooled:
-        pooled.conn.execute("set TimeZone = 'Asia/Kathmandu'")
-        seen = check_messages(pooled.receive("q", "c", max_events=3), stored)
-        for _ in range(3):  # repeat receives: each may land on another server session
-            seen += check_messages(pooled.receive("q", "c", max_events=3), stored)
-        assert seen[:3] == seen[3:6]
-        batch = pooled.receive("q", "r", payload_type=Order)
-        check_messages(batch, stored, Order)
-        assert batch is not None and pooled.ack(batch)
-    with pgque.connect(pgbouncer_session.dsn(dbname(dsn))) as session:
-        session.conn.execute("set TimeZone = 'America/St_Johns'")
-        stored = stored_rows(dsn, "America/St_Johns")
-        for slot in range(slots):
-            assert session.claim_slot("q", "g", slot)
-        got = [i for b in session.receive_slots("q", "g", slots=slots, owned=range(slots))
-               for i in check_messages(b, stored)]
-        assert set(got) >= set(ids) - {ids[0]}
-
-
-# -- 3. the owner's sends on client.conn -------------------------------------------------
+    thread = threading.Thread(target=run, daemon=True, name=what)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"{what}: still running after {timeout}s (stuck)")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 @pytest.fixture
@@ -494,9 +363,9 @@ def queue(client: pgque.Client) -> pgque.Client:
 
 def test_the_owners_send_inside_its_notifies_loop_does_not_hang(
         dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """psycopg's notifies() holds the connection's lock while it yields: a send
-    on client.conn from inside the loop would wait for it for ever. It commits
-    on its own through the pool, as before the change."""
+    """psycopg's notifies() holds the connection's lock while it yields: a send on
+    client.conn from inside the loop would wait for it for ever. It commits on its
+    own through the pool."""
     listening = threading.Event()
 
     def owner() -> list[int]:
@@ -516,7 +385,7 @@ def test_the_owners_send_inside_its_notifies_loop_does_not_hang(
 
     threading.Thread(target=notify, daemon=True).start()
     sent = in_thread(owner, "a send inside a notifies() loop")
-    assert len(sent) == 2 and committed(conn, sent) == sent
+    assert len(sent) == 2 and committed_ids(conn, sent) == sent
 
 
 def test_the_owners_send_inside_a_stream_over_its_connection(
@@ -531,7 +400,7 @@ def test_the_owners_send_inside_a_stream_over_its_connection(
                         for (n,) in cur.stream("select generate_series(1, 3)")]
 
     sent = in_thread(owner, "a send inside a stream() loop")
-    assert len(sent) == 3 and committed(conn, sent) == sent
+    assert len(sent) == 3 and committed_ids(conn, sent) == sent
 
 
 def test_the_owners_send_while_another_thread_listens_on_the_connection(
@@ -560,7 +429,7 @@ def test_the_owners_send_while_another_thread_listens_on_the_connection(
         watchdog.cancel()
         conn.execute("notify review, 'bye'")
         listener.join(DEADLINE)
-    assert committed(conn, sent) == sent and notes == ["bye"]
+    assert committed_ids(conn, sent) == sent and notes == ["bye"]
 
 
 def test_the_owners_send_in_a_pipeline_commits_on_its_own(
@@ -573,21 +442,23 @@ def test_the_owners_send_in_a_pipeline_commits_on_its_own(
         ev = client.send("q", "Piped", 1)
         [batch_ev] = client.send_batch("q", [("Piped", 2)])
         # Committed on its own, as send promises: seen at once by others.
-        assert committed(conn, [ev, batch_ev]) == [ev, batch_ev]
+        assert committed_ids(conn, [ev, batch_ev]) == [ev, batch_ev]
         client.conn.execute("select 1 / 0")
-    assert committed(conn, [ev, batch_ev]) == [ev, batch_ev]
+    assert committed_ids(conn, [ev, batch_ev]) == [ev, batch_ev]
     assert [m.id for m in drain(client, "q", "c")] == [ev, batch_ev]
 
 
 def test_the_owners_send_in_a_pipelined_transaction_joins_it(
         queue: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """In a transaction of the owner's, pipelined or not, the owner's send joins it:
+    rolled back with it, never seen by others."""
     client = queue
     with pytest.raises(psycopg.errors.DivisionByZero), client.conn.pipeline(), \
             client.conn.transaction():
         ev = client.send("q", "Piped", 1)
-        assert committed(conn, [ev]) == []
+        assert committed_ids(conn, [ev]) == []
         client.conn.execute("select 1 / 0")
-    assert committed(conn, [ev]) == []
+    assert committed_ids(conn, [ev]) == []
     assert drain(client, "q", "c") == []
 
 
@@ -615,7 +486,7 @@ def test_the_owners_send_does_not_wait_for_another_threads_statement(
         watchdog.start()
         sent = [client.send("q", "Ping", 1), *client.send_batch("q", [("Ping", 2)])]
         watchdog.cancel()
-        assert committed(conn, sent) == sent
+        assert committed_ids(conn, sent) == sent
         assert other.is_alive() and not blocked
     finally:
         conn.execute("select pg_advisory_unlock(%s)", (key,))
@@ -628,20 +499,23 @@ def test_the_owners_send_does_not_wait_for_another_threads_statement(
 @pytest.mark.both_clients
 def test_the_owner_commits_alone_when_idle_and_joins_its_transaction(
         queue: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """Idle in autocommit, the owner's send commits at once, on its own; inside
+    client.conn.transaction() it joins that transaction (gone with a rollback, seen
+    at its commit); all of it on the client's own session."""
     client = queue
     before = backends(conn)
     alone = client.send("q", "Alone", 1)
-    assert committed(conn, [alone]) == [alone]  # at once, not at some later commit
+    assert committed_ids(conn, [alone]) == [alone]  # at once, not at some later commit
     with pytest.raises(ZeroDivisionError), client.conn.transaction():
         lost = client.send("q", "RolledBack", 2)
         lost_too = client.send_batch("q", [("RolledBack", 3)])
-        assert committed(conn, [lost, *lost_too]) == []
+        assert committed_ids(conn, [lost, *lost_too]) == []
         raise ZeroDivisionError
     with client.conn.transaction():
         kept = client.send("q", "Kept", 4)
-        assert committed(conn, [kept]) == []
+        assert committed_ids(conn, [kept]) == []
     after = client.send("q", "Alone", 5)
-    assert committed(conn, [alone, lost, *lost_too, kept, after]) == [alone, kept, after]
+    assert committed_ids(conn, [alone, lost, *lost_too, kept, after]) == [alone, kept, after]
     assert backends(conn) == before  # all of it on the client's own session
     assert [m.id for m in drain(client, "q", "c")] == [alone, kept, after]
 
@@ -758,89 +632,3 @@ def test_a_workers_handlers_send_through_a_client_the_main_thread_made(
     got = drain(client, "out", "c")
     assert sorted(m.id for m in got) == sorted(echoed)
     assert sorted(m.payload for m in got) == list(range(21))
-
-
-# -- asyncio ---------------------------------------------------------------------------
-
-
-def run_async(main: Callable[[], Any]) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(main(), DEADLINE * 2)
-    return asyncio.run(bounded())
-
-
-def test_the_owner_tasks_send_inside_async_notifies_does_not_hang(
-        dsn: str, conn: psycopg.Connection[Any]) -> None:
-    async def main() -> list[int]:
-        async with await pgque.connect_async(dsn) as client:
-            await client.create_queue("q")
-            await client.conn.execute("listen review")
-            conn.execute("notify review, 'hello'")
-            sent = []
-            async for note in client.conn.notifies(timeout=DEADLINE, stop_after=1):
-                # Awaited here, not in wait_for: that would send from a task of its own.
-                sent.append(await client.send("q", "Notified", note.payload))
-            return sent
-
-    sent = run_async(main)
-    assert committed(conn, sent) == sent
-
-
-def test_the_owner_tasks_send_in_a_pipeline_commits_on_its_own(
-        dsn: str, conn: psycopg.Connection[Any]) -> None:
-    async def main() -> list[int]:
-        async with await pgque.connect_async(dsn) as client:
-            await client.create_queue("q")
-            sent = []
-            with pytest.raises(psycopg.errors.DivisionByZero):
-                async with client.conn.pipeline():
-                    sent.append(await client.send("q", "Piped", 1))
-                    sent += await client.send_batch("q", [("Piped", 2)])
-                    assert committed(conn, sent) == sent
-                    await client.conn.execute("select 1 / 0")
-            return sent
-
-    sent = run_async(main)
-    assert committed(conn, sent) == sent
-
-
-def test_tasks_gathered_alongside_the_owner(dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """Inside the owner's transaction: gathered tasks commit on their own, the
-    owner's sends roll back with it; a task whose statement holds client.conn
-    does not hold up the owner's send; outside, the owner commits alone."""
-    key = 434343
-
-    async def main() -> tuple[list[int], list[int], list[int]]:
-        async with await pgque.connect_async(dsn, pool_size=3) as client:
-            await client.create_queue("q")
-            theirs: list[int] = []
-
-            async def other(n: int) -> None:
-                theirs.append(await client.send("q", "Theirs", n))
-
-            mine: list[int] = []
-            with pytest.raises(ZeroDivisionError):
-                async with client.conn.transaction():
-                    mine.append(await client.send("q", "Mine", 0))
-                    await asyncio.gather(other(1), other(2), other(3))
-                    mine.append(await client.send("q", "Mine", 4))
-                    raise ZeroDivisionError
-            conn.execute("select pg_advisory_lock(%s)", (key,))
-            pid = (await (await client.conn.execute("select pg_backend_pid()")).fetchone())[0]
-            busy = asyncio.create_task(client.conn.execute(
-                "select pg_advisory_lock(%s)", (key,)))
-            while not scalar(conn, "select wait_event = 'advisory' from pg_stat_activity"
-                                   " where pid = %s", (pid,)):
-                await asyncio.sleep(0.01)  # polling the server, with the test's deadline
-            alone = [await client.send("q", "Alone", 5)]  # the owner's, not a wait_for task
-            assert committed(conn, alone) == alone and not busy.done()
-            conn.execute("select pg_advisory_unlock(%s)", (key,))
-            await busy
-            await client.conn.execute("select pg_advisory_unlock(%s)", (key,))
-            alone.append(await client.send("q", "Alone", 6))
-            return mine, theirs, alone
-
-    mine, theirs, alone = run_async(main)
-    assert committed(conn, mine) == []
-    assert committed(conn, theirs) == sorted(theirs) and len(theirs) == 3
-    assert committed(conn, alone) == alone

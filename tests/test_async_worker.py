@@ -1,10 +1,12 @@
-"""Review of the AsyncWorker (issue 11, part 4): five defects of the Worker's two
-flavours and their service loop. Each test failed on the reviewed code (commit
-022c4ee) and passes with its fix; the docstring names the defect."""
+"""The AsyncWorker's own cases, on asyncio (the Worker's tests run against it too:
+modules marked both_workers, see conftest.py): a cancelled lane, run() or connect
+acks, nacks and leaves open nothing; one SIGTERM stops every run() of a process;
+and a sync Worker handed a coroutine stops and names the AsyncWorker."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import signal
 import subprocess
@@ -12,20 +14,19 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Coroutine
 from typing import Any
 
-import faults
 import psycopg
 import pytest
-from helpers import scalar, wait_for
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from helpers import run_in_thread, scalar, wait_for
 
 import pgque
 from pgque import lifecycle_async
 
 
-def _queue(client: pgque.Client, events: int = 3) -> list[int]:
+def queue_of_one_key(client: pgque.Client, events: int = 3) -> list[int]:
     """Queue q, group g of one slot, ``events`` events of one key, ticked."""
     client.create_queue("q", ticker_max_lag=0)
     client.subscribe_slots("q", "g", slots=1)
@@ -34,34 +35,18 @@ def _queue(client: pgque.Client, events: int = 3) -> list[int]:
     return ids
 
 
-def _run_in_thread(worker: Any) -> tuple[threading.Thread, list[BaseException]]:
-    """``worker.run()`` in a thread of its own: the thread and what run() raised."""
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:
-            raised.append(exc)
-
-    runner = threading.Thread(target=run, name="run", daemon=True)
-    runner.start()
-    return runner, raised
-
-
-# -- 1. a plain handler that returns a coroutine (sync Worker) ----------------------
+# -- a coroutine handed to the sync Worker ---------------------------------------------------
 
 
 @pytest.mark.parametrize("transactional", [False, True])
 def test_a_plain_handler_that_returns_a_coroutine_stops_the_worker_unacked(
         client: pgque.Client, dsn: str, transactional: bool) -> None:
-    """Defect 1: the sync Worker refused an ``async def`` handler, but a plain
-    function returning a coroutine (``lambda m: work(m)``) had every event
-    counted as handled and its batch acked, though no work ran. Now the
-    coroutine is closed (no "never awaited" warning), nothing of the batch is
-    acked, and the worker stops: run() raises HandlerReturnedAwaitable (a
-    TypeError naming pgque.AsyncWorker), kept in worker.error."""
-    ids = _queue(client)
+    """A sync Worker's handler that is a plain function returning a coroutine
+    (``lambda m: work(m)``) stops the worker: the coroutine is closed unrun (no
+    "never awaited" warning), nothing of the batch is acked or nacked, and run()
+    raises HandlerReturnedAwaitable (a TypeError naming pgque.AsyncWorker), kept in
+    worker.error."""
+    ids = queue_of_one_key(client)
     ran: list[int] = []
     made: list[Coroutine[Any, Any, None]] = []
 
@@ -75,7 +60,7 @@ def test_a_plain_handler_that_returns_a_coroutine_stops_the_worker_unacked(
 
     worker = pgque.Worker(dsn, queue="q", consumer="g", slots=1, handler=handler,
                           transactional=transactional, ticker=False, retry_after=100)
-    runner, raised = _run_in_thread(worker)
+    runner, raised = run_in_thread(worker)
     runner.join(10)
     if runner.is_alive():
         worker.stop()
@@ -93,7 +78,46 @@ def test_a_plain_handler_that_returns_a_coroutine_stops_the_worker_unacked(
     assert [m.retry_count for m in batch.messages] == [0, 0, 0]
 
 
-# -- 2. SIGTERM with several run()s in one process ---------------------------------
+def test_an_async_handler_that_returns_a_coroutine_is_not_acked(
+        client: pgque.Client, dsn: str) -> None:
+    """The AsyncWorker's handler that returns a coroutine unawaited (``async def
+    handle(m): return work(m)``, a forgotten await) does not get its event acked
+    with no work done: either the work runs, or the event stays pending."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=1)
+    ran: list[int] = []
+
+    async def work(message: pgque.Message[Any]) -> None:
+        ran.append(message.id)
+
+    async def handle(message: pgque.Message[Any]) -> Any:
+        return work(message)  # forgot the await
+
+    [ev] = client.send_batch("q", [("e", None, "k")])
+
+    async def main() -> pgque.AsyncWorker[Any]:
+        worker: pgque.AsyncWorker[Any] = pgque.AsyncWorker(
+            dsn, queue="q", consumer="g", slots=1, handler=handle, retry_after=100)
+        task = asyncio.get_running_loop().create_task(worker.run())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not task.done() and worker.handled == 0:
+            await asyncio.sleep(0.05)
+        if not task.done():
+            await worker.stop()
+        with contextlib.suppress(Exception):
+            await task
+        return worker
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "never awaited"
+        worker = asyncio.run(main())
+    # Either the event was really handled, or it was not acked (still pending).
+    pending = scalar(client.conn, "select pending_events from pgque.partition_slot_status")
+    assert ran == [ev] or (worker.handled == 0 and pending == 1), (
+        f"handled={worker.handled} ran={ran} pending={pending}")
+
+# -- SIGTERM with several run()s in one process ----------------------------------------------
+
 
 _TWO_RUNS = textwrap.dedent("""
     import asyncio, sys, time
@@ -128,13 +152,10 @@ _TWO_RUNS = textwrap.dedent("""
 @pytest.mark.parametrize("variant", ["together", "one-first"])
 def test_one_sigterm_stops_every_run_of_the_process(client: pgque.Client, dsn: str,
                                                     variant: str) -> None:
-    """Defect 2: each AsyncService.run() installed a SIGTERM handler of its own, so
-    with two AsyncWorkers run under one asyncio.run one SIGTERM stopped only the
-    last one installed (the other ran on), and the first run() to return put
-    back the default handler: a SIGTERM then killed the process instead of
-    stopping the other worker. Now one handler, installed by the first run(),
-    flags every running service, and the last one to leave restores the
-    original: both stop cleanly and the process exits 0."""
+    """Two AsyncWorkers under one asyncio.run, stopped together or one first: one
+    SIGTERM stops every run() still going, cleanly, and the process exits 0. One
+    handler serves every running service of the process; the last one to leave
+    puts the original back."""
     client.create_queue("q")
     proc = subprocess.Popen([sys.executable, "-c", _TWO_RUNS, dsn, variant],
                             stdout=subprocess.PIPE, text=True)
@@ -156,10 +177,10 @@ def test_one_sigterm_stops_every_run_of_the_process(client: pgque.Client, dsn: s
 
 
 def test_the_signal_registry_flags_every_service_and_restores_the_original() -> None:
-    """Defect 2, the registry both flavours share (pgque/_signals.py): a signal
-    flags every registered service, the handler stays while one is left, the
-    original comes back after the last, and a thread other than the main one
-    registers nothing (only the main thread may set a handler)."""
+    """The signal registry both flavours share (pgque/_signals.py): a signal flags
+    every registered service, the handler stays while one is left, the original
+    comes back after the last, and a thread other than the main one registers
+    nothing (only the main thread may set a handler)."""
     from pgque import _signals
 
     class Service:
@@ -200,17 +221,15 @@ def test_the_signal_registry_flags_every_service_and_restores_the_original() -> 
         signal.signal(signal.SIGTERM, original)
 
 
-# -- 3. a cancelled lane task (AsyncWorker) ------------------------------------------
+# -- cancellation ----------------------------------------------------------------------------
 
 
 def test_a_cancelled_lane_nacks_nothing_and_acks_nothing(client: pgque.Client,
                                                          dsn: str) -> None:
-    """Defect 3: the AsyncWorker's lane took the CancelledError raised into its
-    handler when the lane task itself was cancelled for a failure of the event:
-    it nacked the event (charging a retry) and went on with the batch, acking
-    it. Now the lane re-raises: nothing is nacked or acked, the lane ends, and
-    the slot's next lane gets the whole batch again, retry counts 0."""
-    ids = _queue(client)
+    """A lane task cancelled while its handler runs ends with the CancelledError: the
+    event is not nacked (no retry charged), nothing of the batch is acked, and the
+    slot's next lane gets the whole batch again, retry counts 0."""
+    ids = queue_of_one_key(client)
 
     async def main() -> tuple[list[tuple[int, int]], int, int]:
         calls: list[tuple[int, int]] = []
@@ -245,15 +264,11 @@ def test_a_cancelled_lane_nacks_nothing_and_acks_nothing(client: pgque.Client,
         assert scalar(conn, "select sum(retries_waiting) from pgque.partition_slot_status") == 0
 
 
-# -- 4. a connection attempt orphaned by a cancelled run() ----------------------------
-
-
 def test_a_cancelled_connect_closes_the_connection_it_was_opening(
         dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Defect 4 (a real connection): AsyncService.connect cancelled (not stopped)
-    while its attempt ran left the attempt going, and the connection it made
-    was never closed. Now the attempt is cancelled and, should it complete
-    anyway, its connection goes to the abandon callback, which closes it."""
+    """AsyncService.connect cancelled (not stopped) while its attempt runs cancels
+    the attempt, and should the attempt complete anyway, its connection goes to the
+    abandon callback, which closes it: no session is left behind."""
     opened: list[psycopg.AsyncConnection[Any]] = []
     over = threading.Event()  # the attempt ended: connected, failed or cancelled
     real = lifecycle_async.open_connection_async
@@ -292,91 +307,11 @@ def test_a_cancelled_connect_closes_the_connection_it_was_opening(
                  what="the abandoned session to end", dsn=dsn)
 
 
-# -- 5. a missing database, retried for ever ---------------------------------------------
-
-
-@pytest.mark.both_workers
-@pytest.mark.parametrize("missing", ["dbname", "user"])
-def test_a_worker_that_never_connects_stops_after_connect_timeout(
-        dsn: str, missing: str) -> None:
-    """Defect 5: libpq reports every connection failure without an SQLSTATE (a
-    missing database or role alike), so the service loop took them for an
-    outage and retried for ever. Now a service that has never connected since
-    it started gives up once connect_timeout has passed without a first
-    connection: run() raises the ConnectError (worker.error keeps it)."""
-    params = conninfo_to_dict(dsn)
-    params[missing] = "pgque_no_such_" + missing
-    worker = pgque.Worker(make_conninfo(**params), queue="q", consumer="g", slots=1,
-                          handler=lambda message: None, connect_timeout=1)
-    started = time.monotonic()
-    runner, raised = _run_in_thread(worker)
-    runner.join(15)
-    took = time.monotonic() - started
-    if runner.is_alive():
-        worker.stop()
-    assert not runner.is_alive(), "still retrying after 15 s"
-    assert [type(e) for e in raised] == [pgque.ConnectError]
-    assert worker.error is raised[0]
-    assert 1 <= took < 12
-
-
-def test_a_ticker_that_never_connects_stops_after_connect_timeout(dsn: str) -> None:
-    """Defect 5, for the Ticker (a service of its own): it retried a missing
-    database for ever too; now its run() raises the ConnectError."""
-    ticker = pgque.Ticker(make_conninfo(dsn, dbname="pgque_no_such_dbname"),
-                          connect_timeout=1)
-    runner, raised = _run_in_thread(ticker)
-    runner.join(15)
-    if runner.is_alive():
-        ticker.stop()
-    assert not runner.is_alive(), "still retrying after 15 s"
-    assert [type(e) for e in raised] == [pgque.ConnectError]
-    assert ticker.error is raised[0]
-
-
-@pytest.mark.both_workers
-def test_a_worker_that_connected_retries_an_outage_longer_than_connect_timeout(
-        client: pgque.Client, dsn: str) -> None:
-    """Defect 5, the other half: once a service has connected, an outage is retried
-    for ever (with backoff), however long it lasts: here three times
-    connect_timeout, with every connection attempt held unanswered."""
-    connect_timeout = 1.0
-    client.create_queue("q", ticker_max_lag=0)
-    client.subscribe_slots("q", "g", slots=1)
-    handled: list[int] = []
-    params = conninfo_to_dict(dsn)
-    proxy = faults.TcpProxy(str(params.get("host") or "127.0.0.1"),
-                            int(params.get("port") or 5432))
-    try:
-        worker = pgque.Worker(proxy.dsn(dsn), queue="q", consumer="g", slots=1,
-                              handler=lambda message: handled.append(message.id),
-                              ticker=False, connect_timeout=connect_timeout,
-                              network_timeout=2,
-                              poll_interval=0.05, rebalance_interval=0.2)
-        with worker:
-            wait_for(lambda: worker.owned_slots, timeout=20, what="the slot claimed", dsn=dsn)
-            proxy.blackhole()
-            proxy.cut()
-            down = time.monotonic()
-            while time.monotonic() - down < 3 * connect_timeout:
-                assert worker.alive and worker.error is None
-                time.sleep(0.1)
-            proxy.heal()
-            ids = client.send_batch("q", [("e", 1, "k")])
-            client.tick("q")
-            wait_for(lambda: ids[0] in handled, timeout=30, what="handling after the outage",
-                     dsn=dsn)
-        assert worker.error is None
-    finally:
-        proxy.stop()
-
-
 def test_cancelling_run_stops_every_lane_and_closes_every_session(client: pgque.Client,
                                                                   dsn: str) -> None:
-    """A probe that held (noted as open in an earlier session): cancelling the
-    task of ``AsyncWorker.run()`` while its lanes handle events ends the task
-    with CancelledError, and then no handler runs again, no task of the
-    worker is left on the loop, and none of its sessions stays open."""
+    """Cancelling the task of ``AsyncWorker.run()`` while its lanes handle events ends
+    the task with CancelledError; then no handler runs again, no task of the worker
+    is left on the loop, and none of its sessions stays open."""
     client.create_queue("q", ticker_max_lag=0)
     client.subscribe_slots("q", "g", slots=4)
     client.send_batch("q", [("e", n, f"k{n}") for n in range(400)])

@@ -1,0 +1,86 @@
+"""What the info views show a role that is not an admin (docs/api.md: "the info
+views show a role that is not an admin only the queues and consumers it may
+use"): the slots of a group it subscribed, and of a group made by 0.1.0 (open to
+every reader), in partition_slot_status as in consumer_info; and what they count:
+a slot's dead letters are those of its own subscription, the ones its owner can
+list."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+from helpers import install_0_1
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import pgque
+
+
+def _role_dsn(dsn: str, role: str) -> str:
+    return make_conninfo(**{**conninfo_to_dict(dsn), "user": role})
+
+
+def test_a_group_owner_sees_its_own_slots_in_partition_slot_status(
+        dsn: str, reader_role: str) -> None:
+    """A role that is not an admin sees the slots of the group it subscribed in
+    partition_slot_status (with its own session as the owner of the slot it
+    claimed), as it sees the group's slot subscriptions in consumer_info."""
+    with pgque.connect(dsn) as admin:
+        admin.create_queue("q")
+    with pgque.connect(_role_dsn(dsn, reader_role)) as owner:
+        owner.subscribe_slots("q", "g", slots=2)
+        assert [c.consumer_name for c in owner.consumer_info("q")] == ["g#0/2", "g#1/2"]
+        assert owner.claim_slot("q", "g", 0)
+        rows = owner.partition_slot_status("q")
+        assert [(r.consumer_name, r.slot) for r in rows] == [("g", 0), ("g", 1)]
+        assert rows[0].owner_pid == owner.pinned_pid
+
+
+def test_an_upgraded_0_1_group_is_in_partition_slot_status_for_readers(
+        empty_dsn: str) -> None:
+    """Consumers made by 0.1.0 have no owner and stay open to every reader
+    (docs/api.md, Changes): after the upgrade a plain reader that may claim and
+    read a 0.1.0 group's slots sees them in partition_slot_status too."""
+    install_0_1(empty_dsn)
+    with pgque.connect(empty_dsn) as admin:
+        admin.create_queue("q")
+        admin.subscribe_slots("q", "g", slots=2)
+    role = f"pgque_rv_reader_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(empty_dsn, autocommit=True) as su:
+        assert pgque.install(su) == "0.1.0"
+        su.execute(f"create role {role} login")
+        su.execute(f"grant pgque_reader to {role}")
+    try:
+        with pgque.connect(_role_dsn(empty_dsn, role)) as r:
+            assert r.claim_slot("q", "g", 1)
+            assert len(r.consumer_info("q")) == 2
+            assert [(s.slot, s.owner_pid) for s in r.partition_slot_status("q")] == [
+                (0, None), (1, r.pinned_pid)]
+    finally:
+        with psycopg.connect(empty_dsn, autocommit=True) as su:
+            su.execute(f"drop role if exists {role}")
+
+
+def test_a_slots_dead_letter_count_is_that_of_its_subscription(
+        dsn: str, reader_role: str) -> None:
+    """partition_slot_status.dead_letters (and consumer_info's) are those of the
+    slot's subscription (operations.md), which follow its id, not its name: a
+    group unsubscribed and subscribed again starts at zero, as dead_letters()
+    lists its owner none of the old group's."""
+    with pgque.connect(dsn) as admin:
+        admin.create_queue("q", max_retries=0)
+    with pgque.connect(_role_dsn(dsn, reader_role)) as owner, pgque.connect(dsn) as admin:
+        owner.subscribe_slots("q", "g", slots=1)
+        admin.send("q", "e", {}, partition_key="k")
+        admin.tick("q")
+        assert owner.claim_slot("q", "g", 0)
+        batch = owner.receive_partitioned("q", "g", slot=0, slots=1)
+        assert batch is not None
+        owner.ack(batch, nack=[batch.messages[0]])
+        assert len(owner.dead_letters("q")) == 1
+        owner.release_slot("q", "g", 0)
+        owner.unsubscribe_slots("q", "g")
+        owner.subscribe_slots("q", "g", slots=1)
+        assert owner.dead_letters("q") == []
+        assert [c.dead_letters for c in owner.consumer_info("q")] == [0]
+        assert [s.dead_letters for s in admin.partition_slot_status("q")] == [0]
