@@ -1,5 +1,5 @@
 """Isolation between teams: consumers belong to the roles that made them, and queues
-may be restricted per role (pgque/sql/code/15_access.sql)."""
+may be restricted per role (pgque/sql/code/base/access.sql)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Batch readers (pgque/sql/code/64_batch_reader.sql): every queue has a generated
+"""Batch readers (pgque/sql/code/generated/batch_reader.sql): every queue has a generated
 function holding its batch queries as static SQL, so a receive plans nothing.
 It has a branch for each slot count its groups use, is rewritten by
 maintenance when they change (and by an install, which never deadlocks with a
@@ -355,14 +355,12 @@ def test_an_upgraded_0_1_install_gets_readers_for_its_groups(empty_dsn: str) -> 
 
 
 INTERNALS = [
-    "select pgque._batch_reader_{id}(null, null, null, null, null, 0, null, null, 0, null,"
-    " null, null, null, null, false)",
-    "select pgque._run_reader({id}, null, false, null, null, null, null, null, 0, null, null,"
-    " 0, null, null, null, null)",
+    "select pgque._batch_reader_{id}(null::pgque.read_request)",
+    "select pgque._run_reader({id}, null::pgque.read_request)",
     "select pgque._batch_events({id}, 1, null, null, 0, null, null, null)",
     "select pgque._probe_slots({id}, null, null, array[0], array[1], array[null::pg_snapshot])",
     "select pgque._sync_batch_reader({id})",
-    "select pgque._drop_batch_reader({id})",
+    "select pgque._drop_generated('_batch_reader_{id}')",
     "select pgque._batch_reader_source({id}, '{{}}')",
 ]
 

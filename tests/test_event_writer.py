@@ -1,4 +1,4 @@
-"""The event writer (pgque/sql/code/31_event_writer.sql): one generated function
+"""The event writer (pgque/sql/code/generated/event_writer.sql): one generated function
 holding every event table's INSERT as static SQL, so that a send plans nothing.
 create_queue and drop_queue write it again when no one else is writing it,
 maintenance when they could not; a writer that lags behind the queues makes
@@ -202,7 +202,7 @@ def test_queues_beyond_the_writers_bound_are_sent_to_dynamically(
 @pytest.mark.superuser_install  # it installs again as the superuser
 def test_an_install_writes_the_writer_for_the_queues_there_are(
         conn: psycopg.Connection[Any]) -> None:
-    """98_event_writer.sql: an install (an upgrade) writes the writer from the
+    """install/generated.sql: an install (an upgrade) writes the writer from the
     current template for the existing queues, whatever was there before."""
     queue_id = scalar(conn, "select pgque.create_queue('q')")
     conn.execute("create or replace function pgque._write_event(p_queue_id integer,"

@@ -239,7 +239,7 @@ def test_a_zombie_workers_handler_commits_nothing(client: pgque.Client, dsn: str
 
 def test_epochs_taken_in_rolled_back_transactions_leave_no_lock_behind(
         client: pgque.Client) -> None:
-    """A new epoch's key (66_fence.sql) stays held when the transaction that took
+    """A new epoch's key (slots/fence.sql) stays held when the transaction that took
     the epoch rolls back: the next epoch's takes the place of every earlier one of
     the slot, so a session holds no more locks however often that happens."""
     _setup(client)

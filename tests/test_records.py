@@ -207,7 +207,7 @@ def test_events_carry_only_the_columns_pgque_uses(client: pgque.Client) -> None:
         assert "ev_extra1" in names, table
         assert not {"ev_extra2", "ev_extra3", "ev_extra4"} & set(names), table
     assert columns["pgque.batch_event"] == ["batch_id", "ev_id", "ev_time", "ev_retry", "ev_type",
-                                            "ev_data", "ev_extra1", "epoch"]
+                                            "ev_data", "ev_extra1", "epoch", "slot"]
     assert not hasattr(pgque.Message(1, "t", None, None, 0, datetime.now()), "extra")
 
 
@@ -229,7 +229,8 @@ def test_an_infinite_interval_setting_is_not_reported_as_zero(
 
 
 def test_cli_json_status_and_queue_list_are_the_records(dsn: str) -> None:
-    """`pgque status --json` is {ticker, queues, consumers, groups, slots} with
+    """`pgque status --json` is {ticker, queues, consumers, groups, slots,
+    generated} with
     one object per record, the records' fields as keys, intervals as seconds,
     times as ISO 8601 and unset values null; `pgque queue list --json` is the
     QueueInfo list; a queue that is not there fails with exit code 1."""
@@ -247,7 +248,9 @@ def test_cli_json_status_and_queue_list_are_the_records(dsn: str) -> None:
     done = cli("status", "--json")
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
-    assert set(status) == {"ticker", "queues", "consumers", "groups", "slots"}
+    assert set(status) == {"ticker", "queues", "consumers", "groups", "slots", "generated"}
+    assert {frozenset(g) for g in status["generated"]} == {
+        frozenset(pgque.GeneratedCode.__struct_fields__)}
     assert [set(g) for g in status["groups"]] == [set(pgque.GroupInfo.__struct_fields__)]
     assert [set(q) for q in status["queues"]] == [set(pgque.QueueInfo.__struct_fields__)]
     assert {frozenset(c) for c in status["consumers"]} == {

@@ -95,10 +95,11 @@ def test_slots_partition_the_stream(client: pgque.Client, slots: int) -> None:
 
 @pytest.mark.parametrize("slots", [3, 5])
 def test_every_spelling_of_the_formula_routes_alike(client: pgque.Client, slots: int) -> None:
-    """The routing formula is written out where a call per event would cost too
-    much: in receive_slots (69_slot_sets.sql), and twice in the slot status view's
-    backlog and age (90_info.sql), besides slot_of and the batch reader. Every copy
-    must route each key where slot_of does: keys whose hash is negative included
+    """The routing formula is written three times: slot_of, the SQL text that
+    the batch readers, the slot indexes and the slot status view's backlog and
+    age take (_slot_expr), and receive_slots' routing of a span's events
+    (slots/sets.sql, where a call per event would cost too much). Every copy
+    routes each key where slot_of does: keys whose hash is negative included
     (the "+ N" of the formula), a NULL key to slot 0."""
     client.create_queue("q")
     client.subscribe_slots("q", "g", slots=slots)

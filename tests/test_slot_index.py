@@ -1,4 +1,4 @@
-"""Slot indexes (pgque/sql/code/62_slot_index.sql): a slot of a group reads only
+"""Slot indexes (pgque/sql/code/generated/slot_index.sql): a slot of a group reads only
 its own events, through an index on the routing formula that exists exactly
 while a group of that slot count does, and that never changes which events
 a slot gets (G1 stays pgque.slot_of), nor holds up producers while it is made.

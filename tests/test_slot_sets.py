@@ -1,4 +1,4 @@
-"""Several slots in one call (pgque/sql/code/69_slot_sets.sql): receive_slots gives
+"""Several slots in one call (pgque/sql/code/slots/sets.sql): receive_slots gives
 each owned slot exactly the piece receive_partitioned would, ack_slots acks
 them all or none, and neither lets a session touch a slot it does not own, nor
 a role that may not use the group. Both take the slots' locks in ascending slot

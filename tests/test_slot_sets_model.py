@@ -1,4 +1,4 @@
-"""receive_slots against receive_partitioned, step by step (69_slot_sets.sql).
+"""receive_slots against receive_partitioned, step by step (slots/sets.sql).
 
 Two queues get the same events, keys and ticks. One is consumed with
 receive_slots + ack_slots over random sets of slots, the other slot by slot
@@ -32,6 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pgque
+
+EVENT_COLUMNS = "batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data, ev_extra1, epoch"
 
 _example = itertools.count()
 
@@ -297,12 +299,14 @@ class Twins:
         """One receive of ``asked`` by both groups, compared; then (ack) the acks,
         with the first event of each piece nacked (nack_first), compared too."""
         owner, q, n = self.owner, self.name, self.slots
-        a_rows = owner.execute("select * from pgque.receive_slots(%s, 'A', %s, %s::int[], %s)",
+        # Rows as (slot, then the event columns up to the epoch).
+        a_rows = owner.execute(f"select slot, {EVENT_COLUMNS}"
+                               " from pgque.receive_slots(%s, 'A', %s, %s::int[], %s)",
                                (q, n, asked, max_events)).fetchall()
         b_rows = []
         for k in sorted(set(asked)):
             b_rows += [(k, *r) for r in owner.execute(
-                "select * from pgque.receive_partitioned(%s, 'B', %s, %s, %s)",
+                f"select {EVENT_COLUMNS} from pgque.receive_partitioned(%s, 'B', %s, %s, %s)",
                 (q, k, n, max_events)).fetchall()]
         owner.commit()
         assert [r[0] for r in a_rows] == sorted(r[0] for r in a_rows)  # ascending by slot

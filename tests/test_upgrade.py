@@ -35,7 +35,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
-from pgque.schema import Migration, _wrapped, migrations
+from pgque._script import Migration, _wrapped, migrations
 from pgque.testing import Deployment
 
 # The migrations the landed 0.2.0 had, and so recorded as applied by "0.2.0".
@@ -837,16 +837,16 @@ def test_an_upgraded_catalog_equals_a_fresh_one_beyond_what_catalog_compares(
 def test_an_older_package_does_not_silently_downgrade_a_newer_install(
         empty_dsn: str) -> None:
     """A database installed by a newer pgque that added no migration (a patch
-    release: code only, pgque.installed says e.g. 0.3.0) is not overwritten by
+    release: code only, pgque.installed says e.g. 99.0.0) is not overwritten by
     an older package's code: `pgque install` does not call it an upgrade, and
     the installed version stays (operations.md: "never run an older pgque's
     install over a newer one's")."""
     with pgque.connect(empty_dsn) as client:
         client.install()
-        client.conn.execute("update pgque.installed set in_version = '0.3.0'")
+        client.conn.execute("update pgque.installed set in_version = '99.0.0'")
     env = {**os.environ, "PGQUE_DSN": empty_dsn, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "pgque.cli", "install"], env=env,
                           capture_output=True, text=True, timeout=120)
-    assert "upgraded from 0.3.0" not in done.stdout
+    assert "upgraded from 99.0.0" not in done.stdout
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        assert scalar(conn, "select in_version from pgque.installed") == "0.3.0"
+        assert scalar(conn, "select in_version from pgque.installed") == "99.0.0"
