@@ -311,6 +311,17 @@ def install_0_2(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.2.0"
 
 
+# The install script of pgque 0.3.0 as it landed (14bd90f), frozen.
+BASELINE_0_3 = Path(__file__).resolve().parent / "data" / "pgque-0.3.0-14bd90f.sql"
+
+
+def install_0_3(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.3.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_3.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.3.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

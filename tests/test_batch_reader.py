@@ -409,8 +409,7 @@ def test_a_reader_role_cannot_pin_a_batch_reader_and_block_drop_queue(dsn: str) 
                 r.execute(
                     f"create function {role}.pin() returns pgque.event_template[]"
                     f" language sql begin atomic select pgque._batch_reader_{queue_id}("
-                    "null, null, null, null, null, 0, null, null, 0, null, null, null, null,"
-                    " null, false); end")
+                    "null::pgque.read_request); end")
             su.execute("select pgque.drop_queue('q', true)")
         finally:
             su.execute(f"drop schema if exists {role} cascade")
@@ -422,18 +421,24 @@ def test_a_reader_role_cannot_pin_a_batch_reader_and_block_drop_queue(dsn: str) 
 
 
 DYNAMIC = """
-create or replace function public.rv_dynamic(
-    p_queue_id integer, p_slots integer, p_probe boolean, a xid8, b xid8, c xid8[],
-    d pg_snapshot, e integer, f bigint, g bigint, h bigint[], i integer, j integer,
-    k integer[], l integer[], m pg_snapshot[])
+create or replace function public.rv_dynamic(p_queue_id integer, p_req pgque.read_request)
 returns pgque.event_template[] language plpgsql as $$
 declare v pgque.event_template[];
 begin
-    execute case when p_probe then pgque._probe_statement(p_queue_id, p_slots)
-                 else pgque._read_statement(p_queue_id, p_slots) end
-       into v using a, b, c, d, e, f, g, h, i, j, p_slots, k, l, m;
+    execute case when p_req.probe
+                 then pgque._probe_statement('($1)', p_queue_id, coalesce(p_req.slots, 1))
+                 else pgque._read_statement('($1)', p_queue_id, coalesce(p_req.slots, 1)) end
+       into v using p_req;
     return v;
-end $$"""
+end $$;
+-- The read request, from the parameters in the order the tests give them.
+create or replace function public.rv_request(
+    p_slots integer, p_probe boolean, a xid8, b xid8, c xid8[], d pg_snapshot, e integer,
+    f bigint, g bigint, h bigint[], i integer, j integer, k integer[], l integer[],
+    m pg_snapshot[])
+returns pgque.read_request language sql as $$
+    select row(a, c, b, d, e, f, g, h, i, p_slots, j, k, l, m, p_probe)::pgque.read_request
+$$"""
 
 
 @given(keys=st.lists(st.one_of(st.none(), st.sampled_from(["a", "b", "c", "d", "e", "f"])),
@@ -474,17 +479,18 @@ def test_reader_and_dynamic_sql_agree_on_every_parameter(
         sub = subs[slot]
         params = (queue_id, slots, False, prev, prev, sub, base + after,
                   None if upto is None else base + upto, shifted, slot, limit)
-        sql = ("select {fn}(%s, %s, %s, pg_snapshot_xmax(%s::pg_snapshot),"
+        sql = ("select {fn}(%s, public.rv_request(%s, %s, pg_snapshot_xmax(%s::pg_snapshot),"
                " pg_snapshot_xmax(n.s), array(select pg_snapshot_xip(%s::pg_snapshot)), n.s,"
-               " %s, %s, %s, %s::bigint[], %s, %s, null, null, null)::text from"
+               " %s, %s, %s, %s::bigint[], %s, %s, null, null, null))::text from"
                " (select tick_snapshot s from pgque.tick order by tick_id desc limit 1) n")
         static = scalar(conn, sql.format(fn="pgque._run_reader"), params)
         dynamic = scalar(conn, sql.format(fn="public.rv_dynamic"), params)
         assert static == dynamic
     probe = ("select coalesce(array_agg(distinct pgque.slot_of(e.ev_extra1, %s)), '{{}}')"
              " from (select tick_snapshot s from pgque.tick order by tick_id desc limit 1) n,"
-             " unnest({fn}(%s, %s, true, null, pg_snapshot_xmax(n.s), null, n.s, null, null,"
-             " null, null, null, null, %s::integer[], %s::integer[], %s::pg_snapshot[])) e")
+             " unnest({fn}(%s, public.rv_request(%s, true, null, pg_snapshot_xmax(n.s), null, n.s,"
+             " null, null, null, null, null, null, %s::integer[], %s::integer[],"
+             " %s::pg_snapshot[]))) e")
     args = (slots, queue_id, slots, list(range(slots)), subs[:slots], [prev] * slots)
     assert scalar(conn, probe.format(fn="pgque._run_reader"), args) == scalar(
         conn, probe.format(fn="public.rv_dynamic"), args)

@@ -258,7 +258,7 @@ def test_the_error_catalogue_is_one_source() -> None:
     catalogue, class for class."""
     root = Path(pgque.__file__).resolve().parent
     sources = [p.read_text("utf-8") for p in (root / "sql").rglob("*.sql")]
-    sources.append((root / "schema.py").read_text("utf-8"))
+    sources.append((root / "_script.py").read_text("utf-8"))
     raised = {code for text in sources
               for code in re.findall(r"errcode\s*=\s*'(PQ\d{3})'", text)}
     classes = [getattr(pgque.errors, name) for name in pgque.errors.__all__]

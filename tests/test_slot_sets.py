@@ -549,11 +549,12 @@ def test_the_read_together_keeps_at_most_max_events_plus_one_per_slot(
         "       lateral (select t.tick_snapshot from pgque.tick t"
         "                 where t.tick_queue = q.queue_id"
         "                 order by t.tick_id desc limit 1) n,"
-        "       unnest(pgque._run_reader(q.queue_id, 8, false, pg_snapshot_xmax(p.tick_snapshot),"
-        "              pg_snapshot_xmax(n.tick_snapshot), array(select pg_snapshot_xip("
-        "              p.tick_snapshot)), n.tick_snapshot, null, null, null, null, null, 3,"
-        "              '{1,4,6}', (select array_agg(s.sub_id) from pgque.subscription s"
-        "                           where s.sub_queue = q.queue_id), null)) e"
+        "       unnest(pgque._run_reader(q.queue_id, row(pg_snapshot_xmax(p.tick_snapshot),"
+        "              array(select pg_snapshot_xip(p.tick_snapshot)),"
+        "              pg_snapshot_xmax(n.tick_snapshot), n.tick_snapshot, null, null, null, null,"
+        "              null, 8, 3, '{1,4,6}', (select array_agg(s.sub_id) from pgque.subscription s"
+        "                           where s.sub_queue = q.queue_id), null, false)"
+        "              ::pgque.read_request)) e"
         " where q.queue_name = 'q'").fetchall()
     everything = conn.execute(
         "select pgque.slot_of(ev_extra1, 8), ev_id from pgque.event_1 order by ev_id").fetchall()

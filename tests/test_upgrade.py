@@ -21,11 +21,13 @@ import psycopg
 import pytest
 from helpers import (
     BASELINE_0_2,
+    BASELINE_0_3,
     BASELINES_0_1,
     catalog,
     drain,
     install_0_1,
     install_0_2,
+    install_0_3,
     run_cli,
     scalar,
     scratch_database,
@@ -280,6 +282,22 @@ def test_upgrade_repairs_a_0_1_0_that_the_landed_0_2_0_upgraded(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_upgrade_from_0_3_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.3.0 (its generated code written in place, its readers of
+    fifteen arguments) filled as 0.2.0 was: the upgrade keeps every event,
+    cursor, epoch and dead letter, and its code, generated code included, is a
+    fresh install's."""
+    install_0_3(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.3.0"
+        assert migration_record(conn) == [(m.number, "0.3.0") for m in migrations()]
+        assert conn.execute("select kind, current from pgque.generated_code"
+                            " where not current").fetchall() == []
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def test_upgrade_from_0_2_0_loses_nothing_and_equals_a_fresh_install(
         empty_dsn: str, pg_server: pgtest.PgServer) -> None:
     install_0_2(empty_dsn)
@@ -389,6 +407,8 @@ def run_script(dsn: str, script: Path) -> None:
 
 
 RELEASES = {
+    "0.3.0": [BASELINE_0_3],
+    "0.2.0-then-0.3.0": [BASELINE_0_2, BASELINE_0_3],
     "0.2.0": [BASELINE_0_2],
     "0.1.0-09e6af5": [BASELINES_0_1["09e6af5"]],
     "0.1.0-3bd2224-then-0.2.0": [BASELINES_0_1["3bd2224"], BASELINE_0_2],
