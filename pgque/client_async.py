@@ -688,8 +688,11 @@ class AsyncClient:
         session must own every slot (SlotNotOwned, and nothing is received)."""
         check, params = self._checked(queue)
         wanted = list(owned)
+        # The columns by name, in pgque.batch_event's order (receive_slots leads
+        # them by the slot): the same rows from a 0.3 database.
         rows = await self._rows(
-            f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
+            "select batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data, ev_extra1, epoch,"
+            f" slot from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
             (*params, consumer, slots, wanted, max_events), binary=True)
         by_slot: dict[int, list[Any]] = {}
         for row in rows:  # pgque.batch_event, its slot last

@@ -282,17 +282,21 @@ def _install_while(dsn: str, during: Any) -> dict[str, str]:
 @pytest.mark.superuser_install  # it installs again as the superuser
 def test_an_install_does_not_deadlock_with_a_maintenance_pass_over_several_queues(
         dsn: str) -> None:
-    """A maintenance pass holds each queue's maintenance lock to its commit. One
-    that has rotated q1 and then rewrites q2's reader (a group of a new count
-    subscribed) while an install replaces every reader makes no lock cycle with
-    it: the install succeeds (operations.md "Upgrading": the install itself
-    waits for no worker)."""
+    """A maintenance pass holds each queue's maintenance lock and, once it wrote
+    a reader, the generators' lock to its commit. One that has rotated q1 and
+    written its reader, then rewrites q2's reader (a group of a new count
+    subscribed) while an install waits to replace every reader makes no lock
+    cycle with it: the install succeeds (operations.md "Upgrading": the install
+    itself waits for no worker)."""
     with pgque.connect(dsn) as client:
         client.create_queue("q1", rotation_period=0)  # always something to rotate
         client.create_queue("q2")
+        client.subscribe_slots("q1", "g", slots=2)  # q1's reader is due
         client.subscribe_slots("q2", "g", slots=4)  # q2's reader is due
     with psycopg.connect(dsn) as maint:  # one transaction, as one maint() of all queues
-        assert [r[1] for r in maint.execute("select * from pgque.maint('q1')")] == ["rotate"]
+        # q1 rotated, its reader written: the pass holds the generators' lock.
+        assert [r[1] for r in maint.execute("select * from pgque.maint('q1')")] == [
+            "rotate", "slot_indexes", "batch_reader"]
 
         def rest_of_the_pass() -> None:
             maint.execute("select * from pgque.maint('q2')").fetchall()
@@ -359,7 +363,7 @@ INTERNALS = [
     "select pgque._run_reader({id}, null::pgque.read_request)",
     "select pgque._batch_events({id}, 1, null, null, 0, null, null, null)",
     "select pgque._probe_slots({id}, null, null, array[0], array[1], array[null::pg_snapshot])",
-    "select pgque._sync_batch_reader({id})",
+    "select pgque._sync_batch_reader({id}, false)",
     "select pgque._drop_generated('_batch_reader_{id}')",
     "select pgque._batch_reader_source({id}, '{{}}')",
 ]

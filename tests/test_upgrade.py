@@ -870,3 +870,54 @@ def test_an_older_package_does_not_silently_downgrade_a_newer_install(
     assert "upgraded from 99.0.0" not in done.stdout
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         assert scalar(conn, "select in_version from pgque.installed") == "99.0.0"
+
+
+def _slot_events(conn: psycopg.Connection[Any], ids: list[int]) -> dict[int, list[int]]:
+    """The ids of events sent with keys k0, k1, ... grouped by their slot of 4."""
+    expected: dict[int, list[int]] = {}
+    for n, ev in enumerate(ids):
+        expected.setdefault(scalar(conn, "select pgque.slot_of(%s, 4)", (f"k{n}",)),
+                            []).append(ev)
+    return expected
+
+
+def test_receive_slots_rows_read_as_0_3_read_them_after_the_upgrade(empty_dsn: str) -> None:
+    """A 0.3 client keeps running while the owner upgrades (operations.md,
+    Upgrades): it reads receive_slots' rows by position, the slot first, then
+    batch_id, ev_id and the rest of the event. The upgraded receive_slots hands
+    each slot its own events in those positions."""
+    install_0_3(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        client.subscribe_slots("q", "g", slots=4)
+        client.maintenance()
+        ids = client.send_batch("q", [("e", n, f"k{n}") for n in range(12)])
+        client.tick("q")
+        expected = _slot_events(client.conn, ids)
+        assert pgque.install(client.conn) == "0.3.0"
+        for slot in range(4):
+            assert client.claim_slot("q", "g", slot)
+        rows = client.conn.execute(
+            "select * from pgque.receive_slots('q', 'g', 4, '{0,1,2,3}')").fetchall()
+    got: dict[int, list[int]] = {}
+    for row in rows:
+        got.setdefault(row[0], []).append(row[2])
+    assert got == expected
+
+
+def test_a_0_4_client_receives_slots_from_a_0_3_database(empty_dsn: str) -> None:
+    """The other half of a rolling deploy: the application runs this pgque while
+    the database still has 0.3.0. Client.receive_slots hands each slot its own
+    events there too."""
+    install_0_3(empty_dsn)
+    with pgque.connect(empty_dsn) as client:
+        client.create_queue("q")
+        client.subscribe_slots("q", "g", slots=4)
+        client.conn.execute("select * from pgque.maint()")
+        ids = client.send_batch("q", [("e", n, f"k{n}") for n in range(12)])
+        client.tick("q")
+        expected = _slot_events(client.conn, ids)
+        for slot in range(4):
+            assert client.claim_slot("q", "g", slot)
+        batches = client.receive_slots("q", "g", slots=4, owned=range(4))
+        assert {b.slot: [m.id for m in b] for b in batches} == expected

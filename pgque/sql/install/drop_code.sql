@@ -12,27 +12,13 @@
 -- pgque.consumer_info, a function returning its row type) would go with it:
 -- the install refuses (PQ017) and names them instead.
 --
--- First the locks of every generator (code/generated/generator.sql), held to
--- the install's commit: each queue's maintenance lock, in queue id order as a
--- maintenance pass takes them (so the two never wait for each other in a
--- cycle), and the event writer's. A generator that is writing its code now
--- finishes first; one that comes later skips it and leaves it to the next
--- maintenance.
+-- First the generators' lock (code/generated/generator.sql), held to the
+-- install's commit: a generator that is writing its code now finishes first;
+-- one that comes later finds the lock taken and leaves its code to the next
+-- maintenance pass. Nothing else is locked here, so maintenance goes on while
+-- the install waits for a session that reads a view it drops.
 
-do $generator_locks$
-declare
-    v_queue_id integer;
-begin
-    lock table pgque.install_lock in share update exclusive mode;
-    -- As pgque._lock_queue(queue_id, 'maint', true) takes them (not called:
-    -- the code of the install before may not have it).
-    for v_queue_id in select l.ql_queue from pgque.queue_lock l
-                       where l.ql_purpose = 'maint' order by l.ql_queue loop
-        perform from pgque.queue_lock l
-         where l.ql_queue = v_queue_id and l.ql_purpose = 'maint' for update;
-    end loop;
-end
-$generator_locks$;
+lock table pgque.install_lock in share update exclusive mode;
 
 do $code$
 declare

@@ -17,11 +17,10 @@
 -- slower, never wrong.
 --
 -- Readers follow the protocol of generated code (generator.sql): create_queue
--- writes a queue's first one (no one else writes it before the queue row
--- commits), maintenance writes it again when its groups' slot counts change
--- (under the queue's maintenance lock), drop_queue drops it, every install
--- writes it from the current template. Generated from integers only: no
--- caller text.
+-- writes a queue's first one, maintenance writes it again when its groups'
+-- slot counts change, drop_queue drops it (each when the generators' lock is
+-- free, else maintenance does it next), every install writes it from the
+-- current template. Generated from integers only: no caller text.
 
 
 -- pgque._batch_reader_name(queue_id): the reader's function name (no schema;
@@ -94,18 +93,22 @@ as $$
                                 pgque._batch_reader_signature(p_queue_id))
 $$;
 
--- pgque._sync_batch_reader(queue_id): writes the queue's reader for its
--- groups' slot counts unless it is current; returns 1 if it wrote it, else
--- 0. The caller keeps other writers of this reader out (see the top of this
--- file).
-create or replace function pgque._sync_batch_reader(p_queue_id integer)
+-- pgque._sync_batch_reader(queue_id, wait): writes the queue's reader for
+-- its groups' slot counts unless it is current or (without wait) the
+-- generators' lock is taken; returns 1 if it wrote it, else 0.
+create or replace function pgque._sync_batch_reader(p_queue_id integer, p_wait boolean)
 returns integer
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_signature text := pgque._batch_reader_signature(p_queue_id);
+    v_signature text;
 begin
+    if not pgque._batch_reader_due(p_queue_id) or not pgque._lock_generators(p_wait) then
+        return 0;
+    end if;
+    -- Read once locked: what a writer that committed meanwhile wrote counts.
+    v_signature := pgque._batch_reader_signature(p_queue_id);
     if not pgque._generated_due(pgque._batch_reader_name(p_queue_id), v_signature) then
         return 0;
     end if;
@@ -116,5 +119,42 @@ begin
         v_signature,
         pgque._batch_reader_source(p_queue_id, pgque._slot_counts_wanted(p_queue_id)));
     return 1;
+end
+$$;
+
+-- pgque._orphan_readers(): the names of the batch readers whose queue is
+-- gone (drop_queue drops its reader only when the generators' lock is free).
+create or replace function pgque._orphan_readers()
+returns setof text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select p.proname::text from pg_proc p
+     where p.pronamespace = 'pgque'::regnamespace and p.proname ~ '^_batch_reader_[0-9]+$'
+       and not exists (select from pgque.queue q
+                        where pgque._batch_reader_name(q.queue_id) = p.proname)
+     order by 1
+$$;
+
+-- pgque._drop_orphan_readers(wait): drops the readers of dropped queues
+-- under the generators' lock (without wait, only when it is free); returns
+-- how many.
+create or replace function pgque._drop_orphan_readers(p_wait boolean)
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_name text;
+    v_dropped integer := 0;
+begin
+    if not exists (select from pgque._orphan_readers()) or not pgque._lock_generators(p_wait) then
+        return 0;
+    end if;
+    for v_name in select * from pgque._orphan_readers() loop
+        perform pgque._drop_generated(v_name);
+        v_dropped := v_dropped + 1;
+    end loop;
+    return v_dropped;
 end
 $$;

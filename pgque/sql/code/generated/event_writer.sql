@@ -19,15 +19,11 @@
 -- last written) gets null back, and send inserts with dynamic SQL as before:
 -- slower, never wrong.
 --
--- It follows the protocol of generated code (generator.sql). Its lock:
--- pgque.install_lock in SHARE UPDATE EXCLUSIVE mode (no one else locks that
--- table in a conflicting mode; the row locks installs, create_queue and
--- drop_queue take on its row do not conflict). create_queue and drop_queue
--- write it again when they can take that lock without waiting (a wait there,
--- in a transaction that may hold queue locks, could close a cycle of locks),
--- and leave it otherwise to maintenance (pgque.maint() of every queue, which
--- the Ticker runs every second, step `event_writer`); every install writes it,
--- waiting for the lock. Generated from integers only: no caller text.
+-- It follows the protocol of generated code (generator.sql): create_queue and
+-- drop_queue write it again when the generators' lock is free, and leave it
+-- otherwise to maintenance (pgque.maint() of every queue, which the Ticker
+-- runs every second, step `event_writer`); every install writes it. Generated
+-- from integers only: no caller text.
 
 -- pgque._event_writer_branches(queue_ids, table_counts, depth): the writer's
 -- code for these queues, ascending by id: a binary tree of IFs on the queue
@@ -157,14 +153,8 @@ begin
     if not pgque._event_writer_due() then
         return 0;
     end if;
-    if p_wait then
-        lock table pgque.install_lock in share update exclusive mode;
-    else
-        begin
-            lock table pgque.install_lock in share update exclusive mode nowait;
-        exception when lock_not_available then
-            return 0;  -- another writer's, not committed yet: the next one writes it
-        end;
+    if not pgque._lock_generators(p_wait) then
+        return 0;
     end if;
     -- Due again: a writer that committed while this one looked wrote it.
     v_signature := pgque._event_writer_signature();

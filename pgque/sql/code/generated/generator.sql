@@ -14,19 +14,46 @@
 --              recorded in the first line of its source;
 --   due        missing, or its recorded signature differs from the one wanted
 --              now (_generated_due): cheap, no source built;
---   lock       its writer holds something that keeps a second writer of the
---              same function out, since two concurrent CREATE OR REPLACE of
---              one function fail with "tuple concurrently updated";
+--   lock       one lock for every generator (_lock_generators), held to the
+--              writer's commit: two concurrent CREATE OR REPLACE (or DROP) of
+--              one function fail with "tuple concurrently updated". Only the
+--              install waits for it; anyone else who finds it taken leaves
+--              the writing to the next maintenance pass, since a wait there,
+--              in a transaction that may hold queue locks, could close a cycle;
 --   write      CREATE OR REPLACE, then execution revoked from PUBLIC: callable
 --              by pgque's own functions only (_write_generated).
--- Each is written when what it is made from changes (create_queue, drop_queue,
--- subscribe_slots through maintenance), by maintenance whenever due, and
--- by every install, which drops it with the rest of the code and writes it
--- again (install/generated.sql). Between those, a generated function may lag:
+-- Each is written when what it is made from changes (create_queue and
+-- drop_queue, when the lock is free), by maintenance whenever due, and by
+-- every install, which takes the lock first, drops it with the rest of the
+-- code and writes it again (install/generated.sql). Maintenance goes on
+-- meanwhile, its other steps need no such lock. Between those, a generated
+-- function may lag:
 -- it then answers null for what it does not know and its caller runs the same
 -- statement dynamically, slower but never wrong. pgque.generated_code (and
 -- `pgque status`) shows each one, and whether it lags.
 
+
+-- pgque._lock_generators(wait): takes the lock of every generator, waiting
+-- for it when wait, else only if it is free; returns whether this transaction
+-- holds it now. The lock: pgque.install_lock in SHARE UPDATE EXCLUSIVE mode,
+-- which conflicts with itself and with nothing else taken on that table (the
+-- row locks installs, create_queue and drop_queue take do not conflict).
+create or replace function pgque._lock_generators(p_wait boolean)
+returns boolean
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_wait then
+        lock table pgque.install_lock in share update exclusive mode;
+    else
+        lock table pgque.install_lock in share update exclusive mode nowait;
+    end if;
+    return true;
+exception when lock_not_available then
+    return false;  -- another writer's, not committed yet: the next pass writes
+end
+$$;
 
 -- pgque._generated_signature(name): the signature recorded in the source of
 -- the generated function pgque.<name>, or null when there is no such function.
@@ -103,7 +130,9 @@ $$;
 -- with whether it is current: the event writer, each queue's batch reader, and
 -- each queue's slot indexes (current when every event table has exactly the
 -- indexes its groups need; a table too big to index while producers write
--- gets them when maintenance next empties it, and lags until then).
+-- gets them when maintenance next empties it, and lags until then); and the
+-- reader of a dropped queue that is still there (never current: maintenance
+-- drops it).
 create or replace function pgque._generated_code(
     out kind text, out queue_id integer, out name text, out current boolean)
 returns setof record
@@ -117,6 +146,8 @@ as $$
            not pgque._generated_due(pgque._batch_reader_name(q.queue_id),
                                     pgque._batch_reader_signature(q.queue_id))
       from pgque.queue q
+    union all
+    select 'batch reader', null, o.name, false from pgque._orphan_readers() o(name)
     union all
     select 'slot indexes', q.queue_id, pgque._event_table(q.queue_id) || '_slots*',
            not pgque._slot_indexes_lag(q.queue_id)

@@ -63,7 +63,9 @@ set search_path = pg_catalog, pg_temp
 as $$
     select coalesce(array_agg(substring(c.relname from '_slots([0-9]+)$')::integer), '{}')
       from pg_index i join pg_class c on c.oid = i.indexrelid
-     where i.indrelid = format('pgque.%I', pgque._event_table(p_queue_id, p_n))::regclass
+     -- to_regclass: a table that drop_queue dropped meanwhile has no index (the
+     -- info views read queues their statement's snapshot still shows).
+     where i.indrelid = to_regclass(format('pgque.%I', pgque._event_table(p_queue_id, p_n)))
        and c.relname ~ ('^' || pgque._event_table(p_queue_id, p_n) || '_slots[0-9]+$')
 $$;
 

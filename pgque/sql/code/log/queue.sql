@@ -205,8 +205,7 @@ begin
 
     v_queue.queue_event_seq := ('pgque.' || v_seq)::regclass;
     perform pgque._store_config(v_queue);
-    -- No one else writes this reader before the queue row commits.
-    perform pgque._sync_batch_reader(v_queue.queue_id);
+    perform pgque._sync_batch_reader(v_queue.queue_id, false);
     perform pgque._sync_event_writer(false);
 
     perform pgque._make_tick(v_queue);
@@ -291,7 +290,7 @@ begin
     delete from pgque.queue where queue_id = v_queue.queue_id;
     execute format('drop table pgque.%I cascade', v_parent);
     execute format('drop sequence pgque.%I cascade', v_parent || '_id_seq');
-    perform pgque._drop_generated(pgque._batch_reader_name(v_queue.queue_id));
+    perform pgque._drop_orphan_readers(false);
     perform pgque._sync_event_writer(false);
 end
 $$;

@@ -176,18 +176,21 @@ $$;
 
 -- pgque.receive_slots(queue, consumer, slots, slot_list, max_events): for each
 -- slot of slot_list (slots of a group of slots), what receive_partitioned
--- would return (its slot in the column slot), ascending by slot; slots with
--- nothing to receive return no row. One transaction: a failure (PQ024 for a
--- slot this session does not own) receives nothing. max_events bounds each
--- slot's piece.
+-- would return, ascending by slot; slots with nothing to receive return no
+-- row. One transaction: a failure (PQ024 for a slot this session does not
+-- own) receives nothing. max_events bounds each slot's piece. The rows are
+-- pgque.batch_event's columns led by the slot, as clients of 0.3 read them
+-- by position.
 create or replace function pgque.receive_slots(
     p_queue text, p_consumer text, p_slots integer, p_slot_list integer[],
     p_max_events integer default null)
-returns setof pgque.batch_event
+returns table (slot integer, batch_id bigint, ev_id bigint, ev_time timestamptz,
+               ev_retry integer, ev_type text, ev_data text, ev_extra1 text, epoch bigint)
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
+#variable_conflict use_column
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group;
@@ -250,11 +253,13 @@ begin
                                               v_curs[v_i], p_max_events) r);
     end loop;
     return query
-        select * from pgque._open_span_batches(v_span, v_open, v_epochs, v_open_curs,
-                                               p_max_events)
-        union all
-        select x.* from unnest(v_rest) x
-         order by 9, 2;
+        select r.slot, r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
+               r.ev_extra1, r.epoch
+          from (select * from pgque._open_span_batches(v_span, v_open, v_epochs, v_open_curs,
+                                                       p_max_events)
+                union all
+                select x.* from unnest(v_rest) x) r
+         order by r.slot, r.ev_id;
 end
 $$;
 

@@ -280,18 +280,24 @@ begin
             queue_name := v_queue.queue_name; step := 'slot_indexes'; amount := v_amount;
             return next;
         end if;
-        v_amount := pgque._sync_batch_reader(v_queue.queue_id);
+        v_amount := pgque._sync_batch_reader(v_queue.queue_id, false);
         if v_amount > 0 then
             queue_name := v_queue.queue_name; step := 'batch_reader'; amount := v_amount;
             return next;
         end if;
     end loop;
-    -- The event writer (generated/event_writer.sql) of every queue, when a
-    -- create_queue or drop_queue could not write it: on passes over them all.
+    -- The event writer (generated/event_writer.sql) of every queue, and the
+    -- readers of dropped queues, when a create_queue or drop_queue could not
+    -- write or drop them: on passes over them all.
     if p_queue is null then
         v_amount := pgque._sync_event_writer(false);
         if v_amount > 0 then
             queue_name := null; step := 'event_writer'; amount := v_amount;
+            return next;
+        end if;
+        v_amount := pgque._drop_orphan_readers(false);
+        if v_amount > 0 then
+            queue_name := null; step := 'batch_reader'; amount := v_amount;
             return next;
         end if;
     end if;
