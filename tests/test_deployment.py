@@ -688,8 +688,13 @@ def test_prepared_transactions_on_a_dead_owners_keys_and_the_election_stall_noth
     try:
         with pgque.Ticker(deployment.dsn(deployment.ticker), name="t0") as first:
             assert first.wait_active(10)
+            first_pid = first.backend_pid or 0
             with psycopg.connect(outsider_dsn, autocommit=True) as probe:
-                (election,) = advisory_keys(probe, first.backend_pid or 0)
+                (election,) = advisory_keys(probe, first_pid)
+        # Its backend lets go of its locks as it exits, after the client closed.
+        with psycopg.connect(outsider_dsn, autocommit=True) as probe:
+            wait_for(lambda: advisory_keys(probe, first_pid, mode=None) == [],
+                     what="the stopped ticker's backend to exit")
         gids.append(prepare_on(outsider_dsn, election))
         with pgque.Ticker(deployment.dsn(deployment.ticker), name="t1") as second:
             assert second.wait_active(10)

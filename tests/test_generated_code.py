@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from typing import Any
 
 import psycopg
@@ -159,47 +158,6 @@ def test_maintenance_goes_on_while_an_install_waits_for_a_readers_view(
             thread.join(60)
         assert result == {"install": "ok"}
         assert ("q", "retry", 1) in steps, steps
-
-
-def test_the_generated_code_view_answers_while_queues_are_dropped(dsn: str) -> None:
-    """pgque.generated_code (so `pgque status`) while an admin creates and drops
-    queues: every look answers, none fails on an event table dropped after its
-    statement began (its queue row still in the statement's snapshot)."""
-    with pgque.connect(dsn) as client:
-        for n in range(30):
-            client.create_queue(f"keep{n}")
-            client.subscribe_slots(f"keep{n}", "g", slots=2)
-        client.maintenance()
-    stop = threading.Event()
-    failures: list[str] = []
-    churned = [0]
-
-    def churn() -> None:
-        with pgque.connect(dsn) as admin:
-            while not stop.is_set():
-                name = f"churn{uuid.uuid4().hex[:6]}"
-                admin.create_queue(name)
-                admin.subscribe_slots(name, "g", slots=2)
-                admin.drop_queue(name, force=True)
-                churned[0] += 1
-
-    threads = [threading.Thread(target=churn) for _ in range(2)]
-    for t in threads:
-        t.start()
-    looks = 0
-    try:
-        with psycopg.connect(dsn, autocommit=True) as c:
-            while looks < 300 or churned[0] < 20:
-                try:
-                    c.execute("select * from pgque.generated_code").fetchall()
-                except psycopg.Error as exc:
-                    failures.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
-                looks += 1
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert failures == [], (looks, failures[:5], len(failures))
 
 
 def test_a_dropped_queues_reader_goes_with_the_next_maintenance(

@@ -17,6 +17,7 @@ create or replace function pgque._oldest_unconsumed(
 returns timestamptz
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set lock_timeout = '100ms'
 as $$
 declare
     v_time timestamptz;
@@ -30,6 +31,33 @@ begin
        into v_time
       using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
     return v_time;
+exception when undefined_table or lock_not_available then
+    -- The queue was dropped after the caller's statement began, or is being
+    -- dropped (see _sequence_value).
+    return null;
+end
+$$;
+
+-- pgque._sequence_value(seq): the last value of the queue's event sequence
+-- seq (pg_sequence_last_value), or null once drop_queue dropped it: the info
+-- views read queue rows that their statement's snapshot still shows, while
+-- the sequence is looked up as it is now. Like the info views' other reads of
+-- a queue's tables (_oldest_unconsumed, _pending_events, _queue_stalled), it
+-- waits at most 100 ms for a lock: a view that holds the locks of the queues
+-- it read so far and waits on one that drop_queue holds could close a cycle
+-- with it, and would hang `pgque status` behind the drop; it answers null
+-- (false) for that queue instead.
+create or replace function pgque._sequence_value(p_seq regclass)
+returns bigint
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '100ms'
+as $$
+begin
+    return pg_sequence_last_value(p_seq);
+exception when undefined_table or internal_error or lock_not_available then
+    -- "could not open relation with OID": the sequence is gone.
+    return null;
 end
 $$;
 
@@ -72,6 +100,7 @@ create or replace function pgque._queue_stalled(
 returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set lock_timeout = '100ms'
 as $$
 declare
     v_snapshot pg_snapshot;
@@ -89,6 +118,8 @@ begin
       from pgque.tick t
      where t.tick_queue = p_queue_id and t.tick_id = p_tick_id;
     return coalesce(pgque._uncovered_events(p_queue_id, v_snapshot), false);
+exception when undefined_table or lock_not_available then
+    return false;  -- the queue is being dropped, or was (see _sequence_value)
 end
 $$;
 
@@ -135,8 +166,8 @@ select q.queue_name,
   left join lateral (select * from pgque.tick t where t.tick_queue = q.queue_id
                       order by t.tick_id desc limit 1) t on true
   cross join lateral (
-      select coalesce(pg_sequence_last_value(q.queue_event_seq), 0) as event_seq,
-             greatest(coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
+      select coalesce(pgque._sequence_value(q.queue_event_seq), 0) as event_seq,
+             greatest(coalesce(pgque._sequence_value(q.queue_event_seq), 0)
                       - coalesce(t.tick_event_seq, 0), 0) as events_since_last_tick) e;
 
 -- pgque._consumer_info: one row per subscription: where its cursor is, how far
@@ -151,7 +182,7 @@ select q.queue_name,
        now() - t.tick_time as lag,
        (select count(*) from pgque.tick n
          where n.tick_queue = q.queue_id and n.tick_id > c.cur_last_tick) as ticks_behind,
-       greatest(coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
+       greatest(coalesce(pgque._sequence_value(q.queue_event_seq), 0)
                 - coalesce(t.tick_event_seq, 0), 0) as pending_events,
        c.cur_batch as open_batch_id,
        c.cur_time as last_active,
@@ -174,6 +205,7 @@ create or replace function pgque._pending_events(
 returns bigint
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set lock_timeout = '100ms'
 as $$
 declare
     v_count bigint;
@@ -187,6 +219,10 @@ begin
        into v_count
       using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
     return v_count;
+exception when undefined_table or lock_not_available then
+    -- The queue was dropped after the caller's statement began, or is being
+    -- dropped (see _sequence_value).
+    return null;
 end
 $$;
 
