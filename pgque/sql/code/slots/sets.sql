@@ -21,30 +21,47 @@
 -- would then cost more than theirs). Both paths hand out the same pieces
 -- (tests/test_slot_sets_model.py).
 
+-- pgque._owned_slot_subs(queue, grp, slot_list): the slots of slot_list
+-- ascending (ks), with their subscriptions and cursors as _slot_subs reads
+-- them (nulls for an empty list), each slot owned by this session (PQ024 for
+-- the first that is not: receive_partitioned's first check, for all of them,
+-- before anything is received).
+create or replace function pgque._owned_slot_subs(
+    p_queue pgque.queue, p_group pgque.consumer_group, p_slot_list integer[],
+    out ks integer[], out subs pgque.subscription[], out curs pgque.cursor[])
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    select array_agg(t.slot order by t.slot), array_agg(t.sub order by t.slot),
+           array_agg(t.cur order by t.slot)
+      into ks, subs, curs
+      from pgque._slot_subs(p_queue, p_group, p_slot_list) t;
+    perform pgque._require_owner(subs[i]) from generate_subscripts(subs, 1) i;
+end
+$$;
+
 -- pgque._slot_span(queue, grp, ks, subs, curs, max_events): the plan of
 -- the set-based path of receive_slots for slots ks of group grp (their
--- subscriptions and cursors as read without a lock): which of them go together
--- and what they receive. Those that can: no open batch, at the last tick most
--- of them share (last_tick), with events in their next batch (up to
--- next_tick), read once before any lock, and only when they are at least half
--- of the group (else each slot's own read, by its slot index, costs less).
--- together holds their positions in ks; events the span's events in ev_id
--- order, routes each event's slot (-1: none of them); with the slots that have
--- events, ascending, and for each counts how many, lasts the last one's ev_id
--- and handed the last ev_id of the first piece (max_events).
+-- subscriptions and cursors as read without a lock): which of them can go
+-- together, and the one read of their next batch. Those that can: no open
+-- batch, at the last tick most of them share (last_tick), their next batch up
+-- to next_tick, and only when they are at least half of the group (else each
+-- slot's own read, by its slot index, costs less). together holds their
+-- positions in ks (none: the read is null); req is the read request of their
+-- span (_span_statement), which the caller runs and routes (_route_span),
+-- keeping only the slots that have events.
 create or replace function pgque._slot_span(
     p_queue pgque.queue, p_group pgque.consumer_group, p_ks integer[],
     p_subs pgque.subscription[], p_curs pgque.cursor[], p_max_events integer,
     out together integer[], out last_tick bigint, out next_tick bigint,
-    out events pgque.event_template[], out routes integer[], out with_events integer[],
-    out counts bigint[], out lasts bigint[], out handed bigint[])
+    out req pgque.read_request)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_prev pg_snapshot;              -- the snapshot of their last tick
     v_next pg_snapshot;
-    v_req pgque.read_request;        -- the read of the slots together
 begin
     together := '{}';
     select c.cur_last_tick into last_tick
@@ -68,27 +85,46 @@ begin
         return;
     end if;
     v_next := pgque._tick_snapshot(p_queue.queue_id, next_tick);
-    -- One read of their next batch (_span_statement) ...
-    v_req.prev_xmax := pg_snapshot_xmax(v_prev);
-    v_req.prev_xip := array(select pg_snapshot_xip(v_prev));
-    v_req.next_xmax := pg_snapshot_xmax(v_next);
-    v_req.next := v_next;
-    v_req.slots := p_group.cg_slots;
-    v_req.max_events := pgque._events_asked(p_max_events);
-    v_req.span_slots := array(select p_ks[i] from unnest(together) i);
-    v_req.span_subs := array(select (p_subs[i]).sub_id from unnest(together) i);
-    v_req.probe := false;
-    events := pgque._run_reader(p_queue.queue_id, v_req);
-    -- ... each event routed by slot_of's formula, written out (a call per
-    -- event would cost more than the rest of this), a retried event to its
-    -- owner's slot only; and what each slot's cursor needs to know.
+    -- One read of their next batch (_span_statement), for the caller to run.
+    req.prev_xmax := pg_snapshot_xmax(v_prev);
+    req.prev_xip := array(select pg_snapshot_xip(v_prev));
+    req.next_xmax := pg_snapshot_xmax(v_next);
+    req.next := v_next;
+    req.slots := p_group.cg_slots;
+    req.max_events := pgque._events_asked(p_max_events);
+    req.span_slots := array(select p_ks[i] from unnest(together) i);
+    req.span_subs := array(select (p_subs[i]).sub_id from unnest(together) i);
+    req.probe := false;
+end
+$$;
+
+-- pgque._route_span(events, req, max_events): the span's events (read for the
+-- read request req of _slot_span) routed to their slots: each event's slot
+-- among req.span_slots by slot_of's formula, written out (a call per event
+-- would cost more than the rest of receive_slots), a retried event to its
+-- owner's slot only (-1: none of them); the slots that have events, ascending,
+-- and for each how many, the last one's ev_id and the last ev_id of the first
+-- piece (max_events). The events come as an argument, not in a record: they
+-- are read once per row below.
+create or replace function pgque._route_span(
+    p_events pgque.event_template[], p_req pgque.read_request, p_max_events integer,
+    out routes integer[], out with_events integer[], out counts bigint[], out lasts bigint[],
+    out handed bigint[])
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_slots integer := p_req.slots;
+    v_span_slots integer[] := p_req.span_slots;
+    v_span_subs integer[] := p_req.span_subs;
+begin
     with routed as materialized (
         select e.ordinality as i, e.ev_id, coalesce(o.k, -1) as k
-          from unnest(events) with ordinality as e
-          left join unnest(v_req.span_slots, v_req.span_subs) as o(k, sub)
+          from unnest(p_events) with ordinality as e
+          left join unnest(v_span_slots, v_span_subs) as o(k, sub)
             on o.k = case when e.ev_extra1 is null then 0
-                          else (hashtextextended(e.ev_extra1, 0) % p_group.cg_slots
-                                + p_group.cg_slots) % p_group.cg_slots end
+                          else (hashtextextended(e.ev_extra1, 0) % v_slots
+                                + v_slots) % v_slots end
            and (e.ev_owner is null or e.ev_owner = o.sub)
     ), per_slot as (
         select r.k, count(*) as n, max(r.ev_id) as last,
@@ -103,7 +139,6 @@ begin
            array_agg(p.last order by p.k), array_agg(p.handed order by p.k)
       into routes, with_events, counts, lasts, handed
       from per_slot p;
-    together := array(select i from unnest(together) i where p_ks[i] = any(with_events));
 end
 $$;
 
@@ -197,7 +232,9 @@ declare
     v_ks integer[];
     v_subs pgque.subscription[];
     v_curs pgque.cursor[];
-    v_span record;                   -- _slot_span: the slots together and their events
+    v_span record;                   -- _slot_span: the slots together and their read
+    v_events pgque.event_template[]; -- that read's events,
+    v_route record;                  --   routed to their slots (_route_span)
     v_locked record;
     v_all boolean := false;          -- every slot opened together
     v_open integer[] := '{}';        -- the slots opened together, their epochs and cursors
@@ -209,19 +246,19 @@ begin
     perform pgque._check_max_events(p_max_events);
     perform pgque._check_slot(0, p_slots);
     v_group := pgque._group(v_queue, p_consumer, p_slots);
-    select array_agg(t.slot order by t.slot), array_agg(t.sub order by t.slot),
-           array_agg(t.cur order by t.slot)
-      into v_ks, v_subs, v_curs
-      from pgque._slot_subs(v_queue, v_group, p_slot_list) t;
+    select * into v_ks, v_subs, v_curs from pgque._owned_slot_subs(v_queue, v_group, p_slot_list);
     if v_ks is null then
         return;  -- an empty list
     end if;
-    -- Every slot owned before anything is received (receive_partitioned's
-    -- first check, for all of them).
-    for v_i in 1 .. cardinality(v_ks) loop
-        perform pgque._require_owner(v_subs[v_i]);
-    end loop;
     v_span := pgque._slot_span(v_queue, v_group, v_ks, v_subs, v_curs, p_max_events);
+    if cardinality(v_span.together) > 0 then
+        v_events := pgque._run_reader(v_queue.queue_id, v_span.req);
+        v_route := pgque._route_span(v_events, v_span.req, p_max_events);
+        v_span.together := array(select i from unnest(v_span.together) i
+                                  where v_ks[i] = any(v_route.with_events));
+    else
+        v_route := pgque._route_span('{}', null, null);  -- nothing to route
+    end if;
     if cardinality(v_span.together) = cardinality(v_ks) then
         -- Every slot goes together (a session draining its slots): one
         -- statement each for the epochs, the locks and the cursors.
@@ -255,22 +292,29 @@ begin
     return query
         select r.slot, r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
                r.ev_extra1, r.epoch
-          from (select * from pgque._open_span_batches(v_span, v_open, v_epochs, v_open_curs,
-                                                       p_max_events)
+          from (select * from pgque._open_span_batches(
+                    v_events, v_route.routes, v_route.with_events, v_route.counts,
+                    v_route.lasts, v_route.handed, v_span.next_tick, v_open, v_epochs,
+                    v_open_curs, p_max_events)
                 union all
                 select x.* from unnest(v_rest) x) r
          order by r.slot, r.ev_id;
 end
 $$;
 
--- pgque._open_span_batches(span, open, epochs, curs, max_events): opens the
--- batch of each slot of open (with epochs and locked cursors curs, at the
--- same positions) from the span's read (_slot_span), as _receive does for one
--- slot (a batch id, at most max_events events, the batch's end once it was
--- read whole), with one cursor write for them all; returns their rows.
+-- pgque._open_span_batches(events, routes, with_events, counts, lasts, handed,
+-- next_tick, open, epochs, curs, max_events): opens the batch of each slot of
+-- open (with epochs and locked cursors curs, at the same positions) from the
+-- span's read, as _slot_span planned it (its events, routes, with_events,
+-- counts, lasts, handed and next_tick), as _receive does for one slot (a batch
+-- id, at most max_events events, the batch's end once it was read whole),
+-- with one cursor write for them all; returns their rows. The arrays come as
+-- arguments, not as a record: a record's field named in the query would be
+-- fetched again for every row.
 create or replace function pgque._open_span_batches(
-    p_span record, p_open integer[], p_epochs bigint[], p_curs pgque.cursor[],
-    p_max_events integer)
+    p_events pgque.event_template[], p_routes integer[], p_with integer[], p_counts bigint[],
+    p_lasts bigint[], p_handed bigint[], p_next_tick bigint,
+    p_open integer[], p_epochs bigint[], p_curs pgque.cursor[], p_max_events integer)
 returns setof pgque.batch_event
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -279,22 +323,21 @@ begin
     return query
         with served as (
             select t.k, t.epoch, t.n, nextval('pgque.batch_id_seq') as batch_id,
-                   (p_span.counts)[j.j] as count, (p_span.lasts)[j.j] as last,
-                   (p_span.handed)[j.j] as handed
+                   p_counts[j.j] as count, p_lasts[j.j] as last, p_handed[j.j] as handed
               from unnest(p_open, p_epochs) with ordinality as t(k, epoch, n)
-             cross join lateral (select array_position(p_span.with_events, t.k) as j) j
+             cross join lateral (select array_position(p_with, t.k) as j) j
         ), saved as (
             insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
                                       cur_pos, cur_handed, cur_end)
             select (p_curs[s.n]).cur_sub, (p_curs[s.n]).cur_seq + 1,
-                   (p_curs[s.n]).cur_last_tick, s.batch_id, p_span.next_tick, 0, s.handed,
+                   (p_curs[s.n]).cur_last_tick, s.batch_id, p_next_tick, 0, s.handed,
                    case when p_max_events is null or s.count <= p_max_events then s.last end
               from served s
         )
         select s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
                e.ev_extra1, s.epoch, s.k
-          from unnest(p_span.events) with ordinality as e
-          join served s on s.k = (p_span.routes)[e.ordinality]
+          from unnest(p_events) with ordinality as e
+          join served s on s.k = p_routes[e.ordinality]
          where e.ev_id <= s.handed;
 end
 $$;
