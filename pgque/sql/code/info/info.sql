@@ -505,13 +505,17 @@ language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
+    -- Who the caller is and what it may do at all, judged once, not per row.
+    with me as materialized (
+        select c.admin, c.role, pgque._may_send_at_all(c.role) as sends,
+               pgque._may_consume_at_all(c.role) as consumes
+          from pgque._caller_access() c)
     select g.kind, q.queue_name, g.name, g.current
       from pgque._generated_code() g
       left join pgque.queue q on q.queue_id = g.queue_id
-     cross join pgque._caller_access() me
+     cross join me
      where g.queue_id is null or me.admin
-        or pgque._may_see_queue(q, me.role, pgque._may_send_at_all(me.role),
-                                pgque._may_consume_at_all(me.role))
+        or pgque._may_see_queue(q, me.role, me.sends, me.consumes)
      order by g.queue_id nulls first, g.kind
 $$;
 

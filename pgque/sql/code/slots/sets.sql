@@ -118,6 +118,9 @@ declare
     v_span_slots integer[] := p_req.span_slots;
     v_span_subs integer[] := p_req.span_subs;
 begin
+    if coalesce(cardinality(p_events), 0) = 0 then
+        return;  -- nothing to route (an idle poll): no query
+    end if;
     with routed as materialized (
         select e.ordinality as i, e.ev_id, coalesce(o.k, -1) as k
           from unnest(p_events) with ordinality as e
