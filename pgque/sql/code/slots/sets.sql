@@ -104,8 +104,8 @@ $$;
 -- would cost more than the rest of receive_slots), a retried event to its
 -- owner's slot only (-1: none of them); the slots that have events, ascending,
 -- and for each how many, the last one's ev_id and the last ev_id of the first
--- piece (max_events). The events come as an argument, not in a record: they
--- are read once per row below.
+-- piece (max_events; without it, the last one). The events come as an
+-- argument, not in a record: they are read once per row below.
 create or replace function pgque._route_span(
     p_events pgque.event_template[], p_req pgque.read_request, p_max_events integer,
     out routes integer[], out with_events integer[], out counts bigint[], out lasts bigint[],
@@ -121,27 +121,38 @@ begin
     if coalesce(cardinality(p_events), 0) = 0 then
         return;  -- nothing to route (an idle poll): no query
     end if;
-    with routed as materialized (
-        select e.ordinality as i, e.ev_id, coalesce(o.k, -1) as k
+    routes := array(
+        select coalesce(o.k, -1)
           from unnest(p_events) with ordinality as e
           left join unnest(v_span_slots, v_span_subs) as o(k, sub)
             on o.k = case when e.ev_extra1 is null then 0
                           else (hashtextextended(e.ev_extra1, 0) % v_slots
                                 + v_slots) % v_slots end
            and (e.ev_owner is null or e.ev_owner = o.sub)
-    ), per_slot as (
-        select r.k, count(*) as n, max(r.ev_id) as last,
-               coalesce((array_agg(r.ev_id order by r.ev_id))[p_max_events],
-                        max(r.ev_id)) as handed
-          from routed r
-         where r.k >= 0
-         group by r.k
-    )
-    select (select array_agg(r.k order by r.i) from routed r),
-           array_agg(p.k order by p.k), array_agg(p.n order by p.k),
-           array_agg(p.last order by p.k), array_agg(p.handed order by p.k)
-      into routes, with_events, counts, lasts, handed
-      from per_slot p;
+         order by e.ordinality);
+    select array_agg(p.k order by p.k), array_agg(p.n order by p.k),
+           array_agg(p.last order by p.k)
+      into with_events, counts, lasts
+      from (select routes[e.ordinality] as k, count(*) as n, max(e.ev_id) as last
+              from unnest(p_events) with ordinality as e
+             where routes[e.ordinality] >= 0
+             group by 1) p;
+    -- Each slot's piece ends at its last event, or at its max_events-th by
+    -- ev_id when it has more (pieces: only then are the events ordered).
+    handed := lasts;
+    if p_max_events < any(counts) then
+        handed := array(
+            select coalesce(m.ev_id, w.last)
+              from unnest(with_events, lasts) with ordinality as w(k, last, i)
+              left join (select r.k, r.ev_id
+                           from (select routes[e.ordinality] as k, e.ev_id,
+                                        row_number() over (partition by routes[e.ordinality]
+                                                           order by e.ev_id) as n
+                                   from unnest(p_events) with ordinality as e
+                                  where routes[e.ordinality] >= 0) r
+                          where r.n = p_max_events) m on m.k = w.k
+             order by w.i);
+    end if;
 end
 $$;
 
@@ -243,6 +254,10 @@ declare
     v_open integer[] := '{}';        -- the slots opened together, their epochs and cursors
     v_epochs bigint[] := '{}';
     v_open_curs pgque.cursor[] := '{}';
+    v_served record;                 -- their batches (_open_span_batches)
+    v_routes integer[];
+    v_batch_ids bigint[];
+    v_handed bigint[];
     v_rest pgque.batch_event[] := '{}';  -- the rows of the other slots
     v_i integer;
 begin
@@ -292,56 +307,64 @@ begin
             select r from pgque._receive_slot(v_queue, v_group, v_ks[v_i], v_subs[v_i],
                                               v_curs[v_i], p_max_events) r);
     end loop;
+    -- The pieces of the slots opened together, read from the span's events
+    -- (the arrays in variables: a record's field would be fetched per row),
+    -- then the rows of the others, by slot and ev_id.
+    if cardinality(v_open) > 0 then
+        v_served := pgque._open_span_batches(v_route.with_events, v_route.counts, v_route.lasts,
+                                             v_route.handed, v_span.next_tick, v_open,
+                                             v_open_curs, p_max_events);
+        v_routes := v_route.routes;
+        v_batch_ids := v_served.batch_ids;
+        v_handed := v_served.handed;
+    end if;
     return query
-        select r.slot, r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
-               r.ev_extra1, r.epoch
-          from (select * from pgque._open_span_batches(
-                    v_events, v_route.routes, v_route.with_events, v_route.counts,
-                    v_route.lasts, v_route.handed, v_span.next_tick, v_open, v_epochs,
-                    v_open_curs, p_max_events)
-                union all
-                select x.* from unnest(v_rest) x) r
-         order by r.slot, r.ev_id;
+        select s.k, s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
+               e.ev_extra1, s.epoch
+          from unnest(v_events) with ordinality as e
+          join unnest(v_open, v_batch_ids, v_handed, v_epochs) as s(k, batch_id, handed, epoch)
+            on s.k = v_routes[e.ordinality]
+         where e.ev_id <= s.handed
+        union all
+        select x.slot, x.batch_id, x.ev_id, x.ev_time, x.ev_retry, x.ev_type, x.ev_data,
+               x.ev_extra1, x.epoch
+          from unnest(v_rest) x
+         order by 1, 3;
 end
 $$;
 
--- pgque._open_span_batches(events, routes, with_events, counts, lasts, handed,
--- next_tick, open, epochs, curs, max_events): opens the batch of each slot of
--- open (with epochs and locked cursors curs, at the same positions) from the
--- span's read, as _slot_span planned it (its events, routes, with_events,
--- counts, lasts, handed and next_tick), as _receive does for one slot (a batch
--- id, at most max_events events, the batch's end once it was read whole),
--- with one cursor write for them all; returns their rows. The arrays come as
--- arguments, not as a record: a record's field named in the query would be
--- fetched again for every row.
+-- pgque._open_span_batches(route, next_tick, open, epochs, curs, max_events):
+-- opens the batch of each slot of open (with epochs and locked cursors curs,
+-- at the same positions) over the span's read, as _slot_span planned it (its
+-- routing by _route_span, and next_tick), as _receive does for one slot (a
+-- batch id, a piece of at most max_events events, the batch's end once it
+-- was read whole), with one cursor write for them all; returns, for each slot
+-- of open, its batch id and the ev_id of its piece's last event. The caller
+-- reads the rows of the pieces from the span's events.
 create or replace function pgque._open_span_batches(
-    p_events pgque.event_template[], p_routes integer[], p_with integer[], p_counts bigint[],
-    p_lasts bigint[], p_handed bigint[], p_next_tick bigint,
-    p_open integer[], p_epochs bigint[], p_curs pgque.cursor[], p_max_events integer)
-returns setof pgque.batch_event
+    p_with integer[], p_counts bigint[], p_lasts bigint[], p_handed bigint[],
+    p_next_tick bigint, p_open integer[], p_curs pgque.cursor[], p_max_events integer,
+    out batch_ids bigint[], out handed bigint[])
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return query
-        with served as (
-            select t.k, t.epoch, t.n, nextval('pgque.batch_id_seq') as batch_id,
-                   p_counts[j.j] as count, p_lasts[j.j] as last, p_handed[j.j] as handed
-              from unnest(p_open, p_epochs) with ordinality as t(k, epoch, n)
-             cross join lateral (select array_position(p_with, t.k) as j) j
-        ), saved as (
-            insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
-                                      cur_pos, cur_handed, cur_end)
-            select (p_curs[s.n]).cur_sub, (p_curs[s.n]).cur_seq + 1,
-                   (p_curs[s.n]).cur_last_tick, s.batch_id, p_next_tick, 0, s.handed,
-                   case when p_max_events is null or s.count <= p_max_events then s.last end
-              from served s
-        )
-        select s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-               e.ev_extra1, s.epoch, s.k
-          from unnest(p_events) with ordinality as e
-          join served s on s.k = p_routes[e.ordinality]
-         where e.ev_id <= s.handed;
+    with served as (
+        select t.n, nextval('pgque.batch_id_seq') as batch_id,
+               p_counts[j.j] as count, p_lasts[j.j] as last, p_handed[j.j] as handed
+          from unnest(p_open) with ordinality as t(k, n)
+         cross join lateral (select array_position(p_with, t.k) as j) j
+    ), saved as (
+        insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
+                                  cur_pos, cur_handed, cur_end)
+        select (p_curs[s.n]).cur_sub, (p_curs[s.n]).cur_seq + 1,
+               (p_curs[s.n]).cur_last_tick, s.batch_id, p_next_tick, 0, s.handed,
+               case when p_max_events is null or s.count <= p_max_events then s.last end
+          from served s
+    )
+    select array_agg(s.batch_id order by s.n), array_agg(s.handed order by s.n)
+      into batch_ids, handed
+      from served s;
 end
 $$;
 
