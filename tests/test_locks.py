@@ -166,18 +166,26 @@ def test_ticker_and_maintenance_pass_over_a_queue_being_dropped(
 def test_maintenance_of_one_queue_runs_once_at_a_time(
         client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
     client.create_queue("q")
-    client.tick("q")
-    client.tick("q")  # two ticks no one needs: work for the ticks step
+    client.subscribe("q", "c")
+    conn.execute("update pgque.rotation set rt_period = '1 day'")  # only the queue's steps
+
+    def nack_one() -> None:  # work for the nacks step: the record of a finished batch
+        client.send("q", "e", 1)
+        client.tick("q")
+        batch = client.receive("q", "c")
+        assert batch is not None
+        client.ack(batch, nack=batch.messages, retry_after=3600)
+
+    nack_one()
     with open_transaction(dsn) as first:
-        assert first.execute("select step, amount from pgque.maint()").fetchall() == [
-            ("ticks", 2)]
-        client.tick("q")
-        client.tick("q")
+        assert first.execute("select step, amount from pgque.maint('q')").fetchall() == [
+            ("nacks", 1)]
+        nack_one()
         # A second caller skips the queue without waiting, though it has work.
         with pgque.connect(dsn, options=TIMEOUT_OPTIONS) as other:
             assert other.maintenance() == []
         first.commit()
-    assert client.maintenance() == [("q", "ticks", 2)]
+    assert client.maintenance() == [("q", "nacks", 1)]
 
 
 def _queue_row_sql(function: str) -> str:
@@ -185,17 +193,11 @@ def _queue_row_sql(function: str) -> str:
 
 
 def maintenance_work(dsn: str, queue: str) -> int:
-    """What maintenance's steps would do now, run without its look first: every
-    step in a transaction that is rolled back. Counts the nack records the
-    cursor step deletes too, which it does not report."""
+    """What maintenance's steps of one queue would do now, run without its look
+    first: every step in a transaction that is rolled back."""
     with psycopg.connect(dsn) as oracle:
-        nacks = ("select count(*) from pgque.batch_nack n join pgque.subscription s "
-                 "on s.sub_id = n.bn_sub join pgque.queue q on q.queue_id = s.sub_queue "
-                 "where q.queue_name = %s")
-        before = scalar(oracle, nacks, (queue,))
         work = sum(int(scalar(oracle, _queue_row_sql(step), (queue,)))
-                   for step in ("_maint_rotate", "_maint_retry", "_maint_ticks", "_maint_cursors"))
-        work += before - scalar(oracle, nacks, (queue,))
+                   for step in ("_maint_rotate", "_maint_retry", "_maint_nacks"))
         oracle.rollback()
     return work
 
@@ -252,7 +254,7 @@ def test_the_look_before_the_maintenance_lock_never_misses_work(
                 work = maintenance_work(dsn, queue)
                 due = maintenance_due(conn, queue)
                 assert due or work == 0, f"_maint_due missed {work} units of work after {op}"
-                done = client.maintenance(queue)
+                done = [step for step in client.maintenance(queue) if step[0] == queue]
                 assert due or done == []
         client.drop_queue(queue, force=True)
 
@@ -278,14 +280,6 @@ def test_maintenance_finds_each_kind_of_work(client: pgque.Client,
         settle()
 
     settle()
-    client.tick("bare")
-    client.tick("bare")
-    expect("bare", "ticks")  # all but the newest tick go
-
-    client.tick("q")
-    assert drain(client, "q", "c", tick=False) == []
-    expect("q", "cursors")  # the superseded rows of the cursor log
-
     client.send("q", "e", "fails")
     client.tick("q")
     while (batch := client.receive("q", "c")) is not None and not batch.messages:
@@ -296,11 +290,9 @@ def test_maintenance_finds_each_kind_of_work(client: pgque.Client,
     conn.execute("update pgque.retry_queue set ev_retry_after = now()")
     expect("q", "retry")
 
-    # A nack record of a finished batch alone: the cursor step deletes it (and
-    # reports nothing, as it reports cursor rows only).
+    # A nack record of a finished batch alone: the nacks step deletes it.
     conn.execute("insert into pgque.batch_nack select sub_id, -1, 1 from pgque.subscription")
-    assert maintenance_due(conn, "q")
-    client.maintenance("q")
+    expect("q", "nacks")
     assert scalar(conn, "select count(*) from pgque.batch_nack") == 0
     settle()
 

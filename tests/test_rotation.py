@@ -60,7 +60,7 @@ def test_events_through_three_rotations_leave_no_dead_tuples(
             got["lagging"] += [m.id for m in drain(client, "q", "lagging",
                                                    max_events=3 * chunk // 5)]
         for _, step, _amount in client.maintenance("q"):
-            assert step in ("rotate", "ticks", "cursors")
+            assert step in ("rotate", "rotate_cursors", "rotate_ticks")
         now = current_table(conn, "q")
         if now != previous:
             switches += 1

@@ -78,17 +78,46 @@ end
 $$;
 
 -- pgque._current_cursor(sub_id): the subscription's current cursor state (the newest
--- row of its cursor log, read backwards along the primary key).
+-- row of its cursor log in the partition written now, read backwards along
+-- the primary key: one index probe; see ticker/rotation.sql). Every
+-- subscription has one there; a transaction whose snapshot predates the
+-- rotations that emptied its partition finds none, and gets 40001.
 create or replace function pgque._current_cursor(p_sub_id integer)
 returns pgque.cursor
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
+    v_part smallint := pgque._rotation_part('cursor');
     v_cur pgque.cursor;
 begin
-    select * into v_cur from pgque.cursor where cur_sub = p_sub_id order by cur_seq desc limit 1;
+    select * into v_cur from pgque.cursor
+     where cur_part = v_part and cur_sub = p_sub_id order by cur_seq desc limit 1;
+    if not found then
+        perform pgque._cursor_missing(p_sub_id);
+    end if;
     return v_cur;
+end
+$$;
+
+-- pgque._cursor_missing(sub_id): called when subscription sub_id has no
+-- cursor in the partition written now: raises 40001 (serialization failure)
+-- when the subscription exists and this transaction's snapshot is older than
+-- the statement's (REPEATABLE READ, SERIALIZABLE): a rotation emptied the
+-- partition its snapshot still names. Otherwise the subscription is gone, and
+-- the caller goes on without a cursor.
+create or replace function pgque._cursor_missing(p_sub_id integer)
+returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if current_setting('transaction_isolation') <> 'read committed'
+       and exists (select from pgque.subscription s where s.sub_id = p_sub_id) then
+        raise exception using errcode = '40001',
+            message = 'pgque rotated its cursor tables after this transaction''s snapshot',
+            hint = 'Retry the transaction.';
+    end if;
 end
 $$;
 
@@ -101,9 +130,10 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
-                              cur_pos, cur_handed, cur_end)
+                              cur_pos, cur_handed, cur_end, cur_part)
     values (p_cur.cur_sub, p_cur.cur_seq + 1, p_cur.cur_last_tick, p_cur.cur_batch,
-            p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end);
+            p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end,
+            pgque._write_part('cursor'));
 end
 $$;
 

@@ -207,14 +207,15 @@ begin
           from generate_subscripts(p_curs, 1) i
     ), saved as (
         insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
-                                  cur_pos, cur_handed, cur_end)
+                                  cur_pos, cur_handed, cur_end, cur_part)
         select (a.cur).cur_sub, (a.cur).cur_seq + 1,
                case when a.finished then (a.cur).cur_next_tick else (a.cur).cur_last_tick end,
                case when not a.finished then (a.cur).cur_batch end,
                case when not a.finished then (a.cur).cur_next_tick end,
                case when not a.finished then (a.cur).cur_handed end,
                case when not a.finished then (a.cur).cur_handed end,
-               case when not a.finished then (a.cur).cur_end end
+               case when not a.finished then (a.cur).cur_end end,
+               (select pgque._write_part('cursor'))
           from acked a
     )
     select array_agg(a.finished order by a.i) into v_done from acked a;

@@ -31,7 +31,10 @@ begin
     if v_sub_id is null then
         return false;
     end if;
-    insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick) values (v_sub_id, 1, v_tick);
+    -- Its first cursor, with the rotation row held FOR SHARE until this
+    -- commits: no rotation copies the cursors before this one is seen.
+    insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_part)
+    values (v_sub_id, 1, v_tick, pgque._write_part('cursor', true));
     return true;
 end
 $$;
@@ -64,8 +67,9 @@ begin
 end
 $$;
 
--- pgque._unsubscribe(queue_id, consumers): deletes the subscriptions with
--- their cursors (retries go by cascade); returns how many.
+-- pgque._unsubscribe(queue_id, consumers): deletes the subscriptions (retries
+-- go by cascade); returns how many. Their cursor rows stay until the next
+-- rotations empty their partitions (no row of the cursor log is deleted).
 create or replace function pgque._unsubscribe(p_queue_id integer, p_consumers text[])
 returns integer
 language plpgsql
@@ -79,7 +83,6 @@ begin
          where sub_queue = p_queue_id and sub_consumer = any(p_consumers)
         returning sub_id)
     select array_agg(sub_id) into v_ids from gone;
-    delete from pgque.cursor where cur_sub = any(v_ids);
     return coalesce(cardinality(v_ids), 0);
 end
 $$;

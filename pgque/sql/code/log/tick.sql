@@ -59,8 +59,9 @@ begin
     -- The sequence position, read before the snapshot is taken: the insert
     -- below is a new statement, hence a new snapshot, after the lock too.
     v_event_seq := coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
-    insert into pgque.tick (tick_queue, tick_id, tick_snapshot, tick_event_seq)
-    values (p_queue.queue_id, nextval('pgque.tick_id_seq'), pg_current_snapshot(), v_event_seq)
+    insert into pgque.tick (tick_queue, tick_id, tick_snapshot, tick_event_seq, tick_part)
+    values (p_queue.queue_id, nextval('pgque.tick_id_seq'), pg_current_snapshot(), v_event_seq,
+            pgque._write_part('tick'))
     returning tick_id into v_tick_id;
     -- Wake the queue's consumers. The notification carries nothing: it only
     -- says "look now", and the consumers' poll covers for a lost one.

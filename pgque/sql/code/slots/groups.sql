@@ -302,6 +302,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 #variable_conflict use_column
 declare
+    v_part smallint := pgque._rotation_part('cursor');
     v_found integer;
     v_missing integer;
 begin
@@ -313,7 +314,8 @@ begin
                                                      p_group.cg_slots) as name) n
           join pgque.subscription s on s.sub_queue = p_queue.queue_id and s.sub_consumer = n.name
          -- pgque._current_cursor, written out: a call per slot cost more than its read.
-         cross join lateral (select o from pgque.cursor o where o.cur_sub = s.sub_id
+         cross join lateral (select o from pgque.cursor o
+                              where o.cur_part = v_part and o.cur_sub = s.sub_id
                               order by o.cur_seq desc limit 1) c0(c)
          order by k;
     get diagnostics v_found = row_count;
@@ -324,6 +326,15 @@ begin
                             where s.sub_queue = p_queue.queue_id
                               and s.sub_consumer = pgque._slot_name(p_group.cg_consumer, k,
                                                                     p_group.cg_slots));
+        if v_missing is null then
+            -- Every slot is subscribed: a cursor this transaction cannot see.
+            perform pgque._cursor_missing(s.sub_id)
+               from pgque.subscription s
+              where s.sub_queue = p_queue.queue_id
+                and s.sub_consumer = any(array(select pgque._slot_name(p_group.cg_consumer, k,
+                                                                       p_group.cg_slots)
+                                                 from unnest(p_slots) k));
+        end if;
         raise exception using errcode = 'PQ002',
             message = format('consumer %L is not subscribed to queue %L',
                              pgque._name_for_message(

@@ -170,6 +170,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_locked record;
+    v_part smallint;
 begin
     epochs := pgque._slot_epochs(p_subs);
     if array_position(epochs, null) is not null then
@@ -182,9 +183,11 @@ begin
                        for update of s loop
         perform pgque._require_owner(v_locked.s);
     end loop;
+    v_part := pgque._write_part('cursor');  -- read once locked, as a writer
     curs := array(select c.c from generate_subscripts(p_subs, 1) i
                    cross join lateral (select o from pgque.cursor o
-                                        where o.cur_sub = (p_subs[i]).sub_id
+                                        where o.cur_part = v_part
+                                          and o.cur_sub = (p_subs[i]).sub_id
                                         order by o.cur_seq desc limit 1) c(c)
                    where (c.c).cur_batch is null and (c.c).cur_last_tick = p_last_tick
                    order by i);
@@ -356,10 +359,11 @@ begin
          cross join lateral (select array_position(p_with, t.k) as j) j
     ), saved as (
         insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
-                                  cur_pos, cur_handed, cur_end)
+                                  cur_pos, cur_handed, cur_end, cur_part)
         select (p_curs[s.n]).cur_sub, (p_curs[s.n]).cur_seq + 1,
                (p_curs[s.n]).cur_last_tick, s.batch_id, p_next_tick, 0, s.handed,
-               case when p_max_events is null or s.count <= p_max_events then s.last end
+               case when p_max_events is null or s.count <= p_max_events then s.last end,
+               (select pgque._write_part('cursor'))
           from served s
     )
     select array_agg(s.batch_id order by s.n), array_agg(s.handed order by s.n)

@@ -1,4 +1,5 @@
--- pgque: maintenance (rotation, retry re-insertion, tick and cursor cleanup).
+-- pgque: maintenance (event table rotation, retry re-insertion, nack cleanup;
+-- the rotation of the cursor and tick tables is in rotation.sql).
 --
 -- Each step is safe to run concurrently and repeatedly: steps of one queue
 -- are serialized by the queue's maintenance lock, its 'maint' row of
@@ -102,10 +103,11 @@ as $$
                     (pgque._last_tick(p_queue_id)).tick_id)
 $$;
 
--- pgque._maint_ticks(queue): deletes, in one statement, the ticks no
--- subscription needs any more (all before the oldest last tick; with no
--- subscription, all but the newest). Returns how many.
-create or replace function pgque._maint_ticks(p_queue pgque.queue)
+-- pgque._maint_nacks(queue): deletes, in one statement, the nack records of
+-- the batches of the queue's subscriptions that are no longer open. Returns
+-- how many. (Ticks and cursor rows are not deleted: their tables rotate,
+-- ticker/rotation.sql.)
+create or replace function pgque._maint_nacks(p_queue pgque.queue)
 returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -113,34 +115,11 @@ as $$
 declare
     v_count bigint;
 begin
-    delete from pgque.tick
-     where tick_queue = p_queue.queue_id and tick_id < pgque._ticks_kept_from(p_queue.queue_id);
-    get diagnostics v_count = row_count;
-    return v_count;
-end
-$$;
-
--- pgque._maint_cursors(queue): deletes, in one statement, the superseded rows
--- of the cursor logs of the queue's subscriptions, and the nack records of
--- their finished batches. Returns how many cursor rows went.
-create or replace function pgque._maint_cursors(p_queue pgque.queue)
-returns bigint
-language plpgsql
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_count bigint;
-begin
-    delete from pgque.cursor c
-     using pgque.subscription s
-     where s.sub_queue = p_queue.queue_id and c.cur_sub = s.sub_id
-       and c.cur_seq < (pgque._current_cursor(s.sub_id)).cur_seq;
-    get diagnostics v_count = row_count;
-    -- The nack records of batches that are no longer open.
     delete from pgque.batch_nack n
      using pgque.subscription s
      where s.sub_queue = p_queue.queue_id and n.bn_sub = s.sub_id
        and n.bn_batch is distinct from (pgque._current_cursor(s.sub_id)).cur_batch;
+    get diagnostics v_count = row_count;
     return v_count;
 end
 $$;
@@ -149,8 +128,8 @@ $$;
 -- queue, looked at without its maintenance lock and without writing: a
 -- table to truncate (a non-current event table, not empty, whose newest
 -- event is below the consumed floor) or to switch to (rotation_period passed
--- and the next table is empty), a due retry, a tick no subscription needs,
--- a superseded cursor row or a nack record of a finished batch, a slot index
+-- and the next table is empty), a due retry, a nack record of a finished
+-- batch, a slot index
 -- to make or drop (_slot_indexes_due), a batch reader to write again
 -- (_batch_reader_due). Each test is
 -- the one its step applies, so it never says no while a step would act.
@@ -179,19 +158,11 @@ begin
     if pgque._slot_indexes_due(p_queue.queue_id) or pgque._batch_reader_due(p_queue.queue_id) then
         return true;
     end if;
-    if exists (select 1 from pgque.tick t
-                where t.tick_queue = p_queue.queue_id
-                  and t.tick_id < pgque._ticks_kept_from(p_queue.queue_id)) then
-        return true;
-    end if;
     if exists (select 1
                  from pgque.subscription s cross join lateral pgque._current_cursor(s.sub_id) c
+                 join pgque.batch_nack b on b.bn_sub = s.sub_id
                 where s.sub_queue = p_queue.queue_id
-                  and (exists (select 1 from pgque.cursor o
-                                where o.cur_sub = s.sub_id and o.cur_seq < c.cur_seq)
-                       or exists (select 1 from pgque.batch_nack b
-                                   where b.bn_sub = s.sub_id
-                                     and b.bn_batch is distinct from c.cur_batch))) then
+                  and b.bn_batch is distinct from c.cur_batch) then
         return true;
     end if;
     if now() - p_queue.queue_switch_time >= p_queue.queue_rotation_period then
@@ -224,8 +195,10 @@ $$;
 -- when null) and reports what it did as rows (queue_name, step, amount).
 -- A queue whose maintenance is already running elsewhere (or that is being
 -- dropped) is skipped, and so, without taking any lock, is a queue where no
--- step has work (_maint_due). A pass over all queues also writes the event
--- writer when it is due (step event_writer, queue_name null).
+-- step has work (_maint_due). Every call first rotates the cursor and tick
+-- tables of all queues when they are due (steps rotate_cursors and
+-- rotate_ticks, queue_name null). A pass over all queues also writes the
+-- event writer when it is due (step event_writer, queue_name null).
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
 language plpgsql
@@ -240,6 +213,18 @@ declare
 begin
     if p_queue is not null then
         perform pgque._queue_row(p_queue);
+    end if;
+    -- The rotated tables of all queues (ticker/rotation.sql), when due: the
+    -- number of rows each rotation carried over.
+    v_amount := pgque._rotate_cursors();
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_cursors'; amount := v_amount;
+        return next;
+    end if;
+    v_amount := pgque._rotate_ticks();
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_ticks'; amount := v_amount;
+        return next;
     end if;
     for v_id in select q.queue_id from pgque.queue q
                  where p_queue is null or q.queue_name = p_queue
@@ -265,14 +250,9 @@ begin
             queue_name := v_queue.queue_name; step := 'retry'; amount := v_amount;
             return next;
         end if;
-        v_amount := pgque._maint_ticks(v_queue);
+        v_amount := pgque._maint_nacks(v_queue);
         if v_amount > 0 then
-            queue_name := v_queue.queue_name; step := 'ticks'; amount := v_amount;
-            return next;
-        end if;
-        v_amount := pgque._maint_cursors(v_queue);
-        if v_amount > 0 then
-            queue_name := v_queue.queue_name; step := 'cursors'; amount := v_amount;
+            queue_name := v_queue.queue_name; step := 'nacks'; amount := v_amount;
             return next;
         end if;
         v_amount := pgque._sync_slot_indexes(v_queue.queue_id, null, '50ms');

@@ -1,0 +1,84 @@
+-- Migration 7 (pgque 0.4.0): the cursor log and the ticks in rotating tables.
+--
+-- Until 0.4 every receive and ack appended a cursor row and every tick a tick
+-- row that maintenance later deleted: dead rows for vacuum, piling up while a
+-- long transaction held the xmin horizon back. Now each of the two tables is
+-- partitioned in two, written one at a time (pgque.rotation names which), and
+-- the other one is emptied by TRUNCATE, which leaves nothing for vacuum (see
+-- code/ticker/rotation.sql). The tables in place become the first partitions,
+-- with every row they hold: nothing is copied, and the first rotation empties
+-- the other half.
+
+-- Which partition of each rotated table is written now (rt_part, of rt_parts),
+-- and since when: the row changes once per rotation, nothing else writes it.
+create table if not exists pgque.rotation (
+    rt_name   text primary key check (rt_name in ('cursor', 'tick')),
+    rt_part   smallint not null default 0,
+    rt_parts  smallint not null default 2 check (rt_parts = 2),
+    rt_period interval not null default '1 minute',
+    rt_time   timestamptz not null default now(),
+    check (rt_part >= 0 and rt_part < rt_parts)
+);
+insert into pgque.rotation (rt_name) values ('cursor'), ('tick') on conflict do nothing;
+
+-- The cursor log: the table in place becomes partition 0. Its name goes with
+-- it (and its row type, which only pgque's code uses; the code is created
+-- again after the migrations); the partitioned table takes the name. Each
+-- table is converted only while it is a plain one: the migration may run
+-- again (a lost pgque.migration, see 0001), and then changes nothing.
+do $cursor$
+begin
+    if (select c.relkind from pg_catalog.pg_class c
+         where c.oid = 'pgque.cursor'::pg_catalog.regclass) = 'p' then
+        return;
+    end if;
+    alter table pgque.cursor rename to cursor_0;
+    alter table pgque.cursor_0 drop constraint cursor_pkey;
+    alter table pgque.cursor_0 add column cur_part smallint not null default 0;
+    alter table pgque.cursor_0 alter column cur_part drop default;
+    alter table pgque.cursor_0
+        add constraint cursor_0_pkey primary key (cur_part, cur_sub, cur_seq);
+    create table pgque.cursor (
+        cur_sub       integer not null,
+        cur_seq       bigint not null,
+        cur_last_tick bigint not null,
+        cur_batch     bigint,
+        cur_next_tick bigint,
+        cur_pos       bigint,
+        cur_handed    bigint,
+        cur_end       bigint,
+        cur_time      timestamptz not null default now(),
+        cur_part      smallint not null,  -- the partition (pgque.rotation 'cursor')
+        primary key (cur_part, cur_sub, cur_seq)
+    ) partition by list (cur_part);
+    alter table pgque.cursor attach partition pgque.cursor_0 for values in (0);
+    create table pgque.cursor_1 partition of pgque.cursor for values in (1);
+end
+$cursor$;
+
+-- The ticks, the same way.
+do $tick$
+begin
+    if (select c.relkind from pg_catalog.pg_class c
+         where c.oid = 'pgque.tick'::pg_catalog.regclass) = 'p' then
+        return;
+    end if;
+    alter table pgque.tick rename to tick_0;
+    alter table pgque.tick_0 drop constraint tick_pkey;
+    alter table pgque.tick_0 add column tick_part smallint not null default 0;
+    alter table pgque.tick_0 alter column tick_part drop default;
+    alter table pgque.tick_0
+        add constraint tick_0_pkey primary key (tick_queue, tick_id, tick_part);
+    create table pgque.tick (
+        tick_queue     integer not null references pgque.queue on delete cascade,
+        tick_id        bigint not null,
+        tick_time      timestamptz not null default now(),
+        tick_snapshot  pg_snapshot not null,
+        tick_event_seq bigint not null,
+        tick_part      smallint not null,  -- the partition (pgque.rotation 'tick')
+        primary key (tick_queue, tick_id, tick_part)
+    ) partition by list (tick_part);
+    alter table pgque.tick attach partition pgque.tick_0 for values in (0);
+    create table pgque.tick_1 partition of pgque.tick for values in (1);
+end
+$tick$;

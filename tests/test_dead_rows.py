@@ -1,0 +1,388 @@
+"""No dead rows: the engine's own state (the cursor log, the ticks) is only
+inserted into and emptied by TRUNCATE when its tables rotate, as the event
+tables are; the hot path updates and deletes no row.
+
+Rotations are made due at every maintenance pass here (rt_period 0), so that a
+test crosses many of them; in production they come once a minute.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import scalar, wait_for
+
+import pgque
+
+HOT_PATH_CYCLES = 1000
+
+
+def rotate_always(conn: psycopg.Connection[Any]) -> None:
+    """Every maintenance pass rotates the cursor and tick tables from now on."""
+    conn.execute("update pgque.rotation set rt_period = '0'")
+
+
+def table_writes(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, int, int]]:
+    """(n_tup_upd, n_tup_del, n_dead_tup) of every table of schema pgque, as the
+    statistics show them once this session's own counts are flushed."""
+    conn.execute("select pg_stat_force_next_flush()")
+    conn.execute("select pg_stat_clear_snapshot()")
+    rows = conn.execute(
+        "select relname, n_tup_upd, n_tup_del, n_dead_tup from pg_stat_user_tables"
+        " where schemaname = 'pgque'").fetchall()
+    return {name: (upd, dele, dead) for name, upd, dele, dead in rows}
+
+
+def rotations(steps: list[tuple[str | None, str, int]]) -> int:
+    return sum(1 for _queue, step, _amount in steps if step.startswith("rotate_"))
+
+
+def cursor_state(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    """Every subscription's current cursor as _current_cursor reads it."""
+    return conn.execute(
+        "select s.sub_consumer, (c).cur_seq, (c).cur_last_tick, (c).cur_batch,"
+        "       (c).cur_next_tick, (c).cur_pos, (c).cur_handed, (c).cur_end"
+        "  from pgque.subscription s, pgque._current_cursor(s.sub_id) c"
+        " order by s.sub_consumer").fetchall()
+
+
+@pytest.mark.parametrize("consumer", ["group16", "plain"])
+def test_hot_path_updates_and_deletes_no_row(client: pgque.Client,
+                                             conn: psycopg.Connection[Any],
+                                             consumer: str) -> None:
+    """1,000 send-tick-receive-ack cycles (of a 16-slot group drained with
+    receive_slots and ack_slots, or of a plain consumer), with a maintenance
+    pass that rotates every 50 cycles: no pgque table has a row updated or
+    deleted, except pgque.rotation's, once per rotation."""
+    client.create_queue("q")
+    if consumer == "group16":
+        client.subscribe_slots("q", "g", slots=16)
+        for slot in range(16):
+            assert client.claim_slot("q", "g", slot)
+    else:
+        client.subscribe("q", "c")
+    rotate_always(conn)
+    client.maintenance()
+    before = table_writes(client.conn)
+    steps: list[tuple[str | None, str, int]] = []
+    received = 0
+    for cycle in range(HOT_PATH_CYCLES):
+        client.send_batch("q", [("e", {"n": i}, f"key-{cycle}-{i}") for i in range(8)])
+        client.tick("q")
+        if consumer == "group16":
+            batches = client.receive_slots("q", "g", slots=16, owned=range(16))
+            received += sum(len(b) for b in batches)
+            client.ack_slots(batches)
+        else:
+            batch = client.receive("q", "c")
+            assert batch is not None
+            received += len(batch)
+            assert client.ack(batch)
+        if cycle % 50 == 49:
+            steps += client.maintenance()
+    after = table_writes(client.conn)
+    assert received == 8 * HOT_PATH_CYCLES
+    assert rotations(steps) == 2 * (HOT_PATH_CYCLES // 50)  # both tables, every pass
+    writes = {name: (after[name][0] - before.get(name, (0, 0, 0))[0],
+                     after[name][1] - before.get(name, (0, 0, 0))[1])
+              for name in after}
+    assert writes.pop("rotation") == (rotations(steps), 0)
+    assert {name: w for name, w in writes.items() if w != (0, 0)} == {}
+    # Dead rows: at most the rotation row's new old versions (vacuum may take them).
+    dead = sum(d for _u, _d, d in after.values()) - sum(d for _u, _d, d in before.values())
+    assert dead <= rotations(steps)
+
+
+def test_current_cursor_is_one_index_probe(client: pgque.Client,
+                                           conn: psycopg.Connection[Any]) -> None:
+    """Whichever partition is written, reading a subscription's cursor probes
+    one index once: the partition written now, which holds every subscription's
+    current cursor."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    sub = scalar(conn, "select sub_id from pgque.subscription")
+    for n in range(3):
+        client.send("q", "e", n)
+        client.tick("q")
+        batch = client.receive("q", "c")
+        assert batch is not None and client.ack(batch)
+        assert "rotate_cursors" in [step for _q, step, _n in client.maintenance()]
+        before = index_scans(conn)
+        assert scalar(conn, "select (pgque._current_cursor(%s)).cur_sub", (sub,)) == sub
+        after = index_scans(conn)
+        assert {i: after[i] - before[i] for i in after if after[i] != before[i]} == {
+            f"cursor_{scalar(conn, 'select pgque._rotation_part(%s)', ('cursor',))}_pkey": 1}
+
+
+def index_scans(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    conn.execute("select pg_stat_force_next_flush()")
+    conn.execute("select pg_stat_clear_snapshot()")
+    return dict(conn.execute(
+        "select indexrelname, idx_scan from pg_stat_user_indexes"
+        " where schemaname = 'pgque' and indexrelname ~ '^cursor_[0-9]+_pkey$'").fetchall())
+
+
+def test_rotations_keep_every_cursor_and_tick_a_consumer_needs(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """A consumer that lags across many rotations (its batch left open, its
+    last tick in a partition emptied since) still receives every event once, in
+    order; the tables then hold only what the current cursors need."""
+    client.create_queue("q")
+    client.subscribe("q", "fast")
+    client.subscribe("q", "lagging")
+    rotate_always(conn)
+    sent: list[int] = []
+    got: dict[str, list[int]] = {"fast": [], "lagging": []}
+    open_batch = None
+    tick_rotations = 0
+    for n in range(20):
+        sent += client.send_batch("q", [("e", {"n": i}, None) for i in range(5)])
+        client.tick("q")
+        while (batch := client.receive("q", "fast")) is not None:
+            got["fast"] += [m.id for m in batch]
+            client.ack(batch)
+        if n == 2:  # the lagging consumer reads up to here...
+            while (batch := client.receive("q", "lagging")) is not None:
+                got["lagging"] += [m.id for m in batch]
+                client.ack(batch)
+        if n == 3:  # ... opens one more batch and leaves it open
+            open_batch = client.receive("q", "lagging", max_events=2)
+            assert open_batch is not None
+        state = cursor_state(conn)
+        steps = [step for _q, step, _n in client.maintenance()]
+        assert "rotate_cursors" in steps
+        tick_rotations += steps.count("rotate_ticks")
+        assert cursor_state(conn) == state
+    # The ticks before the lagging consumer's rotated away, the others came along.
+    assert tick_rotations >= 2
+    assert open_batch is not None
+    got["lagging"] += [m.id for m in open_batch]
+    client.ack(open_batch)
+    while (batch := client.receive("q", "lagging")) is not None:
+        got["lagging"] += [m.id for m in batch]
+        client.ack(batch)
+    assert got == {"fast": sent, "lagging": sent}
+    for _ in range(3):
+        client.maintenance()
+    # Both consumers at the head: one cursor row each, the queue's newest tick.
+    assert scalar(conn, "select count(*) from pgque.cursor") == 2
+    assert scalar(conn, "select count(*) from pgque.tick") == 1
+
+
+def test_a_killed_rotation_loses_and_repeats_nothing(client: pgque.Client,
+                                                     conn: psycopg.Connection[Any],
+                                                     dsn: str) -> None:
+    """A maintenance session killed inside a rotation, after it emptied a
+    partition and copied the cursors into it and before it switched, leaves
+    every cursor and tick as they were; the next rotation completes."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    ids = client.send_batch("q", [("e", {"n": i}, None) for i in range(6)])
+    client.tick("q")
+    first = client.receive("q", "c", max_events=2)
+    assert first is not None
+    client.ack(first)
+    client.maintenance()  # both partitions hold rows now
+    second = client.receive("q", "c", max_events=2)  # a batch open across the rotations
+    assert second is not None
+    last = client.send("q", "e", {"n": 6})
+    client.tick("q")
+    state = cursor_state(conn)
+    counts = partition_counts(conn)
+    # The rotation stops at its switch: a trigger waits on a lock this test holds.
+    conn.execute("""
+        create function pgque_test_wait() returns trigger language plpgsql as $$
+        begin perform pg_advisory_lock(4242); return new; end $$;
+        create trigger wait_before_switch before update on pgque.rotation
+            for each row execute function pgque_test_wait();
+        select pg_advisory_lock(4242);""")
+    maint = psycopg.connect(dsn, autocommit=True)
+    pid = maint.info.backend_pid
+    failure: list[BaseException] = []
+
+    def run_maint() -> None:
+        try:
+            maint.execute("select * from pgque.maint()")
+        except psycopg.Error as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run_maint)
+    thread.start()
+    wait_for(lambda: scalar(conn, "select wait_event_type = 'Lock' from pg_stat_activity"
+                                  " where pid = %s", (pid,)), what="the rotation at its switch")
+    # Inside it: the other cursor partition emptied and holding the copies.
+    conn.execute("select pg_terminate_backend(%s)", (pid,))
+    thread.join(10)
+    assert failure and isinstance(failure[0], psycopg.OperationalError)
+    conn.execute("select pg_advisory_unlock(4242)")
+    conn.execute("drop trigger wait_before_switch on pgque.rotation")
+    assert cursor_state(conn) == state
+    assert partition_counts(conn) == counts
+    assert (None, "rotate_cursors", 2) in client.maintenance()  # emptied, switched
+    assert cursor_state(conn) == state
+    assert client.ack(second) is False  # the batch goes on where it was
+    rest = []
+    while (batch := client.receive("q", "c")) is not None:
+        rest += [m.id for m in batch]
+        client.ack(batch)
+    assert [m.id for m in first] + [m.id for m in second] + rest == [*ids, last]
+
+
+def partition_counts(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    return {t: scalar(conn, f"select count(*) from pgque.{t}")
+            for t in ("cursor_0", "cursor_1", "tick_0", "tick_1")}
+
+
+def test_rotation_gives_way_to_receive_locks(client: pgque.Client,
+                                             conn: psycopg.Connection[Any],
+                                             dsn: str) -> None:
+    """A rotation needs every subscription's receive lock: while a transaction
+    holds one (a transactional handler between receive and commit), maintenance
+    gives the rotation up and goes on; it rotates at the first pass after."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    client.send("q", "e", 1)
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and client.ack(batch)  # cursor rows: a switch is due
+    with psycopg.connect(dsn) as handler:
+        handler.execute("select * from pgque.subscription for update")
+        steps = client.maintenance()
+        assert [s for s in steps if s[1] == "rotate_cursors"] == []
+        handler.rollback()
+    assert [s[1] for s in client.maintenance() if s[1] == "rotate_cursors"] == ["rotate_cursors"]
+
+
+def test_a_subscription_made_during_a_rotation_keeps_its_cursor(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A subscription not committed yet holds the cursor rotation off (its
+    first cursor row is not among those a rotation would copy); once it
+    commits, rotations carry its cursor like any other."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    rotate_always(conn)
+
+    def cycle() -> int:  # an event for both, and cursor rows: a switch is due
+        ev = client.send("q", "e", 1)
+        client.tick("q")
+        batch = client.receive("q", "c")
+        assert batch is not None and client.ack(batch)
+        return ev
+
+    cycle()
+    with psycopg.connect(dsn) as other:
+        assert scalar(other, "select pgque.subscribe('q', 'late')") is True
+        assert [s for s in client.maintenance() if s[1] == "rotate_cursors"] == []
+        other.commit()
+    sent = []
+    for _ in range(3):
+        sent.append(cycle())
+        assert "rotate_cursors" in [s[1] for s in client.maintenance()]
+    got = []
+    while (batch := client.receive("q", "late")) is not None:
+        got += [m.id for m in batch]
+        client.ack(batch)
+    assert got == sent
+
+
+def test_repeatable_read_across_a_rotation_fails_to_serialize(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A REPEATABLE READ transaction whose snapshot predates a rotation would
+    write its cursor into the partition the rotation left: it gets a
+    serialization failure (40001) instead, and its retry succeeds."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    client.send("q", "e", 1)
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    with psycopg.connect(dsn) as handler:
+        handler.execute("set transaction isolation level repeatable read")
+        handler.execute("select 1")  # the snapshot
+        assert (None, "rotate_cursors", 1) in client.maintenance()
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            handler.execute("select pgque.ack('q', 'c', %s)", (batch.batch_id,))
+        handler.rollback()
+        handler.execute("set transaction isolation level repeatable read")
+        assert scalar(handler, "select pgque.ack('q', 'c', %s)", (batch.batch_id,)) is True
+        handler.commit()
+    assert client.receive("q", "c") is None
+
+
+@pytest.fixture
+def group_of_16(client: pgque.Client, conn: psycopg.Connection[Any]) -> Iterator[None]:
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=16)
+    rotate_always(conn)
+    client.maintenance()
+    yield
+
+
+def test_rotations_under_load_lose_repeat_and_reorder_nothing(
+        client: pgque.Client, dsn: str, group_of_16: None) -> None:
+    """Four sessions drain a 16-slot group (four slots each, receive_slots and
+    ack_slots) while a producer sends and ticks and a third session runs
+    maintenance, rotating at every pass: every event is handled once, each
+    key's events in the order sent."""
+    keys = [f"tenant-{i}" for i in range(40)]
+    total = 3000
+    done = threading.Event()
+    handled: list[list[tuple[str, int]]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+    rotated = [0]
+
+    def drain(n: int) -> None:
+        try:
+            with pgque.connect(dsn) as worker:
+                owned = range(4 * n, 4 * n + 4)
+                for slot in owned:
+                    assert worker.claim_slot("q", "g", slot)
+                while not done.is_set() or sum(map(len, handled)) < total:
+                    batches = worker.receive_slots("q", "g", slots=16, owned=owned)
+                    for b in batches:
+                        handled[n].extend((m.partition_key or "", m.id) for m in b)
+                    worker.ack_slots(batches)
+                    if sum(map(len, handled)) >= total:
+                        break
+        except BaseException as exc:
+            errors.append(exc)
+
+    def maintain() -> None:
+        try:
+            with pgque.connect(dsn) as maint:
+                while not done.is_set():
+                    rotated[0] += rotations(maint.maintenance())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drain, args=(n,)) for n in range(4)]
+    threads.append(threading.Thread(target=maintain))
+    for t in threads:
+        t.start()
+    rng = random.Random(7)
+    sent: list[tuple[str, int]] = []
+    while len(sent) < total:
+        rows = [("e", {}, rng.choice(keys)) for _ in range(50)]
+        ids = client.send_batch("q", rows)
+        sent += [(key, ev) for (_t, _p, key), ev in zip(rows, ids, strict=True)]
+        client.tick("q")
+    wait_for(lambda: sum(map(len, handled)) >= total or errors, timeout=60,
+             what="every event handled")
+    done.set()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert rotated[0] >= 2
+    got = [pair for part in handled for pair in part]
+    assert sorted(ev for _k, ev in got) == sorted(ev for _k, ev in sent)
+    for key in keys:
+        assert [ev for k, ev in got if k == key] == sorted(ev for k, ev in got if k == key)
