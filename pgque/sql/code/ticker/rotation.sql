@@ -19,26 +19,34 @@
 -- receive locks of all subscriptions (their rows FOR UPDATE), which every
 -- cursor writer holds while it reads and writes (a new subscription, whose
 -- first cursor is not among those copied, holds the rotation row FOR SHARE
--- instead, until it commits). The partition left holds superseded rows only:
--- the next pass empties it.
+-- instead, until it commits). The partition left holds superseded rows only,
+-- and is emptied a period later.
 --
--- The ticks. Ticks are found by queue and id in both partitions. The
--- partition to be emptied may still hold ticks a queue needs (from the
--- oldest last finished tick of its subscriptions on, and its newest): they
--- are copied into the partition written, under the truncate's lock, so that no
--- reader sees a tick twice or misses one. A lagging subscription's ticks thus
--- move along with the writes; nothing it needs is ever emptied.
+-- The ticks. Ticks are found by queue and id in both partitions, and
+-- nothing is copied: the partition not written is emptied once no queue
+-- needs a tick in it (from the oldest last finished tick of its
+-- subscriptions on, and its newest tick), as an event table is once every
+-- consumer is past it. A lagging subscription holds it back, and the ticks
+-- pile up in the partition written meanwhile, as events do.
+--
+-- Snapshots. TRUNCATE is not MVCC-safe: a statement whose snapshot is older
+-- than the truncate and that takes its locks after it sees the partition
+-- empty. A statement takes the locks of its own plan before its snapshot, but
+-- a query inside a function it calls takes them later, under that snapshot.
+-- That is why no rotation empties anything a current reader may need: a
+-- truncated tick partition holds no tick any cursor names, and a truncated
+-- cursor partition was left by a switch a whole period before, under every
+-- receive lock, so that a receive or an ack, which reads its cursor after it
+-- has its receive lock, never looks there. A REPEATABLE READ or SERIALIZABLE
+-- transaction, whose snapshot may be older than a switch, gets a
+-- serialization failure (40001) where it would write into the partition left
+-- or miss its cursor (_write_part, _current_cursor).
 --
 -- Locks. A rotation takes the rotation row FOR UPDATE NOWAIT, then the
 -- subscription rows (a switch of the cursor log) and the partition it empties,
 -- each waited for at most 50 ms (lock_timeout): a receive, an ack or a tick
 -- waits at most that long and the copy, and a rotation that cannot have its
--- locks gives up until the next maintenance pass. TRUNCATE is not MVCC-safe:
--- a transaction whose snapshot predates a switch would find the emptied
--- partition empty. Under READ COMMITTED (pgque's functions and the default)
--- every statement takes its locks before its snapshot, so it never sees that;
--- a REPEATABLE READ or SERIALIZABLE transaction gets a serialization failure
--- (40001) instead of a cursor it cannot see (_write_part, _current_cursor).
+-- locks gives up until the next maintenance pass.
 
 -- pgque._rotation_part(name): the partition of rotated table name ('cursor',
 -- 'tick') written now, as of this statement's snapshot.
@@ -117,13 +125,14 @@ exception when lock_not_available then
 end
 $$;
 
--- pgque._rotate_cursors(): the rotation of the cursor log. The partition not
--- written holds only superseded rows once a rotation switched away from it:
--- it is emptied at the first pass after. The switch comes when rt_period has
--- passed and the partition written holds more rows than the current cursors
--- (anything was written since the last switch): every subscription's current
--- cursor copied into the emptied partition, under all their receive locks,
--- and that one written from then on. Returns how many partitions it emptied
+-- pgque._rotate_cursors(): the rotation of the cursor log, every rt_period.
+-- The partition not written holds only superseded rows since the last switch
+-- away from it: it is emptied a period after that switch (so that only a
+-- statement older than that could still look into it). Then, if the partition
+-- written holds more rows than the current cursors (anything was written
+-- since the last switch), the switch: every subscription's current cursor
+-- copied into the emptied partition, under all their receive locks, and that
+-- one written from then on. Returns how many partitions it emptied
 -- plus one if it switched; null when it had nothing to do (an idle database
 -- rotates nothing) or its locks were busy (it tries again at the next pass).
 -- One rotation at a time, by the rotation row's lock.
@@ -142,9 +151,9 @@ begin
     select * into v_rotation from pgque.rotation where rt_name = 'cursor';
     v_other := (v_rotation.rt_part + 1) % v_rotation.rt_parts;
     v_subs := (select count(*) from pgque.subscription);
-    if not exists (select from pgque.cursor c where c.cur_part = v_other)
-       and (now() - v_rotation.rt_time < v_rotation.rt_period
-            or (select count(*) from (select from pgque.cursor c
+    if now() - v_rotation.rt_time < v_rotation.rt_period
+       or (not exists (select from pgque.cursor c where c.cur_part = v_other)
+           and (select count(*) from (select from pgque.cursor c
                                        where c.cur_part = v_rotation.rt_part
                                        limit v_subs + 1) x) <= v_subs) then
         return null;  -- the look, without a lock: nothing to do
@@ -159,10 +168,9 @@ begin
         execute format('truncate pgque.%I', 'cursor_' || v_other);
         v_done := 1;
     end if;
-    if now() - v_rotation.rt_time >= v_rotation.rt_period
-       and (select count(*) from (select from pgque.cursor c
-                                   where c.cur_part = v_rotation.rt_part
-                                   limit v_subs + 1) x) > v_subs then
+    if (select count(*) from (select from pgque.cursor c
+                               where c.cur_part = v_rotation.rt_part
+                               limit v_subs + 1) x) > v_subs then
         begin
             -- Every receive lock, in one order: no cursor is written meanwhile.
             perform set_config('lock_timeout', '50ms', true);
@@ -199,8 +207,22 @@ as $$
       from pgque.queue q
 $$;
 
--- pgque._unneeded_tick_in(part, kept): whether tick partition part holds a
--- tick that no queue needs (kept: _ticks_kept).
+-- pgque._needed_tick_in(part, queues, kept_from): whether tick partition part
+-- holds a tick that a queue needs (queues and kept_from: _ticks_kept).
+create or replace function pgque._needed_tick_in(p_part smallint, p_queues integer[],
+                                                 p_kept_from bigint[])
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pgque.tick t
+                     join unnest(p_queues, p_kept_from) k(queue_id, kept_from)
+                       on k.queue_id = t.tick_queue
+                    where t.tick_part = p_part and t.tick_id >= k.kept_from)
+$$;
+
+-- pgque._unneeded_tick_in(part, queues, kept_from): whether tick partition
+-- part holds a tick that no queue needs.
 create or replace function pgque._unneeded_tick_in(p_part smallint, p_queues integer[],
                                                    p_kept_from bigint[])
 returns boolean
@@ -215,13 +237,14 @@ as $$
 $$;
 
 -- pgque._rotate_ticks(): the rotation of the ticks. The partition not written
--- is emptied once it holds a tick no queue needs: the ticks of it that are
--- still needed (a lagging subscription's, each queue's newest) are first
--- copied into the partition written, under the truncate's lock, so that no
--- reader sees a tick twice or misses one. The switch comes when rt_period has
--- passed, the partition not written is empty and the one written holds a
--- tick no queue needs. Returns how many partitions it emptied plus one if it
--- switched; null when it had nothing to do or its lock was busy.
+-- is emptied once no queue needs any tick in it (as an event table is once
+-- every consumer is past it): a lagging subscription holds it, and the ticks
+-- pile up in the partition written until it moves on. The switch comes when
+-- rt_period has passed, the partition not written is empty and the one
+-- written holds a tick no queue needs. Returns how many partitions it emptied
+-- plus one if it switched; null when it had nothing to do or its lock was busy.
+-- (Nothing is copied: a tick a cursor names is never emptied, so no reader,
+-- whatever its snapshot, misses a tick it needs; see above.)
 create or replace function pgque._rotate_ticks()
 returns integer
 language plpgsql
@@ -231,7 +254,7 @@ declare
     v_rotation pgque.rotation;
     v_other smallint;
     v_kept record;
-    v_empty boolean := false;        -- the other partition: empty, or emptied now
+    v_empty boolean;                 -- the other partition is empty
     v_done integer := 0;
 begin
     select * into v_rotation from pgque.rotation where rt_name = 'tick';
@@ -241,8 +264,8 @@ begin
         return null;  -- the cheap look, without a lock: nothing to do
     end if;
     v_kept := pgque._ticks_kept();
-    if not v_empty and not pgque._unneeded_tick_in(v_other, v_kept.queues, v_kept.kept_from) then
-        return null;  -- every tick there is needed still
+    if not v_empty and pgque._needed_tick_in(v_other, v_kept.queues, v_kept.kept_from) then
+        return null;  -- held by a subscription that has not moved past it
     end if;
     if v_empty and not pgque._unneeded_tick_in(v_rotation.rt_part, v_kept.queues,
                                                v_kept.kept_from) then
@@ -255,16 +278,14 @@ begin
         if not pgque._lock_partition('tick', v_other) then
             return null;
         end if;
-        v_kept := pgque._ticks_kept();  -- again, locked
-        insert into pgque.tick (tick_queue, tick_id, tick_time, tick_snapshot, tick_event_seq,
-                                tick_part)
-        select t.tick_queue, t.tick_id, t.tick_time, t.tick_snapshot, t.tick_event_seq,
-               v_rotation.rt_part
-          from pgque.tick t
-          join unnest(v_kept.queues, v_kept.kept_from) k(queue_id, kept_from)
-            on k.queue_id = t.tick_queue
-         where t.tick_part = v_other and t.tick_id >= k.kept_from;
+        -- Judged again once locked: a new subscription starts at its queue's
+        -- newest tick, which may be there.
+        v_kept := pgque._ticks_kept();
+        if pgque._needed_tick_in(v_other, v_kept.queues, v_kept.kept_from) then
+            return null;
+        end if;
         execute format('truncate pgque.%I', 'tick_' || v_other);
+        v_empty := true;
         v_done := 1;
     end if;
     if now() - v_rotation.rt_time >= v_rotation.rt_period
