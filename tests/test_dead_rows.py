@@ -23,8 +23,10 @@ HOT_PATH_CYCLES = 1000
 
 
 def rotate_always(conn: psycopg.Connection[Any]) -> None:
-    """Every maintenance pass rotates the cursor and tick tables from now on."""
+    """Every maintenance pass rotates the cursor and tick tables from now on (the
+    update's own counts flushed to the statistics at once)."""
     conn.execute("update pgque.rotation set rt_period = '0'")
+    conn.execute("select pg_stat_force_next_flush()")
 
 
 def table_writes(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, int, int]]:

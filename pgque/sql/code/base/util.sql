@@ -80,8 +80,9 @@ $$;
 -- pgque._current_cursor(sub_id): the subscription's current cursor state (the newest
 -- row of its cursor log in the partition written now, read backwards along
 -- the primary key: one index probe; see ticker/rotation.sql). Every
--- subscription has one there; a transaction whose snapshot predates the
--- rotations that emptied its partition finds none, and gets 40001.
+-- subscription has one there; a statement whose snapshot predates the
+-- rotations that emptied the partition it names finds none, and gets 40001
+-- (_cursor_missing). Null for a subscription that does not exist.
 create or replace function pgque._current_cursor(p_sub_id integer)
 returns pgque.cursor
 language plpgsql stable
@@ -101,21 +102,22 @@ end
 $$;
 
 -- pgque._cursor_missing(sub_id): called when subscription sub_id has no
--- cursor in the partition written now: raises 40001 (serialization failure)
--- when the subscription exists and this transaction's snapshot is older than
--- the statement's (REPEATABLE READ, SERIALIZABLE): a rotation emptied the
--- partition its snapshot still names. Otherwise the subscription is gone, and
--- the caller goes on without a cursor.
+-- cursor in the partition of the cursor log written now, as the caller's
+-- snapshot sees it: raises 40001 (serialization failure) when the
+-- subscription exists, for then that snapshot is older than a rotation that
+-- emptied the partition it names (a REPEATABLE READ transaction, or a
+-- statement that ran for longer than a rotation period): going on without
+-- the cursor could judge a batch, a tick or an event table unneeded. A
+-- subscription that is gone has no cursor; the caller goes on without one.
 create or replace function pgque._cursor_missing(p_sub_id integer)
 returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if current_setting('transaction_isolation') <> 'read committed'
-       and exists (select from pgque.subscription s where s.sub_id = p_sub_id) then
+    if exists (select from pgque.subscription s where s.sub_id = p_sub_id) then
         raise exception using errcode = '40001',
-            message = 'pgque rotated its cursor tables after this transaction''s snapshot',
+            message = 'pgque rotated its cursor tables after this statement''s snapshot',
             hint = 'Retry the transaction.';
     end if;
 end

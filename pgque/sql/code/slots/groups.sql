@@ -293,7 +293,10 @@ $$;
 -- pgque._slot_subs(queue, group, slots): the subscriptions and newest cursors
 -- of the given slots of the group (checked by _check_slot_list), ascending
 -- by slot, in one statement read without a lock; PQ002 for a slot that is
--- not subscribed (a group made slot by slot with subscribe_slot).
+-- not subscribed (a group made slot by slot with subscribe_slot). A cursor
+-- is null when this statement's snapshot is older than the rotation that
+-- emptied the partition it names: callers that lock the slots read theirs
+-- again once locked.
 create or replace function pgque._slot_subs(
     p_queue pgque.queue, p_group pgque.consumer_group, p_slots integer[])
 returns table (slot integer, sub pgque.subscription, cur pgque.cursor)
@@ -313,10 +316,12 @@ begin
          cross join lateral (select pgque._slot_name(p_group.cg_consumer, k,
                                                      p_group.cg_slots) as name) n
           join pgque.subscription s on s.sub_queue = p_queue.queue_id and s.sub_consumer = n.name
-         -- pgque._current_cursor, written out: a call per slot cost more than its read.
-         cross join lateral (select o from pgque.cursor o
-                              where o.cur_part = v_part and o.cur_sub = s.sub_id
-                              order by o.cur_seq desc limit 1) c0(c)
+         -- pgque._current_cursor, written out: a call per slot cost more than its
+         -- read. (Null when a rotation emptied its partition after this
+         -- statement's snapshot: the callers read it again once locked.)
+         left join lateral (select o from pgque.cursor o
+                             where o.cur_part = v_part and o.cur_sub = s.sub_id
+                             order by o.cur_seq desc limit 1) c0(c) on true
          order by k;
     get diagnostics v_found = row_count;
     if v_found < cardinality(p_slots) then
@@ -326,15 +331,6 @@ begin
                             where s.sub_queue = p_queue.queue_id
                               and s.sub_consumer = pgque._slot_name(p_group.cg_consumer, k,
                                                                     p_group.cg_slots));
-        if v_missing is null then
-            -- Every slot is subscribed: a cursor this transaction cannot see.
-            perform pgque._cursor_missing(s.sub_id)
-               from pgque.subscription s
-              where s.sub_queue = p_queue.queue_id
-                and s.sub_consumer = any(array(select pgque._slot_name(p_group.cg_consumer, k,
-                                                                       p_group.cg_slots)
-                                                 from unnest(p_slots) k));
-        end if;
         raise exception using errcode = 'PQ002',
             message = format('consumer %L is not subscribed to queue %L',
                              pgque._name_for_message(

@@ -425,6 +425,9 @@ begin
     end if;
     for v_i in 1 .. cardinality(v_subs) loop
         perform pgque._require_owner(v_subs[v_i]);
+        if (v_curs[v_i]).cur_sub is null then
+            perform pgque._cursor_missing((v_subs[v_i]).sub_id);  -- 40001: an old snapshot
+        end if;
         perform pgque._require_batch(v_subs[v_i], v_curs[v_i], v_batch_ids[v_i]);
     end loop;
     -- What _ack writes for one slot, for all of them in one statement; each
