@@ -18,7 +18,8 @@ __all__ = ["Suite", "SuiteContext", "SuiteResult", "all_suites", "register"]
 
 # Imported by all_suites(), not at the top: the suite modules import this one.
 _SUITE_MODULES = (
-    "bench.engine", "bench.partition", "bench.latency", "bench.peers", "bench.ownership")
+    "bench.engine", "bench.partition", "bench.latency", "bench.peers", "bench.ownership",
+    "bench.bloat")
 
 
 @dataclass(frozen=True)
