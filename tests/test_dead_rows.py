@@ -250,25 +250,38 @@ def partition_counts(conn: psycopg.Connection[Any]) -> dict[str, int]:
             for t in ("cursor_0", "cursor_1", "tick_0", "tick_1")}
 
 
-def test_rotation_gives_way_to_receive_locks(client: pgque.Client,
-                                             conn: psycopg.Connection[Any],
-                                             dsn: str) -> None:
-    """A rotation needs every subscription's receive lock: while a transaction
-    holds one (a transactional handler between receive and commit), maintenance
-    gives the rotation up and goes on; it rotates at the first pass after."""
+def test_a_switch_waits_for_no_receive_lock(client: pgque.Client,
+                                            conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A switch of the cursor log takes no receive lock: while a transaction
+    holds one (a handler between its receive and its commit), the switch
+    happens, that subscription's cursor is read in the partition left until it
+    moves, and it moves at the first pass after the lock is free."""
     client.create_queue("q")
     client.subscribe("q", "c")
+    client.subscribe("q", "busy")
     rotate_always(conn)
     client.send("q", "e", 1)
     client.tick("q")
-    batch = client.receive("q", "c")
-    assert batch is not None and client.ack(batch)  # cursor rows: a switch is due
+    for consumer in ("c", "busy"):
+        batch = client.receive("q", consumer)
+        assert batch is not None and client.ack(batch)  # cursor rows: a switch is due
+    state = cursor_state(conn)
     with psycopg.connect(dsn) as handler:
-        handler.execute("select * from pgque.subscription for update")
-        steps = client.maintenance()
-        assert [s for s in steps if s[1] == "rotate_cursors"] == []
+        handler.execute("select * from pgque.subscription where sub_consumer = 'busy'"
+                        " for update")
+        assert "rotate_cursors" in [s[1] for s in client.maintenance()]
+        assert scalar(conn, "select rt_moving from pgque.rotation"
+                            " where rt_name = 'cursor'") is True
+        assert cursor_state(conn) == state  # "busy" read where it was
         handler.rollback()
-    assert [s[1] for s in client.maintenance() if s[1] == "rotate_cursors"] == ["rotate_cursors"]
+    assert "rotate_cursors" in [s[1] for s in client.maintenance()]  # the move ends
+    assert scalar(conn, "select rt_moving from pgque.rotation where rt_name = 'cursor'") is False
+    assert cursor_state(conn) == state
+    ev = client.send("q", "e", 2)
+    client.tick("q")
+    for consumer in ("c", "busy"):
+        batch = client.receive("q", consumer)
+        assert batch is not None and [m.id for m in batch] == [ev]
 
 
 def test_a_subscription_made_during_a_rotation_keeps_its_cursor(

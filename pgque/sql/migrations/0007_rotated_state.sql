@@ -17,9 +17,16 @@ create table if not exists pgque.rotation (
     rt_parts  smallint not null default 2 check (rt_parts = 2),
     rt_period interval not null default '1 minute',
     rt_time   timestamptz not null default now(),
+    rt_switch bigint not null default 0,  -- the cursor log's: its last switch's number
+    rt_moving boolean not null default false,  -- the cursor log's: a switch not finished
     check (rt_part >= 0 and rt_part < rt_parts)
 );
 insert into pgque.rotation (rt_name) values ('cursor'), ('tick') on conflict do nothing;
+
+-- Numbers the switches of the cursor log, outside any transaction: a
+-- snapshot older than the latest switch sees a smaller number in
+-- pgque.rotation than the sequence's (see code/ticker/rotation.sql).
+create sequence if not exists pgque.cursor_switch_seq;
 
 -- The cursor log: the table in place becomes partition 0. Its name goes with
 -- it (and its row type, which only pgque's code uses; the code is created

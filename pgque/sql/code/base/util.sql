@@ -79,22 +79,30 @@ $$;
 
 -- pgque._current_cursor(sub_id): the subscription's current cursor state (the newest
 -- row of its cursor log in the partition written now, read backwards along
--- the primary key: one index probe; see ticker/rotation.sql). Every
+-- the primary key: one index probe; during a switch, a second one in the
+-- partition left for a subscription not moved yet; see ticker/rotation.sql). Every
 -- subscription has one there; a statement whose snapshot predates the
 -- rotations that emptied the partition it names finds none, and gets 40001
--- (_cursor_missing). Null for a subscription that does not exist.
-create or replace function pgque._current_cursor(p_sub_id integer)
+-- (_cursor_missing), unless not strict: then null, as for a subscription that
+-- does not exist (a look before the receive lock, which reads it again).
+create or replace function pgque._current_cursor(p_sub_id integer, p_strict boolean default true)
 returns pgque.cursor
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_part smallint := pgque._rotation_part('cursor');
+    v_parts record := pgque._cursor_parts();
     v_cur pgque.cursor;
 begin
     select * into v_cur from pgque.cursor
-     where cur_part = v_part and cur_sub = p_sub_id order by cur_seq desc limit 1;
-    if not found then
+     where cur_part = v_parts.part and cur_sub = p_sub_id order by cur_seq desc limit 1;
+    if not found and v_parts.moved_from is not null then
+        -- Not moved yet by a switch in progress: its newest row is in the other.
+        select * into v_cur from pgque.cursor
+         where cur_part = v_parts.moved_from and cur_sub = p_sub_id
+         order by cur_seq desc limit 1;
+    end if;
+    if not found and p_strict then
         perform pgque._cursor_missing(p_sub_id);
     end if;
     return v_cur;
@@ -144,7 +152,8 @@ $$;
 -- PQ002 when there is no such subscription. With lock, the subscription row is
 -- taken FOR UPDATE first: this is the receive lock that serializes a consumer,
 -- and the cursor is read after it is granted (a new statement, so a fresh
--- snapshot).
+-- snapshot). Without it, the cursor is null when a rotation emptied its
+-- partition after this statement's snapshot (the callers look again, locked).
 create or replace function pgque._find_subscription(
     p_queue pgque.queue, p_consumer text, p_lock boolean,
     out sub pgque.subscription, out cur pgque.cursor)
@@ -166,7 +175,8 @@ begin
             message = format('consumer %L is not subscribed to queue %L',
                              pgque._name_for_message(p_consumer), p_queue.queue_name);
     end if;
-    cur := pgque._current_cursor(sub.sub_id);
+    -- Without the lock, a look that a rotation may outrun (see _current_cursor).
+    cur := pgque._current_cursor(sub.sub_id, p_lock);
 end
 $$;
 

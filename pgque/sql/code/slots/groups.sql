@@ -305,13 +305,13 @@ set search_path = pg_catalog, pg_temp
 as $$
 #variable_conflict use_column
 declare
-    v_part smallint := pgque._rotation_part('cursor');
+    v_parts record := pgque._cursor_parts();
     v_found integer;
     v_missing integer;
 begin
     perform pgque._check_slot_list(p_group, p_slots);
     return query
-        select k, s, c
+        select k, s, coalesce(c1.c, c2.c)
           from unnest(p_slots) k
          cross join lateral (select pgque._slot_name(p_group.cg_consumer, k,
                                                      p_group.cg_slots) as name) n
@@ -320,8 +320,13 @@ begin
          -- read. (Null when a rotation emptied its partition after this
          -- statement's snapshot: the callers read it again once locked.)
          left join lateral (select o from pgque.cursor o
-                             where o.cur_part = v_part and o.cur_sub = s.sub_id
-                             order by o.cur_seq desc limit 1) c0(c) on true
+                             where o.cur_part = v_parts.part and o.cur_sub = s.sub_id
+                             order by o.cur_seq desc limit 1) c1(c) on true
+         -- During a switch, a slot not moved yet: in the partition left.
+         left join lateral (select o from pgque.cursor o
+                             where c1.c is null and o.cur_part = v_parts.moved_from
+                               and o.cur_sub = s.sub_id
+                             order by o.cur_seq desc limit 1) c2(c) on true
          order by k;
     get diagnostics v_found = row_count;
     if v_found < cardinality(p_slots) then

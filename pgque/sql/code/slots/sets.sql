@@ -170,7 +170,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_locked record;
-    v_part smallint;
+    v_parts record;
 begin
     epochs := pgque._slot_epochs(p_subs);
     if array_position(epochs, null) is not null then
@@ -183,13 +183,20 @@ begin
                        for update of s loop
         perform pgque._require_owner(v_locked.s);
     end loop;
-    v_part := pgque._write_part('cursor');  -- read once locked, as a writer
-    curs := array(select c.c from generate_subscripts(p_subs, 1) i
-                   cross join lateral (select o from pgque.cursor o
-                                        where o.cur_part = v_part
-                                          and o.cur_sub = (p_subs[i]).sub_id
-                                        order by o.cur_seq desc limit 1) c(c)
-                   where (c.c).cur_batch is null and (c.c).cur_last_tick = p_last_tick
+    perform pgque._write_part('cursor');  -- 40001 for a snapshot older than a switch
+    v_parts := pgque._cursor_parts();
+    -- _current_cursor, written out (as in _slot_subs).
+    curs := array(select coalesce(c1.c, c2.c) from generate_subscripts(p_subs, 1) i
+                   left join lateral (select o from pgque.cursor o
+                                       where o.cur_part = v_parts.part
+                                         and o.cur_sub = (p_subs[i]).sub_id
+                                       order by o.cur_seq desc limit 1) c1(c) on true
+                   left join lateral (select o from pgque.cursor o
+                                       where c1.c is null and o.cur_part = v_parts.moved_from
+                                         and o.cur_sub = (p_subs[i]).sub_id
+                                       order by o.cur_seq desc limit 1) c2(c) on true
+                   where (coalesce(c1.c, c2.c)).cur_batch is null
+                     and (coalesce(c1.c, c2.c)).cur_last_tick = p_last_tick
                    order by i);
     if cardinality(curs) <> cardinality(p_subs) then
         epochs := null;

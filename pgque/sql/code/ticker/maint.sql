@@ -214,18 +214,6 @@ begin
     if p_queue is not null then
         perform pgque._queue_row(p_queue);
     end if;
-    -- The rotated tables of all queues (ticker/rotation.sql), when due: the
-    -- number of rows each rotation carried over.
-    v_amount := pgque._rotate_cursors();
-    if v_amount is not null then
-        queue_name := null; step := 'rotate_cursors'; amount := v_amount;
-        return next;
-    end if;
-    v_amount := pgque._rotate_ticks();
-    if v_amount is not null then
-        queue_name := null; step := 'rotate_ticks'; amount := v_amount;
-        return next;
-    end if;
     for v_id in select q.queue_id from pgque.queue q
                  where p_queue is null or q.queue_name = p_queue
                  order by q.queue_id loop
@@ -239,7 +227,14 @@ begin
         -- dropped since the loop began is gone now and must not be touched.
         select * into v_queue from pgque.queue q where q.queue_id = v_id;
         continue when not found;
-        v_amount := pgque._maint_rotate(v_queue);
+        -- The steps that judge what no subscription needs any more read every
+        -- cursor: a statement whose snapshot a cursor rotation outran gets
+        -- 40001 there (_current_cursor), and the step waits for the next pass.
+        begin
+            v_amount := pgque._maint_rotate(v_queue);
+        exception when serialization_failure then
+            v_amount := 0;
+        end;
         if v_amount > 0 then
             queue_name := v_queue.queue_name; step := 'rotate'; amount := v_amount;
             return next;
@@ -250,7 +245,11 @@ begin
             queue_name := v_queue.queue_name; step := 'retry'; amount := v_amount;
             return next;
         end if;
-        v_amount := pgque._maint_nacks(v_queue);
+        begin
+            v_amount := pgque._maint_nacks(v_queue);
+        exception when serialization_failure then
+            v_amount := 0;
+        end;
         if v_amount > 0 then
             queue_name := v_queue.queue_name; step := 'nacks'; amount := v_amount;
             return next;
@@ -280,6 +279,24 @@ begin
             queue_name := null; step := 'batch_reader'; amount := v_amount;
             return next;
         end if;
+    end if;
+    -- The rotated tables of all queues (ticker/rotation.sql), when due: the
+    -- partitions emptied, plus one for a switch (and for the cursor log, one
+    -- for a move ended). Last, so that the locks they take are held only
+    -- until the commit that follows.
+    v_amount := pgque._rotate_cursors();
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_cursors'; amount := v_amount;
+        return next;
+    end if;
+    begin
+        v_amount := pgque._rotate_ticks();
+    exception when serialization_failure then
+        v_amount := null;
+    end;
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_ticks'; amount := v_amount;
+        return next;
     end if;
 end
 $$;

@@ -14,14 +14,15 @@
 -- rotates nothing.
 --
 -- The cursor log. A subscription's current cursor is its newest row in the
--- partition written now: one index probe. So a switch first copies every
--- subscription's current cursor into the emptied partition, holding the
--- receive locks of all subscriptions (their rows FOR UPDATE), which every
--- cursor writer holds while it reads and writes (a new subscription, whose
--- first cursor is not among those copied, holds the rotation row FOR SHARE
--- instead, until it commits). The partition left holds superseded rows only,
--- and is emptied a period later.
---
+-- partition written now: one index probe. A switch sends the writes to the
+-- other partition and copies over the current cursor of every subscription
+-- whose receive lock is free; a subscription busy then is "not moved yet",
+-- its cursor read in the partition left (a second probe), until its next
+-- write or a later pass moves it. Once all have moved, the partition left
+-- holds superseded rows only, and is emptied a period later. (A new
+-- subscription, whose first cursor no switch would copy, holds the rotation
+-- row FOR SHARE until it commits, and no switch comes meanwhile.)
+
 -- The ticks. Ticks are found by queue and id in both partitions, and
 -- nothing is copied: the partition not written is emptied once no queue
 -- needs a tick in it (from the oldest last finished tick of its
@@ -34,19 +35,23 @@
 -- empty. A statement takes the locks of its own plan before its snapshot, but
 -- a query inside a function it calls takes them later, under that snapshot.
 -- That is why no rotation empties anything a current reader may need: a
--- truncated tick partition holds no tick any cursor names, and a truncated
--- cursor partition was left by a switch a whole period before, under every
--- receive lock, so that a receive or an ack, which reads its cursor after it
--- has its receive lock, never looks there. A REPEATABLE READ or SERIALIZABLE
--- transaction, whose snapshot may be older than a switch, gets a
--- serialization failure (40001) where it would write into the partition left
--- or miss its cursor (_write_part, _current_cursor).
---
--- Locks. A rotation takes the rotation row FOR UPDATE NOWAIT, then the
--- subscription rows (a switch of the cursor log) and the partition it empties,
--- each waited for at most 50 ms (lock_timeout): a receive, an ack or a tick
--- waits at most that long and the copy, and a rotation that cannot have its
--- locks gives up until the next maintenance pass.
+-- truncated tick partition holds no tick any cursor names (a queue idle since
+-- the switch gets a new tick instead, so that its consumers move on), and a
+-- truncated cursor partition holds only rows superseded a whole period
+-- before. A statement that still finds no cursor for a subscription gets
+-- 40001 (_current_cursor); so does a REPEATABLE READ or SERIALIZABLE
+-- transaction that would write a cursor after a switch its snapshot does not
+-- see (_write_part), which would go to the partition left.
+
+-- Locks. A rotation takes the rotation row FOR UPDATE NOWAIT, and the
+-- partition it empties first without queueing for it, then queueing for at
+-- most 25 ms (_lock_partition): a receive, an ack or a tick waits that long
+-- at most, and the copy and the truncate, which come at the very end of
+-- maint(), until its commit. A switch of the cursor log takes no lock a
+-- receive or an ack holds: it copies the cursors of the subscriptions whose
+-- receive locks are free (SKIP LOCKED), and the others move at their next
+-- write or at a later pass. Whatever it cannot have, it leaves to the next
+-- maintenance pass.
 
 -- pgque._rotation_part(name): the partition of rotated table name ('cursor',
 -- 'tick') written now, as of this statement's snapshot.
@@ -58,23 +63,70 @@ as $$
     select r.rt_part from pgque.rotation r where r.rt_name = p_name
 $$;
 
+-- pgque._cursor_parts(): where the current cursors are, as of this
+-- statement's snapshot: the partition written now (part), and while a switch
+-- is moving the subscriptions over (_rotate_cursors), the partition left
+-- (moved_from, else null), where a subscription that has not moved yet has
+-- its newest row.
+create or replace function pgque._cursor_parts(out part smallint, out moved_from smallint)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select r.rt_part, case when r.rt_moving then (r.rt_part + 1) % r.rt_parts end
+      from pgque.rotation r where r.rt_name = 'cursor'
+$$;
+
 -- pgque._write_part(name, share): the partition of rotated table name to
--- write a row into. Under READ COMMITTED the rotation row as of now; under a
--- snapshot kept for the transaction, the row locked FOR SHARE, which fails
--- (40001) once a rotation changed it after the snapshot: a write into the
--- partition a rotation left would be lost. With share, locked FOR SHARE
--- whatever the isolation: for a writer that holds no receive lock (a new
--- subscription), so that no rotation switches before it commits.
+-- write a row into, as of now. A transaction whose snapshot is older than
+-- the statement (REPEATABLE READ, SERIALIZABLE) may see the partition a
+-- switch has left, and a write there would be lost: it gets 40001 when the
+-- cursor log switched since its snapshot (pgque.cursor_switch_seq, which a
+-- switch advances, is past the switch its snapshot sees), without locking
+-- anything. With share, the rotation row is locked FOR SHARE until the
+-- transaction ends: for a writer that holds no receive lock (a new
+-- subscription), so that no switch happens before it commits.
 create or replace function pgque._write_part(p_name text, p_share boolean default false)
 returns smallint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_rotation pgque.rotation;
 begin
-    if p_share or current_setting('transaction_isolation') <> 'read committed' then
+    if p_share then
         return (select r.rt_part from pgque.rotation r where r.rt_name = p_name for share);
     end if;
-    return (select r.rt_part from pgque.rotation r where r.rt_name = p_name);
+    select * into v_rotation from pgque.rotation r where r.rt_name = p_name;
+    if current_setting('transaction_isolation') <> 'read committed'
+       and coalesce(pg_sequence_last_value('pgque.cursor_switch_seq'), 0)
+           > v_rotation.rt_switch then
+        raise exception using errcode = '40001',
+            message = 'pgque rotated its cursor tables after this transaction''s snapshot',
+            hint = 'Retry the transaction.';
+    end if;
+    return v_rotation.rt_part;
+end
+$$;
+
+-- pgque._try_lock(statement, tries): runs statement, which takes locks with
+-- NOWAIT, until it gets them, at most tries times, 5 ms apart; false when it
+-- did not. Between tries it holds nothing, and it never queues: a session
+-- that wants a lock it tries for never waits behind it.
+create or replace function pgque._try_lock(p_statement text, p_tries integer)
+returns boolean
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    for i in 1 .. p_tries loop
+        begin
+            execute p_statement;
+            return true;
+        exception when lock_not_available then
+            perform pg_sleep(0.005);  -- what it had taken is released with the block
+        end;
+    end loop;
+    return false;
 end
 $$;
 
@@ -94,20 +146,30 @@ exception when lock_not_available then
 end
 $$;
 
--- pgque._switch_rotation(name, part): makes part the partition of name
--- written from now on (the caller holds the row, _lock_rotation).
-create or replace function pgque._switch_rotation(p_name text, p_part smallint)
+-- pgque._switch_rotation(name, part, moving): makes part the partition of
+-- name written from now on (the caller holds the row, _lock_rotation); a
+-- switch of the cursor log takes the next value of pgque.cursor_switch_seq
+-- with it (_write_part), and moving says whether subscriptions are left to
+-- move (_rotate_cursors).
+create or replace function pgque._switch_rotation(p_name text, p_part smallint,
+                                                  p_moving boolean default false)
 returns void
 language sql
 set search_path = pg_catalog, pg_temp
 as $$
-    update pgque.rotation set rt_part = p_part, rt_time = now() where rt_name = p_name
+    update pgque.rotation
+       set rt_part = p_part, rt_time = now(), rt_moving = p_moving,
+           rt_switch = case when p_name = 'cursor' then nextval('pgque.cursor_switch_seq')
+                            else rt_switch end
+     where rt_name = p_name
 $$;
 
 -- pgque._lock_partition(table, part): locks partition part of rotated table
--- (pgque.cursor or pgque.tick) for its truncate, waiting at most 50 ms;
--- false when it has not had the lock (readers hold it: the next pass tries
--- again).
+-- (pgque.cursor or pgque.tick) for its truncate: first without queueing for
+-- it (_try_lock, for about 25 ms), then queueing for at most 25 ms, so that a
+-- stream of short transactions that read the table cannot keep it out for
+-- ever (those that come meanwhile wait behind it, that long at most); false
+-- when it has not had the lock (the next pass tries again).
 create or replace function pgque._lock_partition(p_table text, p_part smallint)
 returns boolean
 language plpgsql
@@ -116,7 +178,11 @@ as $$
 declare
     v_lock_timeout text := current_setting('lock_timeout');
 begin
-    perform set_config('lock_timeout', '50ms', true);
+    if pgque._try_lock(format('lock table pgque.%I in access exclusive mode nowait',
+                              p_table || '_' || p_part), 5) then
+        return true;
+    end if;
+    perform set_config('lock_timeout', '25ms', true);
     execute format('lock table pgque.%I in access exclusive mode', p_table || '_' || p_part);
     perform set_config('lock_timeout', v_lock_timeout, true);
     return true;
@@ -126,16 +192,19 @@ end
 $$;
 
 -- pgque._rotate_cursors(): the rotation of the cursor log, every rt_period.
--- The partition not written holds only superseded rows since the last switch
--- away from it: it is emptied a period after that switch (so that only a
--- statement older than that could still look into it). Then, if the partition
--- written holds more rows than the current cursors (anything was written
--- since the last switch), the switch: every subscription's current cursor
--- copied into the emptied partition, under all their receive locks, and that
--- one written from then on. Returns how many partitions it emptied
--- plus one if it switched; null when it had nothing to do (an idle database
--- rotates nothing) or its locks were busy (it tries again at the next pass).
--- One rotation at a time, by the rotation row's lock.
+-- When anything was written since the last switch, the switch: the writes go
+-- to the other partition (emptied before) from then on, and the log is
+-- "moving" (rt_moving): a subscription whose newest row is still in the
+-- partition left is read there. Each subscription moves at its next cursor
+-- write, or when maintenance copies its current cursor over, under its
+-- receive lock, taken only if free (a subscription busy now moves itself by
+-- its next write). Once every subscription has moved, the move ends, and a
+-- period later the partition left, holding superseded rows only, is emptied
+-- (so that only a statement older than that could still look into it).
+-- Returns how many partitions it emptied, plus one if it switched, plus one
+-- if it ended a move; null when it had nothing to do (an idle database
+-- rotates nothing) or the rotation row was taken (another rotation, a
+-- subscription being made): it tries again at the next pass.
 create or replace function pgque._rotate_cursors()
 returns integer
 language plpgsql
@@ -145,50 +214,75 @@ declare
     v_rotation pgque.rotation;
     v_other smallint;
     v_subs bigint;
+    v_switch boolean := false;
+    v_moving boolean;
+    v_movers integer[];
     v_done integer := 0;
-    v_lock_timeout text := current_setting('lock_timeout');
 begin
     select * into v_rotation from pgque.rotation where rt_name = 'cursor';
     v_other := (v_rotation.rt_part + 1) % v_rotation.rt_parts;
     v_subs := (select count(*) from pgque.subscription);
-    if now() - v_rotation.rt_time < v_rotation.rt_period
-       or (not exists (select from pgque.cursor c where c.cur_part = v_other)
-           and (select count(*) from (select from pgque.cursor c
-                                       where c.cur_part = v_rotation.rt_part
-                                       limit v_subs + 1) x) <= v_subs) then
+    if not v_rotation.rt_moving
+       and (now() - v_rotation.rt_time < v_rotation.rt_period
+            or (not exists (select from pgque.cursor c where c.cur_part = v_other)
+                and (select count(*) from (select from pgque.cursor c
+                                            where c.cur_part = v_rotation.rt_part
+                                            limit v_subs + 1) x) <= v_subs)) then
         return null;  -- the look, without a lock: nothing to do
     end if;
     if pgque._lock_rotation('cursor') is distinct from v_rotation.rt_part then
         return null;  -- another rotation runs, or ran since the look
     end if;
-    if exists (select from pgque.cursor c where c.cur_part = v_other) then
-        if not pgque._lock_partition('cursor', v_other) then
-            return null;
+    select * into v_rotation from pgque.rotation where rt_name = 'cursor';  -- as locked
+    if not v_rotation.rt_moving then
+        if exists (select from pgque.cursor c where c.cur_part = v_other) then
+            if now() - v_rotation.rt_time < v_rotation.rt_period
+               or not pgque._lock_partition('cursor', v_other) then
+                return null;
+            end if;
+            execute format('truncate pgque.%I', 'cursor_' || v_other);
+            v_done := 1;
         end if;
-        execute format('truncate pgque.%I', 'cursor_' || v_other);
-        v_done := 1;
+        if now() - v_rotation.rt_time < v_rotation.rt_period
+           or (select count(*) from (select from pgque.cursor c
+                                      where c.cur_part = v_rotation.rt_part
+                                      limit v_subs + 1) x) <= v_subs then
+            return nullif(v_done, 0);
+        end if;
+        v_switch := true;
+        v_done := v_done + 1;
+        v_other := v_rotation.rt_part;  -- the partition left
+        v_rotation.rt_part := (v_other + 1) % v_rotation.rt_parts;
     end if;
-    if (select count(*) from (select from pgque.cursor c
-                               where c.cur_part = v_rotation.rt_part
-                               limit v_subs + 1) x) > v_subs then
-        begin
-            -- Every receive lock, in one order: no cursor is written meanwhile.
-            perform set_config('lock_timeout', '50ms', true);
-            perform 1 from pgque.subscription s order by s.sub_id for update;
-            perform set_config('lock_timeout', v_lock_timeout, true);
-            insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
-                                      cur_pos, cur_handed, cur_end, cur_time, cur_part)
-            select c.cur_sub, c.cur_seq, c.cur_last_tick, c.cur_batch, c.cur_next_tick,
-                   c.cur_pos, c.cur_handed, c.cur_end, c.cur_time, v_other
-              from pgque.subscription s
-             cross join lateral (select o.* from pgque.cursor o
-                                  where o.cur_part = v_rotation.rt_part and o.cur_sub = s.sub_id
-                                  order by o.cur_seq desc limit 1) c;
-            perform pgque._switch_rotation('cursor', v_other);
-            v_done := v_done + 1;
-        exception when lock_not_available then
-            null;  -- a receive lock held: switch at a later pass
-        end;
+    -- The subscriptions not moved yet whose receive lock is free: their
+    -- receive locks; then (a new statement, so a fresh snapshot: what their
+    -- writers committed before is seen) their current cursors copied over.
+    v_movers := array(select s.sub_id from pgque.subscription s
+                       where not exists (select from pgque.cursor n
+                                          where n.cur_part = v_rotation.rt_part
+                                            and n.cur_sub = s.sub_id)
+                       order by s.sub_id
+                         for update skip locked);
+    insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_batch, cur_next_tick,
+                              cur_pos, cur_handed, cur_end, cur_time, cur_part)
+    select c.cur_sub, c.cur_seq, c.cur_last_tick, c.cur_batch, c.cur_next_tick,
+           c.cur_pos, c.cur_handed, c.cur_end, c.cur_time, v_rotation.rt_part
+      from unnest(v_movers) m(sub_id)
+     cross join lateral (select o.* from pgque.cursor o
+                          where o.cur_part = v_other and o.cur_sub = m.sub_id
+                          order by o.cur_seq desc limit 1) c
+     where not exists (select from pgque.cursor n
+                        where n.cur_part = v_rotation.rt_part and n.cur_sub = m.sub_id);
+    v_moving := exists (select from pgque.subscription s
+                         where not exists (select from pgque.cursor n
+                                            where n.cur_part = v_rotation.rt_part
+                                              and n.cur_sub = s.sub_id));
+    if v_switch then
+        -- The writes go over (to the partition the copies went to) with this commit.
+        perform pgque._switch_rotation('cursor', v_rotation.rt_part, v_moving);
+    elsif not v_moving then
+        update pgque.rotation set rt_moving = false, rt_time = now() where rt_name = 'cursor';
+        v_done := v_done + 1;
     end if;
     return nullif(v_done, 0);
 end
@@ -236,6 +330,33 @@ as $$
                       and (k.kept_from is null or t.tick_id < k.kept_from))
 $$;
 
+-- pgque._tick_idle_queues(part): makes a tick for each queue whose newest
+-- tick is in tick partition part, unless another session is ticking it;
+-- returns how many. Only under READ COMMITTED (_make_tick's rule): else none.
+create or replace function pgque._tick_idle_queues(p_part smallint)
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue;
+    v_made integer := 0;
+begin
+    if current_setting('transaction_isolation') <> 'read committed' then
+        return 0;
+    end if;
+    for v_queue in select q.* from pgque.queue q
+                    where (pgque._last_tick(q.queue_id)).tick_part = p_part
+                    order by q.queue_id loop
+        if pgque._lock_queue(v_queue.queue_id, 'tick', false) then
+            perform pgque._make_tick(v_queue);
+            v_made := v_made + 1;
+        end if;
+    end loop;
+    return v_made;
+end
+$$;
+
 -- pgque._rotate_ticks(): the rotation of the ticks. The partition not written
 -- is emptied once no queue needs any tick in it (as an event table is once
 -- every consumer is past it): a lagging subscription holds it, and the ticks
@@ -265,7 +386,12 @@ begin
     end if;
     v_kept := pgque._ticks_kept();
     if not v_empty and pgque._needed_tick_in(v_other, v_kept.queues, v_kept.kept_from) then
-        return null;  -- held by a subscription that has not moved past it
+        -- Held by a subscription that has not moved past it. A queue with no
+        -- tick since the switch (idle, its ticker_idle_period long) keeps its
+        -- newest tick there: a tick now, an empty batch, lets its consumers
+        -- move on at their next receive.
+        perform pgque._tick_idle_queues(v_other);
+        return null;
     end if;
     if v_empty and not pgque._unneeded_tick_in(v_rotation.rt_part, v_kept.queues,
                                                v_kept.kept_from) then
