@@ -13,7 +13,7 @@ OTHER_BINDIR_PY := from pgque.testing.localpg import bindir_major, embedded_bind
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
-.PHONY: venv lint twins test test-faults test-long demo bench clean distclean system-deps
+.PHONY: venv lint twins test test-faults test-long demo bench bench-held-horizon clean distclean system-deps
 
 venv: $(STAMP)
 
@@ -136,6 +136,10 @@ demo: venv
 
 bench: venv
 	$(BIN)/python -m bench
+
+# An hour under a held snapshot (bench/held_horizon.py), apart from `make bench`.
+bench-held-horizon: venv
+	$(BIN)/python -m bench held_horizon
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis $(SYSTEM_LOG)

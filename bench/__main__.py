@@ -30,7 +30,7 @@ def _parse_args(argv: list[str] | None, suites: dict[str, Suite]) -> argparse.Na
         epilog="suites: " + "; ".join(f"{s.name}: {s.description}" for s in suites.values()),
     )
     parser.add_argument("suites", nargs="*", metavar="SUITE",
-                        help="suites to run (default: all)")
+                        help="suites to run (default: all but the long variants)")
     parser.add_argument("--quick", action="store_true",
                         help="about a tenth of the events, for a smoke run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
@@ -112,7 +112,8 @@ def _subtitle(server_info: dict[str, Any], quick: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     suites = all_suites()
     args = _parse_args(argv, suites)
-    chosen = [suites[name] for name in args.suites] or list(suites.values())
+    chosen = ([suites[name] for name in args.suites]
+              or [suite for suite in suites.values() if suite.default])
     with BenchServer(args.dsn) as server:
         server_info = server.describe()
         for suite in chosen:

@@ -19,7 +19,7 @@ __all__ = ["Suite", "SuiteContext", "SuiteResult", "all_suites", "register"]
 # Imported by all_suites(), not at the top: the suite modules import this one.
 _SUITE_MODULES = (
     "bench.engine", "bench.partition", "bench.latency", "bench.peers", "bench.ownership",
-    "bench.bloat")
+    "bench.bloat", "bench.held_horizon")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Suite:
     name: str
     description: str
     run: Callable[[SuiteContext], SuiteResult]
+    #: Run when no suite is named (``make bench``); a long variant has its own target.
+    default: bool = True
 
 
 _suites: dict[str, Suite] = {}
