@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import LONG, scalar, wait_for
+from helpers import LONG, long_variant, scalar, wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -379,7 +379,9 @@ def check_once_in_order(conn: psycopg.Connection[Any], sent: dict[int, str]) -> 
         assert evs == sorted(evs), f"key {key} out of order"
 
 
-@pytest.mark.parametrize("isolation", ["read committed", "repeatable read", "serializable"])
+@pytest.mark.parametrize("isolation", [
+    "read committed", "repeatable read",
+    long_variant("serializable", id="serializable")])  # as repeatable read, here
 def test_transactional_workers_under_rotations_handle_every_event_once(
         roles: dict[str, str], conn: psycopg.Connection[Any], handled_table: str,
         isolation: str, caplog: pytest.LogCaptureFixture) -> None:
