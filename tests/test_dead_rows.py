@@ -118,8 +118,9 @@ def test_current_cursor_is_one_index_probe(client: pgque.Client,
         before = index_scans(conn)
         assert scalar(conn, "select (pgque._current_cursor(%s)).cur_sub", (sub,)) == sub
         after = index_scans(conn)
+        part = scalar(conn, "select rt_part from pgque.rotation where rt_name = 'cursor'")
         assert {i: after[i] - before[i] for i in after if after[i] != before[i]} == {
-            f"cursor_{scalar(conn, 'select pgque._rotation_part(%s)', ('cursor',))}_pkey": 1}
+            f"cursor_{part}_pkey": 1}
 
 
 def index_scans(conn: psycopg.Connection[Any]) -> dict[str, int]:

@@ -108,7 +108,7 @@ def test_plain_api_refuses_slot_subscriptions(client: pgque.Client,
                           "values (1, 'g#0/2') returning sub_id").fetchone()
     assert sub_id is not None
     conn.execute("insert into pgque.cursor (cur_sub, cur_seq, cur_last_tick, cur_part) "
-                 "select %s, 1, max(tick_id), pgque._rotation_part('cursor') from pgque.tick",
+                 "select %s, 1, max(tick_id), (pgque._cursor_parts()).part from pgque.tick",
                  (sub_id[0],))
     with pytest.raises(pgque.SlotSubscriptionError):
         client.receive("q", "g#0/2")

@@ -53,16 +53,6 @@
 -- write or at a later pass. Whatever it cannot have, it leaves to the next
 -- maintenance pass.
 
--- pgque._rotation_part(name): the partition of rotated table name ('cursor',
--- 'tick') written now, as of this statement's snapshot.
-create or replace function pgque._rotation_part(p_name text)
-returns smallint
-language sql stable
-set search_path = pg_catalog, pg_temp
-as $$
-    select r.rt_part from pgque.rotation r where r.rt_name = p_name
-$$;
-
 -- pgque._cursor_parts(): where the current cursors are, as of this
 -- statement's snapshot: the partition written now (part), and while a switch
 -- is moving the subscriptions over (_rotate_cursors), the partition left
