@@ -28,6 +28,11 @@ insert into pgque.rotation (rt_name) values ('cursor'), ('tick') on conflict do 
 -- pgque.rotation than the sequence's (see code/ticker/rotation.sql).
 create sequence if not exists pgque.cursor_switch_seq;
 
+-- Both tables locked first, in one statement: a session of the code before
+-- that reads them waits here, rather than holding one while the conversion
+-- waits for it (a deadlock with live workers).
+lock table pgque.cursor, pgque.tick in access exclusive mode;
+
 -- The cursor log: the table in place becomes partition 0. Its name goes with
 -- it (and its row type, which only pgque's code uses; the code is created
 -- again after the migrations); the partitioned table takes the name. Each
