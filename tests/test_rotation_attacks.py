@@ -690,7 +690,8 @@ def test_a_report_left_idle_in_transaction_stalls_every_consumer_at_every_pass(
         assert errors == []
         # The truncate queues 25 ms at most (_lock_partition); load adds to it.
         stalls = [s for t, s, _w in timed.calls if t >= began and s >= BLOCK_BOUND]
-        print(f"{len(stalls)} receive/ack calls waited {BLOCK_BOUND * 1000:.0f} ms or more during 10 passes:"
+        print(f"{len(stalls)} receive/ack calls waited {BLOCK_BOUND * 1000:.0f} ms or more"
+              " during 10 passes:"
               f" {[round(s * 1000) for s in stalls]}; steps {steps}")
         assert stalls == [], (
             f"{len(stalls)} receives/acks waited behind the rotations' truncate attempts "
