@@ -23,10 +23,13 @@ from pgque._script import PIN_SEARCH_PATH, install_script
 # commits. An install that waited behind an uninstall finds the table it waited
 # for, or the schema, gone. Either way the failing statement rolled the
 # transaction back, and it runs again: it then finds the schema (or its
-# absence) as it now is. A few attempts are plenty.
+# absence) as it now is. An upgrade that the server picked as a deadlock's
+# victim (a migration locks tables live workers read; it tries not to wait
+# while holding one, see migration 7) runs again the same way. A few attempts
+# are plenty.
 _INSTALL_ATTEMPTS = 5
 _RETRIED = (psycopg.errors.UniqueViolation, psycopg.errors.UndefinedTable,
-            psycopg.errors.InvalidSchemaName)
+            psycopg.errors.InvalidSchemaName, psycopg.errors.DeadlockDetected)
 
 
 # pgque's roles that may use schema pgque. Every install drops and creates

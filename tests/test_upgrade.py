@@ -728,6 +728,47 @@ def test_upgrade_while_a_0_1_session_owns_a_slot_mid_batch(empty_dsn: str) -> No
         assert not old.claim_slot("q", "g", 0)
 
 
+@pytest.mark.parametrize("first, then", [("queue", "tick"), ("tick", "queue"),
+                                         ("cursor", "queue")])
+def test_upgrade_to_0_4_does_not_deadlock_with_a_session_of_0_3_reading_its_tables(
+        empty_dsn: str, first: str, then: str) -> None:
+    """A 0.3.0 session that read one of the tables migration 7 converts or locks
+    and, while the migration waits for it, reads another goes on: the migration
+    never waits holding one of them (attaching the ticks needs pgque.queue too).
+    Both finish; neither is a deadlock's victim."""
+    install_0_3(empty_dsn)
+    with pgque.connect(empty_dsn) as setup:
+        setup.create_queue("q")
+        setup.send("q", "e", {}, partition_key="k")
+        setup.tick("q")
+    outcome: list[object] = []
+
+    def upgrade() -> None:
+        try:
+            with psycopg.connect(empty_dsn, autocommit=True) as conn:
+                conn.execute("set deadlock_timeout = '200ms'")
+                outcome.append(pgque.install(conn))
+        except psycopg.Error as exc:
+            outcome.append(exc)
+
+    with psycopg.connect(empty_dsn) as reader, psycopg.connect(empty_dsn, autocommit=True) as mon:
+        reader.execute("set deadlock_timeout = '200ms'")
+        scalar(reader, f"select count(*) from pgque.{first}")
+        installer = threading.Thread(target=upgrade)
+        installer.start()
+        wait_for(lambda: scalar(mon, "select count(*) from pg_catalog.pg_stat_activity"
+                                     " where datname = current_database()"
+                                     " and wait_event_type = 'Lock'"),
+                 what="the upgrade waits for the reader")
+        assert scalar(reader, f"select count(*) from pgque.{then}") >= 1
+        reader.commit()
+        installer.join(timeout=60)
+    assert outcome == ["0.3.0"]
+    with psycopg.connect(empty_dsn) as conn:
+        assert scalar(conn, "select relkind::text from pg_catalog.pg_class"
+                            " where oid = 'pgque.tick'::regclass") == "p"
+
+
 def test_upgrade_keeps_retries_keys_nacks_and_replays_of_slots(empty_dsn: str) -> None:
     """Across the upgrade (migration 0003 drops ev_extra2..4 from retries and dead
     letters), a slot's waiting retry comes back to the same slot with its

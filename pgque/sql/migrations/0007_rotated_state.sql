@@ -28,10 +28,32 @@ insert into pgque.rotation (rt_name) values ('cursor'), ('tick') on conflict do 
 -- pgque.rotation than the sequence's (see code/ticker/rotation.sql).
 create sequence if not exists pgque.cursor_switch_seq;
 
--- Both tables locked first, in one statement: a session of the code before
--- that reads them waits here, rather than holding one while the conversion
--- waits for it (a deadlock with live workers).
-lock table pgque.cursor, pgque.tick in access exclusive mode;
+-- Every table the conversion locks, locked first: the cursor log, the ticks,
+-- and the queues (attaching the old ticks drops their foreign key's triggers
+-- on pgque.queue). Live workers of the code before read these tables in any
+-- order, so the migration never waits while it holds one of them: each try
+-- gives up after 50 ms (before the server's deadlock check, which might pick
+-- the migration as the victim) and lets go of what it took; while it waits,
+-- new readers queue behind it, so a try soon finds the tables free.
+do $lock$
+declare
+    v_timeout  text := pg_catalog.current_setting('lock_timeout');
+    v_deadline timestamptz := pg_catalog.clock_timestamp() + interval '2 minutes';
+begin
+    perform pg_catalog.set_config('lock_timeout', '50ms', true);
+    loop
+        begin
+            lock table pgque.queue, pgque.cursor, pgque.tick in access exclusive mode;
+            exit;
+        exception when lock_not_available then
+            if pg_catalog.clock_timestamp() > v_deadline then
+                raise;
+            end if;
+        end;
+    end loop;
+    perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+end
+$lock$;
 
 -- The cursor log: the table in place becomes partition 0. Its name goes with
 -- it (and its row type, which only pgque's code uses; the code is created
