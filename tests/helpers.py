@@ -322,6 +322,18 @@ def install_0_3(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.3.0"
 
 
+# The install script of pgque 0.4.0 as it landed (a77e4ac), frozen: migrations 1
+# to 6, the cursor log and the ticks still plain tables.
+BASELINE_0_4 = Path(__file__).resolve().parent / "data" / "pgque-0.4.0-a77e4ac.sql"
+
+
+def install_0_4(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.4.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_4.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.4.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

@@ -1098,14 +1098,14 @@ def test_transactional_lanes_killed_mid_handler_under_rotations_handle_every_eve
 # -- upgrades with live state -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("baseline", ["0.1.0", "0.2.0", "0.3.0"])
+@pytest.mark.parametrize("baseline", ["0.1.0", "0.2.0", "0.4.0"])
 def test_an_upgraded_state_survives_many_rotations_before_it_is_read(
         empty_dsn: str, pg_server: Any, baseline: str) -> None:
-    """The state test_upgrade leaves in a 0.1/0.2/0.3 database (a batch half
+    """The state test_upgrade leaves in a 0.1/0.2/0.4 database (a batch half
     handed out, a retry waiting, a dead letter, slots never read, epochs),
     upgraded, then rotated at every pass many times over before anyone reads
     it: nothing lost or delivered twice (test_upgrade's check_upgraded)."""
-    from helpers import install_0_1, install_0_2, install_0_3
+    from helpers import install_0_1, install_0_2, install_0_4
     from test_upgrade import check_upgraded, fill_0_1, fill_0_2
 
     if baseline == "0.1.0":
@@ -1117,7 +1117,7 @@ def test_an_upgraded_state_survives_many_rotations_before_it_is_read(
     else:
         install_0_2(empty_dsn)
         seen = fill_0_2(empty_dsn)
-        install_0_3(empty_dsn)
+        install_0_4(empty_dsn)
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         assert pgque.install(conn) == baseline  # the version it upgraded from
         rotate_always(conn)
@@ -1133,15 +1133,15 @@ def test_an_upgraded_state_survives_many_rotations_before_it_is_read(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
-def test_a_worker_rides_through_the_upgrade_from_0_3_0_and_the_rotations_after(
+def test_a_worker_rides_through_the_upgrade_from_0_4_0_and_the_rotations_after(
         empty_dsn: str) -> None:
-    """A transactional Worker and a ticker running against a 0.3.0 database
+    """A transactional Worker and a ticker running against a 0.4.0 database
     that is upgraded under them (migration 7 turns the cursor log and the
     ticks into partitioned tables), then rotates at every pass: every event's
     writes once, each key in order, no worker error."""
-    from helpers import install_0_3
+    from helpers import install_0_4
 
-    install_0_3(empty_dsn)
+    install_0_4(empty_dsn)
     with psycopg.connect(empty_dsn, autocommit=True) as su:
         su.execute("create table public.atk_handled (seq bigserial primary key, ev_id bigint,"
                    " key text, slot integer)")
@@ -1170,7 +1170,7 @@ def test_a_worker_rides_through_the_upgrade_from_0_3_0_and_the_rotations_after(
                 time.sleep(0.02)
                 if n == 40:
                     with psycopg.connect(empty_dsn, autocommit=True) as up:
-                        assert pgque.install(up) == "0.3.0"
+                        assert pgque.install(up) == "0.4.0"
                     conn.execute("update pgque.rotation set rt_period = '0'")
             wait_for(lambda: scalar(conn, "select count(distinct ev_id) from public.atk_handled")
                      >= len(sent) or worker.error is not None, timeout=90,

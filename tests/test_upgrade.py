@@ -22,12 +22,14 @@ import pytest
 from helpers import (
     BASELINE_0_2,
     BASELINE_0_3,
+    BASELINE_0_4,
     BASELINES_0_1,
     catalog,
     drain,
     install_0_1,
     install_0_2,
     install_0_3,
+    install_0_4,
     run_cli,
     scalar,
     scratch_database,
@@ -43,6 +45,7 @@ from pgque.testing import Deployment
 # The migrations the landed 0.2.0 had, and so recorded as applied by "0.2.0".
 MIGRATIONS_0_2 = range(1, 6)
 MIGRATIONS_0_3 = 6  # the last migration 0.3.0 had
+MIGRATIONS_0_4 = 6  # and 0.4.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -404,12 +407,29 @@ def owned_database(deployment: Deployment, tag: str) -> Deployment:
     return replace(deployment, dbname=name)
 
 
+def test_upgrade_from_0_4_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.4.0 (the cursor log and the ticks plain tables, old rows
+    deleted by maintenance) filled as 0.2.0 was: migration 7 makes them the
+    first partitions of the rotating tables, and every event, cursor, epoch and
+    dead letter is kept; the result is a fresh install."""
+    install_0_4(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.4.0"
+        assert migration_record(conn) == [
+            (m.number, "0.4.0" if m.number <= MIGRATIONS_0_4 else pgque.__version__)
+            for m in migrations()]
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())
 
 
 RELEASES = {
+    "0.4.0": [BASELINE_0_4],
     "0.3.0": [BASELINE_0_3],
     "0.2.0-then-0.3.0": [BASELINE_0_2, BASELINE_0_3],
     "0.2.0": [BASELINE_0_2],
@@ -730,13 +750,13 @@ def test_upgrade_while_a_0_1_session_owns_a_slot_mid_batch(empty_dsn: str) -> No
 
 @pytest.mark.parametrize("first, then", [("queue", "tick"), ("tick", "queue"),
                                          ("cursor", "queue")])
-def test_upgrade_to_0_4_does_not_deadlock_with_a_session_of_0_3_reading_its_tables(
+def test_upgrade_to_0_5_does_not_deadlock_with_a_session_of_0_4_reading_its_tables(
         empty_dsn: str, first: str, then: str) -> None:
-    """A 0.3.0 session that read one of the tables migration 7 converts or locks
+    """A 0.4.0 session that read one of the tables migration 7 converts or locks
     and, while the migration waits for it, reads another goes on: the migration
     never waits holding one of them (attaching the ticks needs pgque.queue too).
     Both finish; neither is a deadlock's victim."""
-    install_0_3(empty_dsn)
+    install_0_4(empty_dsn)
     with pgque.connect(empty_dsn) as setup:
         setup.create_queue("q")
         setup.send("q", "e", {}, partition_key="k")
@@ -763,7 +783,7 @@ def test_upgrade_to_0_4_does_not_deadlock_with_a_session_of_0_3_reading_its_tabl
         assert scalar(reader, f"select count(*) from pgque.{then}") >= 1
         reader.commit()
         installer.join(timeout=60)
-    assert outcome == ["0.3.0"]
+    assert outcome == ["0.4.0"]
     with psycopg.connect(empty_dsn) as conn:
         assert scalar(conn, "select relkind::text from pg_catalog.pg_class"
                             " where oid = 'pgque.tick'::regclass") == "p"

@@ -1,6 +1,6 @@
--- Migration 7 (pgque 0.4.0): the cursor log and the ticks in rotating tables.
+-- Migration 7 (pgque 0.5.0): the cursor log and the ticks in rotating tables.
 --
--- Until 0.4 every receive and ack appended a cursor row and every tick a tick
+-- Until 0.5 every receive and ack appended a cursor row and every tick a tick
 -- row that maintenance later deleted: dead rows for vacuum, piling up while a
 -- long transaction held the xmin horizon back. Now each of the two tables is
 -- partitioned in two, written one at a time (pgque.rotation names which), and
