@@ -410,3 +410,207 @@ def test_rotations_under_load_lose_repeat_and_reorder_nothing(
     assert sorted(ev for _k, ev in got) == sorted(ev for _k, ev in sent)
     for key in keys:
         assert [ev for k, ev in got if k == key] == sorted(ev for k, ev in got if k == key)
+
+
+# Nacks and retries: the nack records and the retry queue rotate too.
+
+NACK_CYCLES = 300
+
+
+def test_nacks_and_retries_update_and_delete_no_row(client: pgque.Client,
+                                                    conn: psycopg.Connection[Any]) -> None:
+    """300 cycles that nack a quarter of what they receive (retry at once) and
+    ack, with a maintenance pass every 10 cycles that moves the due retries
+    back into the log and rotates: every nacked event comes back once, and no
+    pgque table has a row updated or deleted but pgque.rotation's, once per
+    rotation; the nack records and the retry queue hold only the last
+    periods' rows."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    client.maintenance()
+    before = table_writes(client.conn)
+    steps: list[tuple[str | None, str, int]] = []
+    sent: list[int] = []
+    first_seen: list[int] = []
+    retried: list[int] = []
+    nacked: list[int] = []
+    for cycle in range(NACK_CYCLES):
+        sent += client.send_batch("q", [("e", {"n": i}, None) for i in range(8)])
+        client.tick("q")
+        while (batch := client.receive("q", "c")) is not None:
+            fresh = [m for m in batch if m.retry_count == 0]
+            first_seen += [m.id for m in fresh]
+            retried += [m.id for m in batch if m.retry_count > 0]
+            to_nack = fresh[::4]
+            if to_nack:
+                assert client.nack(batch, to_nack, reason="flaky") == 0
+                nacked += [m.id for m in to_nack]
+            client.ack(batch)
+        if cycle % 10 == 9:
+            steps += client.maintenance()
+    for _ in range(3):  # the last retries moved, ticked and read
+        steps += client.maintenance()
+        client.tick("q")
+        while (batch := client.receive("q", "c")) is not None:
+            assert all(m.retry_count == 1 for m in batch)
+            retried += [m.id for m in batch]
+            client.ack(batch)
+    after = table_writes(client.conn)
+    assert first_seen == sent
+    assert sorted(retried) == sorted(nacked) and len(nacked) == 2 * NACK_CYCLES
+    kinds = [step for _q, step, _n in steps]
+    assert kinds.count("rotate_nacks") >= NACK_CYCLES // 10 - 1
+    assert kinds.count("rotate_retries") >= NACK_CYCLES // 10 - 1
+    writes = {name: (after[name][0] - before.get(name, (0, 0, 0))[0],
+                     after[name][1] - before.get(name, (0, 0, 0))[1])
+              for name in after}
+    rotation_upd, rotation_del = writes.pop("rotation")  # one update per switch at most
+    assert 0 < rotation_upd <= rotations(steps) and rotation_del == 0
+    assert {name: w for name, w in writes.items() if w != (0, 0)} == {}
+    # At most two passes' worth of nack records and retries are left.
+    assert scalar(conn, "select count(*) from pgque.batch_nack") <= 2 * 10 * 2
+    assert scalar(conn, "select count(*) from pgque.retry_queue") <= 2 * 10 * 2
+    assert scalar(conn, "select count(*) from pgque._retry_waiting") == 0
+
+
+def rotation_part(conn: psycopg.Connection[Any], name: str) -> int:
+    return int(scalar(conn, "select rt_part from pgque.rotation where rt_name = %s", (name,)))
+
+
+def test_a_nack_repeated_after_a_switch_counts_once(client: pgque.Client,
+                                                    conn: psycopg.Connection[Any]) -> None:
+    """A consumer that nacks an event, then (its batch still open, the nack
+    records switched to the other partition meanwhile) nacks it again, as one
+    that died before its ack does: one retry, and the record of the open batch
+    is kept until the batch ends."""
+    client.create_queue("q", max_retries=0)
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    client.send_batch("q", [("e", {"n": i}, None) for i in range(3)])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    part = rotation_part(conn, "nack")
+    assert client.nack(batch, batch.messages[0]) == 1  # max_retries 0: a dead letter
+    assert "rotate_nacks" in [step for _q, step, _n in client.maintenance()]
+    assert rotation_part(conn, "nack") != part  # switched away from its record
+    assert client.nack(batch, [batch.messages[0], batch.messages[1]]) == 1  # only the second is new
+    assert len(client.dead_letters("q", "c")) == 2
+    for _ in range(3):  # the open batch holds its records' partitions
+        client.maintenance()
+        assert scalar(conn, "select count(*) from pgque.batch_nack") == 2
+    assert client.ack(batch)
+    for _ in range(3):
+        client.maintenance()
+    assert scalar(conn, "select count(*) from pgque.batch_nack") == 0
+
+
+def test_a_retry_not_due_holds_its_partition_and_comes_back_once(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """A retry due in an hour keeps its partition of the retry queue from being
+    emptied across many rotations, while the retries due at once are moved,
+    marked and emptied; once it is due, it comes back once, and the retry queue
+    ends empty."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    ids = client.send_batch("q", [("e", {"n": i}, None) for i in range(4)])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    client.nack(batch, batch.messages[0], retry_after=3600)
+    client.nack(batch, batch.messages[1])
+    client.ack(batch)
+    back: list[int] = []
+    for n in range(6):
+        client.maintenance()
+        client.tick("q")
+        while (batch := client.receive("q", "c")) is not None:
+            back += [m.id for m in batch]
+            if n < 3:  # more retries due at once, in later partitions
+                client.nack(batch, batch.messages[0])
+            client.ack(batch)
+    assert back == [ids[1]] * 4
+    assert scalar(conn, "select count(*) from pgque._retry_waiting") == 1
+    held = scalar(conn, "select rq_part from pgque.retry_queue where ev_id = %s", (ids[0],))
+    assert scalar(conn, "select count(*) from pgque.retry_queue where rq_part = %s",
+                  (held,)) >= 1
+    conn.execute("update pgque.retry_queue set ev_retry_after = now() where ev_id = %s",
+                 (ids[0],))  # the hour passed
+    for _ in range(4):
+        client.maintenance()
+        client.tick("q")
+        while (batch := client.receive("q", "c")) is not None:
+            back += [m.id for m in batch]
+            client.ack(batch)
+    assert back == [ids[1]] * 4 + [ids[0]]
+    assert scalar(conn, "select count(*) from pgque.retry_queue") == 0
+    assert scalar(conn, "select count(*) from pgque.retry_moved") == 0
+
+
+@pytest.mark.parametrize("rotation", ["nack", "retry"])
+def test_a_killed_nack_or_retry_rotation_loses_and_repeats_nothing(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str, rotation: str) -> None:
+    """A maintenance session killed at the switch of the nack records or of the
+    retry queue, after it emptied the other partition in the same transaction:
+    the records, the retries and their marks are as they were, and every
+    retry comes back once."""
+    client.create_queue("q", max_retries=5)
+    client.subscribe("q", "c")
+    rotate_always(conn)
+    ids = client.send_batch("q", [("e", {"n": i}, None) for i in range(4)])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None
+    client.nack(batch, batch.messages[0])
+    client.ack(batch)
+    client.maintenance()  # moved, switched: the next pass empties and switches again
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and [m.id for m in batch] == [ids[0]]
+    client.nack(batch, batch.messages[0], retry_after=0)
+    open_batch = batch
+    tables = ("batch_nack", "retry_queue", "retry_moved")
+    counts = {t: scalar(conn, f"select count(*) from pgque.{t}") for t in tables}
+    conn.execute(f"""
+        create function pgque_test_wait() returns trigger language plpgsql as $$
+        begin
+            if new.rt_name = '{rotation}' then perform pg_advisory_lock(4243); end if;
+            return new;
+        end $$;
+        create trigger wait_before_switch before update on pgque.rotation
+            for each row execute function pgque_test_wait();
+        select pg_advisory_lock(4243);""")
+    maint = psycopg.connect(dsn, autocommit=True)
+    pid = maint.info.backend_pid
+    failure: list[BaseException] = []
+
+    def run_maint() -> None:
+        try:
+            maint.execute("select * from pgque.maint()")
+        except psycopg.Error as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run_maint)
+    thread.start()
+    wait_for(lambda: scalar(conn, "select wait_event_type = 'Lock' from pg_stat_activity"
+                                  " where pid = %s", (pid,)), what="the rotation at its switch")
+    conn.execute("select pg_terminate_backend(%s)", (pid,))
+    thread.join(10)
+    assert failure and isinstance(failure[0], psycopg.OperationalError)
+    conn.execute("select pg_advisory_unlock(4243)")
+    conn.execute("drop trigger wait_before_switch on pgque.rotation")
+    conn.execute("drop function pgque_test_wait()")
+    assert {t: scalar(conn, f"select count(*) from pgque.{t}") for t in tables} == counts
+    assert client.nack(open_batch, open_batch.messages[0]) == 0  # recorded: changes nothing
+    client.ack(open_batch)
+    back: list[int] = []
+    for _ in range(4):
+        client.maintenance()
+        client.tick("q")
+        while (batch := client.receive("q", "c")) is not None:
+            back += [m.id for m in batch]
+            client.ack(batch)
+    assert back == [ids[0]]
+    assert scalar(conn, "select count(*) from pgque._retry_waiting") == 0

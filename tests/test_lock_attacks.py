@@ -123,7 +123,6 @@ def test_a_held_maintenance_key_stalls_no_maintenance(
 
     steps = {step: amount for _, step, amount in victim.maintenance()}
     assert steps.get("retry") == 1, f"the due retry did not come back: {steps}"
-    assert steps.get("nacks", 0) == 1, steps
     assert [m.payload for m in drain(client, "q", "c")] == ["fails"]
 
 

@@ -169,23 +169,23 @@ def test_maintenance_of_one_queue_runs_once_at_a_time(
     client.subscribe("q", "c")
     conn.execute("update pgque.rotation set rt_period = '1 day'")  # only the queue's steps
 
-    def nack_one() -> None:  # work for the nacks step: the record of a finished batch
+    def nack_one() -> None:  # work for the retry step: a retry due at once
         client.send("q", "e", 1)
         client.tick("q")
         batch = client.receive("q", "c")
         assert batch is not None
-        client.ack(batch, nack=batch.messages, retry_after=3600)
+        client.ack(batch, nack=batch.messages, retry_after=0)
 
     nack_one()
     with open_transaction(dsn) as first:
         assert first.execute("select step, amount from pgque.maint('q')").fetchall() == [
-            ("nacks", 1)]
+            ("retry", 1)]
         nack_one()
         # A second caller skips the queue without waiting, though it has work.
         with pgque.connect(dsn, options=TIMEOUT_OPTIONS) as other:
             assert other.maintenance() == []
         first.commit()
-    assert client.maintenance() == [("q", "nacks", 1)]
+    assert client.maintenance() == [("q", "retry", 1)]
 
 
 def _queue_row_sql(function: str) -> str:
@@ -197,7 +197,7 @@ def maintenance_work(dsn: str, queue: str) -> int:
     first: every step in a transaction that is rolled back."""
     with psycopg.connect(dsn) as oracle:
         work = sum(int(scalar(oracle, _queue_row_sql(step), (queue,)))
-                   for step in ("_maint_rotate", "_maint_retry", "_maint_nacks"))
+                   for step in ("_maint_rotate", "_maint_retry"))
         oracle.rollback()
     return work
 
@@ -289,12 +289,6 @@ def test_maintenance_finds_each_kind_of_work(client: pgque.Client,
     settle()  # a retry not yet due is no work
     conn.execute("update pgque.retry_queue set ev_retry_after = now()")
     expect("q", "retry")
-
-    # A nack record of a finished batch alone: the nacks step deletes it.
-    conn.execute("insert into pgque.batch_nack select sub_id, -1, 1 from pgque.subscription")
-    expect("q", "nacks")
-    assert scalar(conn, "select count(*) from pgque.batch_nack") == 0
-    settle()
 
     # The rotation period ran out: switch to the next (empty) event table.
     conn.execute("update pgque.queue set queue_switch_time = now() - interval '1 day'")

@@ -138,7 +138,7 @@ def test_many_due_retries_come_back_in_one_pass(client: pgque.Client) -> None:
 
 
 def _retry_rows(conn: psycopg.Connection[Any], ev_id: int) -> int:
-    return int(scalar(conn, "select count(*) from pgque.retry_queue where ev_id = %s", (ev_id,)))
+    return int(scalar(conn, "select count(*) from pgque._retry_waiting where ev_id = %s", (ev_id,)))
 
 
 def test_a_nack_repeated_after_a_crash_is_one_retry_and_one_dead_letter(

@@ -262,8 +262,11 @@ $$;
 -- usual. Idempotent per event and batch: an event nacked before in the same
 -- open batch (a consumer that died between its nack and its ack, and nacks
 -- again) is left as it is, so one failure is one retry or one dead letter
--- (pgque.batch_nack's key enforces it). Raises PQ003 if batch_id is not the
--- open batch, PQ010 if an id is null or not among the events handed out.
+-- (its nack record, pgque.batch_nack, in either partition; the caller holds
+-- the receive lock, so no other nack of the batch runs meanwhile). The
+-- records and the retries go to the partitions written now (rotation.sql).
+-- Raises PQ003 if batch_id is not the open batch, PQ010 if an id is null or
+-- not among the events handed out.
 create or replace function pgque._nack(
     p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_batch_id bigint,
     p_ev_ids bigint[], p_reasons text[], p_retry_after interval,
@@ -276,6 +279,8 @@ declare
     v_events pgque.event_template[];
     v_wanted integer;
     v_dead integer;
+    v_nack_part smallint := pgque._write_part('nack');
+    v_retry_part smallint := pgque._write_part('retry');
 begin
     perform pgque._require_batch(p_sub, p_cur, p_batch_id);
     if p_retry_after is null or p_retry_after < interval '0' then
@@ -313,8 +318,11 @@ begin
                           else p_reasons[i.n] end as reason
           from unnest(p_ev_ids) with ordinality i(id, n)),
     fresh as (
-        insert into pgque.batch_nack (bn_sub, bn_batch, bn_ev_id)
-        select distinct p_sub.sub_id, p_batch_id, a.id from asked a
+        insert into pgque.batch_nack (bn_sub, bn_batch, bn_ev_id, bn_part)
+        select distinct p_sub.sub_id, p_batch_id, a.id, v_nack_part from asked a
+         where not exists (select from pgque.batch_nack b  -- in either partition
+                            where b.bn_sub = p_sub.sub_id and b.bn_batch = p_batch_id
+                              and b.bn_ev_id = a.id)
         on conflict do nothing
         returning bn_ev_id),
     nacked as (
@@ -333,9 +341,9 @@ begin
         returning 1),
     retried as (
         insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
-                                       ev_retry, ev_type, ev_data, ev_extra1)
+                                       ev_retry, ev_type, ev_data, ev_extra1, rq_part)
         select now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
-               e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1
+               e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, v_retry_part
           from nacked e
          where e.ev_retry < p_queue.queue_max_retries
         returning 1)

@@ -188,7 +188,7 @@ select q.queue_name,
        c.cur_time as last_active,
        now() - pgque._oldest_unconsumed(q.queue_id, s.sub_id, t.tick_snapshot)
            as oldest_unconsumed_age,
-       (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
+       (select count(*) from pgque._retry_waiting r where r.ev_owner = s.sub_id) as retries_waiting,
        (select count(*) from pgque.dead_letter d where d.dl_sub = s.sub_id) as dead_letters
   from pgque.subscription s
   join pgque.queue q on q.queue_id = s.sub_queue
@@ -248,7 +248,7 @@ select q.queue_name,
        now() - t.tick_time as lag,
        c.cur_batch as open_batch_id,
        c.cur_time as last_active,
-       (select count(*) from pgque.retry_queue r where r.ev_owner = s.sub_id) as retries_waiting,
+       (select count(*) from pgque._retry_waiting r where r.ev_owner = s.sub_id) as retries_waiting,
        (select count(*) from pgque.dead_letter d where d.dl_sub = s.sub_id) as dead_letters,
        pgque._stalled_after(q) as stalled_after,
        pgque._slot_stalled(o.age, l.pid, c.cur_time, pgque._stalled_after(q)) as stalled

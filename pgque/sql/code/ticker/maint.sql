@@ -1,5 +1,6 @@
--- pgque: maintenance (event table rotation, retry re-insertion, nack cleanup;
--- the rotation of the cursor and tick tables is in rotation.sql).
+-- pgque: maintenance (event table rotation, retry re-insertion; the rotation
+-- of the cursor log, the ticks, the nack records and the retry queue is in
+-- rotation.sql).
 --
 -- Each step is safe to run concurrently and repeatedly: steps of one queue
 -- are serialized by the queue's maintenance lock, its 'maint' row of
@@ -103,36 +104,14 @@ as $$
                     (pgque._last_tick(p_queue_id)).tick_id)
 $$;
 
--- pgque._maint_nacks(queue): deletes, in one statement, the nack records of
--- the batches of the queue's subscriptions that are no longer open. Returns
--- how many. (Ticks and cursor rows are not deleted: their tables rotate,
--- ticker/rotation.sql.)
-create or replace function pgque._maint_nacks(p_queue pgque.queue)
-returns bigint
-language plpgsql
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_count bigint;
-begin
-    delete from pgque.batch_nack n
-     using pgque.subscription s
-     where s.sub_queue = p_queue.queue_id and n.bn_sub = s.sub_id
-       and n.bn_batch is distinct from (pgque._current_cursor(s.sub_id)).cur_batch;
-    get diagnostics v_count = row_count;
-    return v_count;
-end
-$$;
-
 -- pgque._maint_due(queue): whether any maintenance step has work for the
 -- queue, looked at without its maintenance lock and without writing: a
 -- table to truncate (a non-current event table, not empty, whose newest
 -- event is below the consumed floor) or to switch to (rotation_period passed
--- and the next table is empty), a due retry, a nack record of a finished
--- batch, a slot index
--- to make or drop (_slot_indexes_due), a batch reader to write again
--- (_batch_reader_due). Each test is
--- the one its step applies, so it never says no while a step would act.
+-- and the next table is empty), a due retry, a slot index to make or drop
+-- (_slot_indexes_due), a batch reader to write again (_batch_reader_due).
+-- Each test is the one its step applies, so it never says no while a step
+-- would act.
 -- (Rows of a transaction still in progress are not seen; they would not be
 -- seen by the step either, and an in-progress transaction's id is never
 -- below the consumed floor.) It must neither wait nor fail: locks are waited
@@ -151,18 +130,11 @@ declare
     v_nonempty boolean;
     n integer;
 begin
-    if exists (select 1 from pgque.retry_queue r
+    if exists (select 1 from pgque._retry_waiting r
                 where r.ev_queue = p_queue.queue_id and r.ev_retry_after <= now()) then
         return true;
     end if;
     if pgque._slot_indexes_due(p_queue.queue_id) or pgque._batch_reader_due(p_queue.queue_id) then
-        return true;
-    end if;
-    if exists (select 1
-                 from pgque.subscription s cross join lateral pgque._current_cursor(s.sub_id) c
-                 join pgque.batch_nack b on b.bn_sub = s.sub_id
-                where s.sub_queue = p_queue.queue_id
-                  and b.bn_batch is distinct from c.cur_batch) then
         return true;
     end if;
     if now() - p_queue.queue_switch_time >= p_queue.queue_rotation_period then
@@ -195,9 +167,10 @@ $$;
 -- when null) and reports what it did as rows (queue_name, step, amount).
 -- A queue whose maintenance is already running elsewhere (or that is being
 -- dropped) is skipped, and so, without taking any lock, is a queue where no
--- step has work (_maint_due). Every call first rotates the cursor and tick
--- tables of all queues when they are due (steps rotate_cursors and
--- rotate_ticks, queue_name null). A pass over all queues also writes the
+-- step has work (_maint_due). Every call then rotates the cursor log, the
+-- ticks, the nack records and the retry queue of all queues when they are due
+-- (steps rotate_cursors, rotate_ticks, rotate_nacks and rotate_retries,
+-- queue_name null). A pass over all queues also writes the
 -- event writer when it is due (step event_writer, queue_name null).
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
@@ -245,15 +218,6 @@ begin
             queue_name := v_queue.queue_name; step := 'retry'; amount := v_amount;
             return next;
         end if;
-        begin
-            v_amount := pgque._maint_nacks(v_queue);
-        exception when serialization_failure then
-            v_amount := 0;
-        end;
-        if v_amount > 0 then
-            queue_name := v_queue.queue_name; step := 'nacks'; amount := v_amount;
-            return next;
-        end if;
         v_amount := pgque._sync_slot_indexes(v_queue.queue_id, null, '50ms');
         if v_amount > 0 then
             queue_name := v_queue.queue_name; step := 'slot_indexes'; amount := v_amount;
@@ -296,6 +260,20 @@ begin
     end;
     if v_amount is not null then
         queue_name := null; step := 'rotate_ticks'; amount := v_amount;
+        return next;
+    end if;
+    begin
+        v_amount := pgque._rotate_nacks();
+    exception when serialization_failure then
+        v_amount := null;
+    end;
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_nacks'; amount := v_amount;
+        return next;
+    end if;
+    v_amount := pgque._rotate_retries();
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_retries'; amount := v_amount;
         return next;
     end if;
 end

@@ -1,7 +1,8 @@
 -- pgque: the engine's own state in rotating tables, emptied by TRUNCATE.
 --
 -- The cursor log and the ticks are written all the time: a cursor row per
--- receive and per ack of every subscription, a tick row per tick. Rows that
+-- receive and per ack of every subscription, a tick row per tick; the nack
+-- records and the retry queue at every nack. Rows that
 -- maintenance DELETEd would be dead rows for vacuum, and a transaction that
 -- holds the xmin horizon back (a long report, a session idle in transaction,
 -- a lagging replication slot) would pile them up for as long as it lasts. So
@@ -30,6 +31,11 @@
 -- consumer is past it. A lagging subscription holds it back, and the ticks
 -- pile up in the partition written meanwhile, as events do.
 --
+-- The nack records and the retry queue rotate as the ticks do, nothing copied:
+-- a partition is emptied once it holds no record of an open batch
+-- (_rotate_nacks), no retry not yet moved back into the log (_rotate_retries;
+-- a moved retry is marked by a row of pgque.retry_moved, not deleted).
+--
 -- Snapshots. TRUNCATE is not MVCC-safe: a statement whose snapshot is older
 -- than the truncate and that takes its locks after it sees the partition
 -- empty. A statement takes the locks of its own plan before its snapshot, but
@@ -42,6 +48,7 @@
 -- 40001 (_current_cursor); so does a REPEATABLE READ or SERIALIZABLE
 -- transaction that would write a cursor after a switch its snapshot does not
 -- see (_write_part), which would go to the partition left.
+
 
 -- Locks. A rotation takes the rotation row FOR UPDATE NOWAIT, and the
 -- partition it empties first without queueing for it, then queueing for at
@@ -87,7 +94,7 @@ begin
         return (select r.rt_part from pgque.rotation r where r.rt_name = p_name for share);
     end if;
     select * into v_rotation from pgque.rotation r where r.rt_name = p_name;
-    if current_setting('transaction_isolation') <> 'read committed'
+    if p_name = 'cursor' and current_setting('transaction_isolation') <> 'read committed'
        and coalesce(pg_sequence_last_value('pgque.cursor_switch_seq'), 0)
            > v_rotation.rt_switch then
         raise exception using errcode = '40001',
@@ -407,6 +414,133 @@ begin
     if now() - v_rotation.rt_time >= v_rotation.rt_period
        and pgque._unneeded_tick_in(v_rotation.rt_part, v_kept.queues, v_kept.kept_from) then
         perform pgque._switch_rotation('tick', v_other);
+        v_done := v_done + 1;
+    end if;
+    return nullif(v_done, 0);
+end
+$$;
+
+-- pgque._open_nack_in(part): whether nack partition part holds a record of a
+-- batch still open (its subscription's current cursor names it), or of a
+-- subscription whose cursor this snapshot cannot find (kept, to be safe).
+create or replace function pgque._open_nack_in(p_part smallint)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pgque.subscription s
+                    cross join lateral pgque._current_cursor(s.sub_id, false) c
+                    where exists (select from pgque.batch_nack b
+                                   where b.bn_part = p_part and b.bn_sub = s.sub_id
+                                     and (c.cur_sub is null or b.bn_batch = c.cur_batch)))
+$$;
+
+-- pgque._rotate_nacks(): the rotation of the nack records, as the ticks'. A
+-- record is needed while its batch is open (it keeps a repeated nack from
+-- counting twice); the partition not written is emptied once it holds no
+-- record of an open batch, so a batch held open holds it, and the records
+-- pile up in the partition written until that batch ends. The switch comes
+-- when rt_period has passed, the partition not written is empty and the one
+-- written holds a record. Nothing is copied: a nack looks for an earlier
+-- record in both partitions, and none it may find is ever emptied. Returns
+-- how many partitions it emptied plus one if it switched; null when it had
+-- nothing to do or its lock was busy.
+create or replace function pgque._rotate_nacks()
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rotation pgque.rotation;
+    v_other smallint;
+    v_empty boolean;                 -- the other partition is empty
+    v_done integer := 0;
+begin
+    select * into v_rotation from pgque.rotation where rt_name = 'nack';
+    v_other := (v_rotation.rt_part + 1) % v_rotation.rt_parts;
+    v_empty := not exists (select from pgque.batch_nack b where b.bn_part = v_other);
+    if v_empty and (now() - v_rotation.rt_time < v_rotation.rt_period
+                    or not exists (select from pgque.batch_nack b
+                                    where b.bn_part = v_rotation.rt_part)) then
+        return null;  -- the cheap look, without a lock: nothing to do
+    end if;
+    if not v_empty and pgque._open_nack_in(v_other) then
+        return null;  -- a batch still open holds it
+    end if;
+    if pgque._lock_rotation('nack') is distinct from v_rotation.rt_part then
+        return null;  -- another rotation runs, or ran since the look
+    end if;
+    if not v_empty then
+        if not pgque._lock_partition('batch_nack', v_other) then
+            return null;
+        end if;
+        if pgque._open_nack_in(v_other) then
+            return null;  -- judged again once locked: no nack writes there now
+        end if;
+        execute format('truncate pgque.%I', 'batch_nack_' || v_other);
+        v_done := 1;
+    end if;
+    if now() - v_rotation.rt_time >= v_rotation.rt_period
+       and exists (select from pgque.batch_nack b where b.bn_part = v_rotation.rt_part) then
+        perform pgque._switch_rotation('nack', v_other);
+        v_done := v_done + 1;
+    end if;
+    return nullif(v_done, 0);
+end
+$$;
+
+-- pgque._rotate_retries(): the rotation of the retry queue, the same way. A
+-- retry row is needed until it is moved back into the log (_maint_retry marks
+-- it in pgque.retry_moved, in the same partition); the partition not written
+-- is emptied, with its marks, once every row in it is moved, so a retry due
+-- far ahead holds it, and the nacks after it pile up in the partition written
+-- until it is due. Nothing is copied. Returns how many partitions it emptied
+-- plus one if it switched; null when it had nothing to do or its lock was
+-- busy. (A mover whose snapshot predates the truncate finds the emptied
+-- partition empty and moves nothing of it: every row there was moved.)
+create or replace function pgque._rotate_retries()
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rotation pgque.rotation;
+    v_other smallint;
+    v_empty boolean;                 -- the other partition is empty
+    v_done integer := 0;
+begin
+    select * into v_rotation from pgque.rotation where rt_name = 'retry';
+    v_other := (v_rotation.rt_part + 1) % v_rotation.rt_parts;
+    v_empty := not exists (select from pgque.retry_queue r where r.rq_part = v_other)
+               and not exists (select from pgque.retry_moved m where m.rm_part = v_other);
+    if v_empty and (now() - v_rotation.rt_time < v_rotation.rt_period
+                    or not exists (select from pgque.retry_queue r
+                                    where r.rq_part = v_rotation.rt_part)) then
+        return null;  -- the cheap look, without a lock: nothing to do
+    end if;
+    if not v_empty and exists (select from pgque._retry_waiting r where r.rq_part = v_other) then
+        return null;  -- a retry not due yet holds it
+    end if;
+    if pgque._lock_rotation('retry') is distinct from v_rotation.rt_part then
+        return null;  -- another rotation runs, or ran since the look
+    end if;
+    if not v_empty then
+        if not pgque._lock_partition('retry_queue', v_other) then
+            return null;
+        end if;
+        if not pgque._lock_partition('retry_moved', v_other) then
+            return null;
+        end if;
+        if exists (select from pgque._retry_waiting r where r.rq_part = v_other) then
+            return null;  -- judged again once locked: no nack or mover writes there now
+        end if;
+        execute format('truncate pgque.%I, pgque.%I',
+                       'retry_queue_' || v_other, 'retry_moved_' || v_other);
+        v_done := 1;
+    end if;
+    if now() - v_rotation.rt_time >= v_rotation.rt_period
+       and exists (select from pgque.retry_queue r where r.rq_part = v_rotation.rt_part) then
+        perform pgque._switch_rotation('retry', v_other);
         v_done := v_done + 1;
     end if;
     return nullif(v_done, 0);
