@@ -19,7 +19,9 @@ create table if not exists pgque.rotation (
     rt_parts  smallint not null default 2 check (rt_parts = 2),
     rt_period interval not null default '1 minute',
     rt_time   timestamptz not null default now(),
-    rt_switch bigint not null default 0,  -- the cursor log's: its last switch's number
+    rt_switch bigint not null default 0,  -- the cursor log's: its last switch's number;
+                                          -- the nack records': the first batch id
+                                          -- whose records go to rt_part
     rt_moving boolean not null default false,  -- the cursor log's: a switch not finished
     check (rt_part >= 0 and rt_part < rt_parts)
 );

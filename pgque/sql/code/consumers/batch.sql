@@ -262,9 +262,10 @@ $$;
 -- usual. Idempotent per event and batch: an event nacked before in the same
 -- open batch (a consumer that died between its nack and its ack, and nacks
 -- again) is left as it is, so one failure is one retry or one dead letter
--- (its nack record, pgque.batch_nack, in either partition; the caller holds
--- the receive lock, so no other nack of the batch runs meanwhile). The
--- records and the retries go to the partitions written now (rotation.sql).
+-- (its nack record, pgque.batch_nack, in the partition of the batch,
+-- _nack_part, whose key a repeated nack hits, under REPEATABLE READ with a
+-- snapshot older than the first nack too: 40001). The retries go to the
+-- partition written now (rotation.sql).
 -- Raises PQ003 if batch_id is not the open batch, PQ010 if an id is null or
 -- not among the events handed out.
 create or replace function pgque._nack(
@@ -279,7 +280,7 @@ declare
     v_events pgque.event_template[];
     v_wanted integer;
     v_dead integer;
-    v_nack_part smallint := pgque._write_part('nack');
+    v_nack_part smallint := pgque._nack_part(p_batch_id);
     v_retry_part smallint := pgque._write_part('retry');
 begin
     perform pgque._require_batch(p_sub, p_cur, p_batch_id);
@@ -320,9 +321,6 @@ begin
     fresh as (
         insert into pgque.batch_nack (bn_sub, bn_batch, bn_ev_id, bn_part)
         select distinct p_sub.sub_id, p_batch_id, a.id, v_nack_part from asked a
-         where not exists (select from pgque.batch_nack b  -- in either partition
-                            where b.bn_sub = p_sub.sub_id and b.bn_batch = p_batch_id
-                              and b.bn_ev_id = a.id)
         on conflict do nothing
         returning bn_ev_id),
     nacked as (

@@ -31,10 +31,12 @@
 -- consumer is past it. A lagging subscription holds it back, and the ticks
 -- pile up in the partition written meanwhile, as events do.
 --
--- The nack records and the retry queue rotate as the ticks do, nothing copied:
--- a partition is emptied once it holds no record of an open batch
--- (_rotate_nacks), no retry not yet moved back into the log (_rotate_retries;
--- a moved retry is marked by a row of pgque.retry_moved, not deleted).
+-- The nack records: a batch's records all go to one partition, chosen by its
+-- id against the last switch's boundary, and the partition of the batches
+-- before that switch is emptied once none of them is open (_rotate_nacks).
+-- The retry queue: a moved retry is marked by a row of pgque.retry_moved, not
+-- deleted; the partition not written is emptied after its retries still
+-- waiting are copied over (_rotate_retries).
 --
 -- Snapshots. TRUNCATE is not MVCC-safe: a statement whose snapshot is older
 -- than the truncate and that takes its locks after it sees the partition
@@ -76,10 +78,11 @@ $$;
 -- pgque._write_part(name, share): the partition of rotated table name to
 -- write a row into, as of now. A transaction whose snapshot is older than
 -- the statement (REPEATABLE READ, SERIALIZABLE) may see the partition a
--- switch has left, and a write there would be lost: it gets 40001 when the
--- cursor log switched since its snapshot (pgque.cursor_switch_seq, which a
--- switch advances, is past the switch its snapshot sees), without locking
--- anything. With share, the rotation row is locked FOR SHARE until the
+-- switch has left. For the cursor log a write there would be lost: it gets
+-- 40001 when the cursor log switched since its snapshot
+-- (pgque.cursor_switch_seq, which a switch advances, is past the switch its
+-- snapshot sees), without locking anything. (A retry written there is kept:
+-- that partition is emptied only after its waiting retries are copied.) With share, the rotation row is locked FOR SHARE until the
 -- transaction ends: for a writer that holds no receive lock (a new
 -- subscription), so that no switch happens before it commits.
 create or replace function pgque._write_part(p_name text, p_share boolean default false)
@@ -420,31 +423,48 @@ begin
 end
 $$;
 
--- pgque._open_nack_in(part): whether nack partition part holds a record of a
--- batch still open (its subscription's current cursor names it), or of a
--- subscription whose cursor this snapshot cannot find (kept, to be safe).
-create or replace function pgque._open_nack_in(p_part smallint)
+-- pgque._nack_part(batch_id): the partition of the nack records where the
+-- records of batch batch_id go: the partition written now for a batch opened
+-- since the last switch (batch_id at or above its rt_switch, the boundary),
+-- the other one for an older batch. So every record of one batch goes to one
+-- partition, whatever switch a nack's snapshot sees (_rotate_nacks switches
+-- only while no batch below the boundary is open), and the key of
+-- pgque.batch_nack catches a repeated nack in REPEATABLE READ too (40001).
+create or replace function pgque._nack_part(p_batch_id bigint)
+returns smallint
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when p_batch_id >= r.rt_switch then r.rt_part
+                else (r.rt_part + 1) % r.rt_parts end
+      from pgque.rotation r where r.rt_name = 'nack'
+$$;
+
+-- pgque._open_batch_below(batch_id): whether a subscription has a batch open
+-- whose id is below batch_id, or a cursor this snapshot cannot find (counted
+-- as one, to be safe).
+create or replace function pgque._open_batch_below(p_batch_id bigint)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
     select exists (select from pgque.subscription s
                     cross join lateral pgque._current_cursor(s.sub_id, false) c
-                    where exists (select from pgque.batch_nack b
-                                   where b.bn_part = p_part and b.bn_sub = s.sub_id
-                                     and (c.cur_sub is null or b.bn_batch = c.cur_batch)))
+                    where c.cur_sub is null or c.cur_batch < p_batch_id)
 $$;
 
--- pgque._rotate_nacks(): the rotation of the nack records, as the ticks'. A
--- record is needed while its batch is open (it keeps a repeated nack from
--- counting twice); the partition not written is emptied once it holds no
--- record of an open batch, so a batch held open holds it, and the records
--- pile up in the partition written until that batch ends. The switch comes
--- when rt_period has passed, the partition not written is empty and the one
--- written holds a record. Nothing is copied: a nack looks for an earlier
--- record in both partitions, and none it may find is ever emptied. Returns
--- how many partitions it emptied plus one if it switched; null when it had
--- nothing to do or its lock was busy.
+-- pgque._rotate_nacks(): the rotation of the nack records. A record is needed
+-- while its batch is open (it keeps a repeated nack from counting twice).
+-- Records go to the partition of their batch (_nack_part): batches opened
+-- since the last switch to the partition written, older ones to the other.
+-- Once no batch older than the last switch is open, the other partition holds
+-- only records of finished batches and is emptied; then, when rt_period has
+-- passed and the partition written holds a record, the switch: the writes of
+-- batches opened from now on go to the emptied one, and the boundary becomes
+-- the next batch id. A batch held open holds both (the records pile up in
+-- the partition written until it ends). Nothing is copied. Returns how many
+-- partitions it emptied plus one if it switched; null when it had nothing to
+-- do or its lock was busy.
 create or replace function pgque._rotate_nacks()
 returns integer
 language plpgsql
@@ -464,8 +484,8 @@ begin
                                     where b.bn_part = v_rotation.rt_part)) then
         return null;  -- the cheap look, without a lock: nothing to do
     end if;
-    if not v_empty and pgque._open_nack_in(v_other) then
-        return null;  -- a batch still open holds it
+    if pgque._open_batch_below(v_rotation.rt_switch) then
+        return null;  -- a batch older than the last switch is still open
     end if;
     if pgque._lock_rotation('nack') is distinct from v_rotation.rt_part then
         return null;  -- another rotation runs, or ran since the look
@@ -474,7 +494,7 @@ begin
         if not pgque._lock_partition('batch_nack', v_other) then
             return null;
         end if;
-        if pgque._open_nack_in(v_other) then
+        if pgque._open_batch_below(v_rotation.rt_switch) then
             return null;  -- judged again once locked: no nack writes there now
         end if;
         execute format('truncate pgque.%I', 'batch_nack_' || v_other);
@@ -482,22 +502,28 @@ begin
     end if;
     if now() - v_rotation.rt_time >= v_rotation.rt_period
        and exists (select from pgque.batch_nack b where b.bn_part = v_rotation.rt_part) then
-        perform pgque._switch_rotation('nack', v_other);
+        -- Every batch id handed out so far is below the new boundary: those
+        -- batches' records stay where they go now (the partition left).
+        update pgque.rotation
+           set rt_part = v_other, rt_time = now(),
+               rt_switch = coalesce(pg_sequence_last_value('pgque.batch_id_seq'), 0) + 1
+         where rt_name = 'nack';
         v_done := v_done + 1;
     end if;
     return nullif(v_done, 0);
 end
 $$;
 
--- pgque._rotate_retries(): the rotation of the retry queue, the same way. A
--- retry row is needed until it is moved back into the log (_maint_retry marks
--- it in pgque.retry_moved, in the same partition); the partition not written
--- is emptied, with its marks, once every row in it is moved, so a retry due
--- far ahead holds it, and the nacks after it pile up in the partition written
--- until it is due. Nothing is copied. Returns how many partitions it emptied
--- plus one if it switched; null when it had nothing to do or its lock was
--- busy. (A mover whose snapshot predates the truncate finds the emptied
--- partition empty and moves nothing of it: every row there was moved.)
+-- pgque._rotate_retries(): the rotation of the retry queue. A retry row is
+-- needed until it is moved back into the log (_maint_retry marks it in
+-- pgque.retry_moved, in the same partition). The partition not written is
+-- emptied, with its marks, after the retries still waiting in it (due later)
+-- are copied, with their numbers, into the partition written; then, when
+-- rt_period has passed and the partition written holds a row, the switch.
+-- Returns how many partitions it emptied plus one if it switched; null when
+-- it had nothing to do or its lock was busy. (A mover whose snapshot predates
+-- the copy and that reads the partitions after it sees neither the rows
+-- emptied nor their copies: it moves them at its next pass, never twice.)
 create or replace function pgque._rotate_retries()
 returns integer
 language plpgsql
@@ -518,9 +544,6 @@ begin
                                     where r.rq_part = v_rotation.rt_part)) then
         return null;  -- the cheap look, without a lock: nothing to do
     end if;
-    if not v_empty and exists (select from pgque._retry_waiting r where r.rq_part = v_other) then
-        return null;  -- a retry not due yet holds it
-    end if;
     if pgque._lock_rotation('retry') is distinct from v_rotation.rt_part then
         return null;  -- another rotation runs, or ran since the look
     end if;
@@ -531,9 +554,14 @@ begin
         if not pgque._lock_partition('retry_moved', v_other) then
             return null;
         end if;
-        if exists (select from pgque._retry_waiting r where r.rq_part = v_other) then
-            return null;  -- judged again once locked: no nack or mover writes there now
-        end if;
+        -- Locked: no nack or mover writes there now, and this statement's
+        -- snapshot sees all they committed.
+        insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
+                                       ev_retry, ev_type, ev_data, ev_extra1, rq_id, rq_part)
+        select r.ev_retry_after, r.ev_queue, r.ev_owner, r.ev_id, r.ev_time,
+               r.ev_retry, r.ev_type, r.ev_data, r.ev_extra1, r.rq_id, v_rotation.rt_part
+          from pgque._retry_waiting r
+         where r.rq_part = v_other;
         execute format('truncate pgque.%I, pgque.%I',
                        'retry_queue_' || v_other, 'retry_moved_' || v_other);
         v_done := 1;
