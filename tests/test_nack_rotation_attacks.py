@@ -17,7 +17,11 @@ import pgque
 
 
 def rotate(conn: psycopg.Connection[Any], *names: str) -> None:
-    conn.execute("update pgque.rotation set rt_period = '0' where rt_name = any(%s)",
+    """Rotations names at every maintenance pass, the others not for a day (the
+    test database may be older than a rotation period: its first pass would
+    rotate them all)."""
+    conn.execute("update pgque.rotation set rt_period = case when rt_name = any(%s)"
+                 " then interval '0' else interval '1 day' end, rt_time = now()",
                  (list(names),))
 
 
