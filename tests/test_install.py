@@ -583,3 +583,19 @@ def test_install_while_queues_are_created_and_dropped(dsn: str) -> None:
     failed, side = installs_under(dsn, churn, 25)
     assert failed == [], failed
     assert not [e for e in side if "concurrently updated" in e], side
+
+
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_the_install_drops_views_whose_dependencies_it_dropped_first(
+        conn: psycopg.Connection[Any]) -> None:
+    """Views of schema pgque that depend on one another (pgque._consumer_info on
+    pgque._retry_waiting; here thirty pairs, beyond the rows the drop loop reads
+    at once): dropping one cascades to the other before the loop reaches it,
+    and the install still drops and replaces everything (it once named the view
+    gone by its number: a syntax error, seen in a concurrent install)."""
+    for n in range(30):
+        conn.execute(f"create view pgque.zz_base_{n} as select 1 as one")
+        conn.execute(f"create view pgque.zz_dep_{n} as select * from pgque.zz_base_{n}")
+    pgque.install(conn)
+    assert scalar(conn, "select count(*) from pg_class where relname like 'zz\\_%%'") == 0
+    assert scalar(conn, "select count(*) from pgque.consumer_info") == 0

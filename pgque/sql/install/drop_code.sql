@@ -73,8 +73,11 @@ begin
 
     -- Quietly: each drop cascades to pgque's own dependent code, and says so.
     perform pg_catalog.set_config('client_min_messages', 'warning', true);
+    -- By name from the catalog row, not regclass: a view an earlier drop
+    -- cascaded to is gone from the catalog cache, and regclass would print its
+    -- number (the loop reads its rows in batches, some after such drops).
     for v_object in
-        select c.oid::pg_catalog.regclass::text from pg_catalog.pg_class c
+        select pg_catalog.format('pgque.%I', c.relname) from pg_catalog.pg_class c
          where c.relnamespace = v_schema and c.relkind = 'v' loop
         execute pg_catalog.format('drop view if exists %s cascade', v_object);
     end loop;
@@ -87,9 +90,9 @@ begin
         end if;
     end loop;
     for v_object in
-        select c.reltype::pg_catalog.regtype::text from pg_catalog.pg_class c
+        select pg_catalog.format('pgque.%I', c.relname) from pg_catalog.pg_class c
          where c.relnamespace = v_schema and c.relkind = 'c' loop
-        execute pg_catalog.format('drop type %s cascade', v_object);
+        execute pg_catalog.format('drop type if exists %s cascade', v_object);
     end loop;
     perform pg_catalog.set_config('client_min_messages', v_messages, true);
 end
