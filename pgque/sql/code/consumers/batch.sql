@@ -280,8 +280,8 @@ declare
     v_events pgque.event_template[];
     v_wanted integer;
     v_dead integer;
-    v_nack_part smallint := pgque._nack_part(p_batch_id);
-    v_retry_part smallint := pgque._write_part('retry');
+    v_nack_part smallint;
+    v_retry_part smallint;
 begin
     perform pgque._require_batch(p_sub, p_cur, p_batch_id);
     if p_retry_after is null or p_retry_after < interval '0' then
@@ -298,6 +298,9 @@ begin
         raise exception using errcode = '22023',
             message = 'nack: give one reason, or one per event id';
     end if;
+    -- Looked up only now: an ack of a slot passes here with no ids each time.
+    v_nack_part := pgque._nack_part(p_batch_id);
+    v_retry_part := pgque._write_part('retry');
     v_events := pgque._batch_events(
         p_queue.queue_id, p_sub.sub_id,
         pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
