@@ -147,10 +147,11 @@ end
 $$;
 
 -- pgque._switch_rotation(name, part, moving): makes part the partition of
--- name written from now on (the caller holds the row, _lock_rotation); a
--- switch of the cursor log takes the next value of pgque.cursor_switch_seq
--- with it (_write_part), and moving says whether subscriptions are left to
--- move (_rotate_cursors).
+-- name written from now on (the caller holds the row, _lock_rotation). The
+-- switch's number: for the cursor log the next value of
+-- pgque.cursor_switch_seq (_write_part), for the nack records the boundary
+-- of batch ids, the next one to be handed out (_nack_part); moving says
+-- whether subscriptions are left to move (_rotate_cursors).
 create or replace function pgque._switch_rotation(p_name text, p_part smallint,
                                                   p_moving boolean default false)
 returns void
@@ -159,8 +160,11 @@ set search_path = pg_catalog, pg_temp
 as $$
     update pgque.rotation
        set rt_part = p_part, rt_time = now(), rt_moving = p_moving,
-           rt_switch = case when p_name = 'cursor' then nextval('pgque.cursor_switch_seq')
-                            else rt_switch end
+           rt_switch = case p_name
+                           when 'cursor' then nextval('pgque.cursor_switch_seq')
+                           when 'nack' then coalesce(
+                               pg_sequence_last_value('pgque.batch_id_seq'), 0) + 1
+                           else rt_switch end
      where rt_name = p_name
 $$;
 
@@ -504,10 +508,7 @@ begin
        and exists (select from pgque.batch_nack b where b.bn_part = v_rotation.rt_part) then
         -- Every batch id handed out so far is below the new boundary: those
         -- batches' records stay where they go now (the partition left).
-        update pgque.rotation
-           set rt_part = v_other, rt_time = now(),
-               rt_switch = coalesce(pg_sequence_last_value('pgque.batch_id_seq'), 0) + 1
-         where rt_name = 'nack';
+        perform pgque._switch_rotation('nack', v_other);
         v_done := v_done + 1;
     end if;
     return nullif(v_done, 0);
