@@ -807,12 +807,13 @@ class _Lane(Generic[T]):
                     raise
                 if conn is not None and conn.broken:
                     raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
-                # Expected under the skip policy, hence a warning; the traceback
-                # is what a developer needs to fix the handler.
+                # Expected under the skip policy, hence a warning. The traceback
+                # is what a developer needs to fix the handler: logged at the
+                # event's first failure only, its retries get one line each.
                 worker.log.warning(
                     "%s: handler failed for event %s (key %r, slot %s, retry %s): %r",
                     self.name, message.id, message.partition_key, batch.slot,
-                    message.retry_count, exc, exc_info=True)
+                    message.retry_count, exc, exc_info=message.retry_count == 0)
                 failures[message.id] = failure_reason(exc)
             else:
                 handled.append(message.id)

@@ -5,6 +5,7 @@ newcomer, another slot or a stop."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -51,7 +52,9 @@ def no_batch_open_no_lock(conn: psycopg.Connection[Any]) -> None:
 
 
 def test_skip_policy_retries_failed_event_on_its_slot_then_dead_letters(
-        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="pgque.worker")
     make_queue(client, max_retries=2)
     client.subscribe_slots("q", "g", slots=4)
     ids = client.send_batch("q", [("e", {"n": i}, f"tenant-{i % 6}") for i in range(60)])
@@ -80,6 +83,10 @@ def test_skip_policy_retries_failed_event_on_its_slot_then_dead_letters(
     assert letter.consumer == f"g#{slot}/4"  # retried and dead-lettered on its own slot
     assert "RuntimeError: cannot process this one" in (letter.reason or "")
     assert worker.failed == 3
+    # A line per failure, the traceback with the first one only.
+    failures = [r for r in caplog.records
+                if f": handler failed for event {poison} " in r.getMessage()]
+    assert [bool(r.exc_info) for r in failures] == [True, False, False]
     no_batch_open_no_lock(conn)
 
 
