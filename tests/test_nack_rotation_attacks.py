@@ -47,9 +47,10 @@ def drain(client: pgque.Client, q: str = "q", c: str = "c") -> list[int]:
 
 def test_a_nack_held_across_a_switch_then_repeated_in_repeatable_read_counts_once(
         client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
-    """Consumer A nacks event E of open batch B, and a switch of the nack
-    records commits before A's record is inserted (held here by a trigger on
-    batch_nack_0, standing for a slow statement). A dies before its ack. Its
+    """Consumer A nacks event E of open batch B while maintenance tries to
+    switch the nack records (A's insert held here by a trigger on
+    batch_nack_0, standing for a slow statement): the switch does not happen
+    under A, whose nack holds the rotation row. A dies before its ack. Its
     successor T, a transactional handler in REPEATABLE READ whose snapshot was
     taken before A committed, nacks E again: its record goes to the partition
     of batch B, where A's is (_nack_part), and the key catches it (40001, then
@@ -90,8 +91,8 @@ def test_a_nack_held_across_a_switch_then_repeated_in_repeatable_read_counts_onc
     th.start()
     wait_for(lambda: scalar(conn, "select wait_event_type = 'Lock' from pg_stat_activity"
                                   " where pid = %s", (a_pid,)), what="A inside its nack")
-    steps = [s for _q, s, _n in client.maintenance()]
-    assert "rotate_nacks" in steps and part(conn, "nack") == 1  # switched under A
+    client.maintenance()
+    assert part(conn, "nack") == 0  # no switch while A's nack holds the rotation row
     t = psycopg.connect(dsn)
     t.execute("set transaction isolation level repeatable read")
     scalar(t, "select 1")  # T's snapshot (its handler began)
@@ -146,7 +147,7 @@ def test_a_nack_held_across_a_switch_then_repeated_in_repeatable_read_retries_on
     wait_for(lambda: scalar(conn, "select wait_event_type = 'Lock' from pg_stat_activity"
                                   " where pid = %s", (a_pid,)), what="A inside its nack")
     client.maintenance()
-    assert part(conn, "nack") == 1
+    assert part(conn, "nack") == 0  # no switch while A's nack holds the rotation row
     t = psycopg.connect(dsn)
     t.execute("set transaction isolation level repeatable read")
     scalar(t, "select 1")
@@ -721,3 +722,52 @@ def test_upgrade_while_a_0_4_session_nacks_then_acks_in_one_transaction(empty_ds
             back += drain(c)
         assert back == [ids[0]]
         assert scalar(conn, "select count(*) from pgque._retry_waiting") == 0
+
+
+def test_a_nack_while_a_nack_switch_is_uncommitted_then_repeated_counts_once(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A batch opened while a switch of the nack records is in flight (its id above
+    the new boundary), nacked before the switch commits and again after it: its
+    records go to one partition, so the repeat counts nothing."""
+    client.create_queue("q", max_retries=10)
+    client.subscribe("q", "c")
+    rotate(conn, "nack")
+    # A record in the partition written, so that the next pass switches.
+    client.send("q", "e", 0)
+    client.tick("q")
+    first = client.receive("q", "c")
+    assert first is not None
+    client.nack(first, list(first))
+    client.ack(first)
+    with psycopg.connect(dsn) as switcher:  # one transaction, left open
+        assert scalar(switcher, "select pgque._rotate_nacks()") is not None
+        [ev] = [client.send("q", "e", 1)]
+        client.tick("q")
+        batch = client.receive("q", "c")
+        assert batch is not None and [m.id for m in batch] == [ev]
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def nack_once() -> None:
+            try:
+                with pgque.connect(dsn, pool_size=0) as other:
+                    other.conn.execute("select pgque.nack('q', 'c', %s, %s)",
+                                       (batch.batch_id, [ev]))
+            except BaseException as exc:
+                errors.append(exc)
+            done.set()
+
+        thread = threading.Thread(target=nack_once)
+        thread.start()
+        # Either the nack has ended, or it waits for the switch to commit.
+        wait_for(lambda: done.is_set() or scalar(
+            conn, "select count(*) from pg_stat_activity where wait_event_type = 'Lock'"
+                  " and query like '%%pgque.nack(%%'") == 1,
+            what="the nack to end or to wait for the switch", dsn=dsn)
+        switcher.commit()
+        thread.join(20)
+    assert errors == []
+    client.nack(batch, list(batch))  # the repeat, after the switch
+    client.ack(batch)
+    assert len(records(conn, ev)) == 1
+    assert scalar(conn, "select count(*) from pgque.retry_queue where ev_id = %s", (ev,)) == 1

@@ -434,14 +434,30 @@ $$;
 -- partition, whatever switch a nack's snapshot sees (_rotate_nacks switches
 -- only while no batch below the boundary is open), and the key of
 -- pgque.batch_nack catches a repeated nack in REPEATABLE READ too (40001).
+-- Under READ COMMITTED the rotation row is read FOR SHARE, held until the
+-- nack's transaction ends: a switch in flight has set its boundary below the
+-- batch ids handed out before it commits, so a nack that read the row as it
+-- was before would put such a batch's records in the other partition than a
+-- nack after it; it waits for the switch instead (and no switch comes while
+-- a nack holds the row). A REPEATABLE READ or SERIALIZABLE nack reads the
+-- row its snapshot sees (FOR SHARE would fail it with 40001 after any
+-- switch); for it that window remains (docs/design-notes.md).
 create or replace function pgque._nack_part(p_batch_id bigint)
 returns smallint
-language sql stable
+language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when p_batch_id >= r.rt_switch then r.rt_part
-                else (r.rt_part + 1) % r.rt_parts end
-      from pgque.rotation r where r.rt_name = 'nack'
+declare
+    v_rotation pgque.rotation;
+begin
+    if current_setting('transaction_isolation') = 'read committed' then
+        select * into v_rotation from pgque.rotation r where r.rt_name = 'nack' for share;
+    else
+        select * into v_rotation from pgque.rotation r where r.rt_name = 'nack';
+    end if;
+    return case when p_batch_id >= v_rotation.rt_switch then v_rotation.rt_part
+                else (v_rotation.rt_part + 1) % v_rotation.rt_parts end;
+end
 $$;
 
 -- pgque._open_batch_below(batch_id): whether a subscription has a batch open
