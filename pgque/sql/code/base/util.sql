@@ -91,21 +91,15 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_part smallint;
-    v_moving boolean;
+    v_parts record := pgque._cursor_parts();
     v_cur pgque.cursor;
 begin
-    -- The rotation row read here, not through _cursor_parts(): this runs
-    -- several times per receive and ack, and a call of a function costs more
-    -- than the read.
-    select r.rt_part, r.rt_moving into v_part, v_moving
-      from pgque.rotation r where r.rt_name = 'cursor';
     select * into v_cur from pgque.cursor
-     where cur_part = v_part and cur_sub = p_sub_id order by cur_seq desc limit 1;
-    if not found and v_moving then
+     where cur_part = v_parts.part and cur_sub = p_sub_id order by cur_seq desc limit 1;
+    if not found and v_parts.moved_from is not null then
         -- Not moved yet by a switch in progress: its newest row is in the other.
         select * into v_cur from pgque.cursor
-         where cur_part = 1 - v_part and cur_sub = p_sub_id  -- rt_parts is 2
+         where cur_part = v_parts.moved_from and cur_sub = p_sub_id
          order by cur_seq desc limit 1;
     end if;
     if not found and p_strict then
