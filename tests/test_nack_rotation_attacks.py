@@ -741,7 +741,7 @@ def test_a_nack_while_a_nack_switch_is_uncommitted_then_repeated_counts_once(
     client.ack(first)
     with psycopg.connect(dsn) as switcher:  # one transaction, left open
         assert scalar(switcher, "select pgque._rotate_nacks()") is not None
-        [ev] = [client.send("q", "e", 1)]
+        ev = client.send("q", "e", 1)
         client.tick("q")
         batch = client.receive("q", "c")
         assert batch is not None and [m.id for m in batch] == [ev]
