@@ -21,6 +21,8 @@ from pgque.errors import (
     EventNotInBatch,
     HandlerEndedTransaction,
     HandlerReturnedAwaitable,
+    HeadInFlight,
+    HeldPieceNack,
     InvalidArgument,
     InvalidConfig,
     InvalidDSN,
@@ -28,6 +30,7 @@ from pgque.errors import (
     InvalidName,
     InvalidSlot,
     InvalidSlotCount,
+    KeyNotBlocked,
     NewerSchema,
     NotReadCommitted,
     PartitionKeyTooLong,
@@ -56,7 +59,7 @@ from pgque.info import (
 )
 from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
-from pgque.types import Batch, DeadLetter, Event, Fence, Message
+from pgque.types import Batch, BlockedKey, DeadLetter, Event, FailurePolicy, Fence, Message
 from pgque.worker import Worker
 from pgque.worker_async import AsyncWorker
 
@@ -66,6 +69,7 @@ __all__ = [
     "AsyncWorker",
     "Batch",
     "BatchNotActive",
+    "BlockedKey",
     "Client",
     "ConnectError",
     "ConsumerAccessDenied",
@@ -77,12 +81,15 @@ __all__ = [
     "DependentObjects",
     "Event",
     "EventNotInBatch",
+    "FailurePolicy",
     "Fence",
     "GeneratedCode",
     "GroupInfo",
     "GroupStatus",
     "HandlerEndedTransaction",
     "HandlerReturnedAwaitable",
+    "HeadInFlight",
+    "HeldPieceNack",
     "InvalidArgument",
     "InvalidConfig",
     "InvalidDSN",
@@ -90,6 +97,7 @@ __all__ = [
     "InvalidName",
     "InvalidSlot",
     "InvalidSlotCount",
+    "KeyNotBlocked",
     "Message",
     "NewerSchema",
     "NotReadCommitted",

@@ -17,7 +17,7 @@ import psycopg
 from pgque.codec import encode_payload
 from pgque.errors import SessionUnstable
 from pgque.info import GroupStatus, SlotOwner
-from pgque.types import Batch, DeadLetter, Event, Fence, Message
+from pgque.types import Batch, BlockedKey, DeadLetter, Event, Fence, Message
 
 T = TypeVar("T")
 EventLike = Event | tuple[str, Any] | tuple[str, Any, "str | None"]
@@ -151,4 +151,14 @@ def dead_letters_from_rows(rows: list[Any]) -> list[DeadLetter]:
     return [DeadLetter(id=r.dl_id, consumer=r.consumer, failed_at=r.dl_time, reason=r.reason,
                        event_id=r.ev_id, created_at=r.ev_time, retry_count=r.ev_retry,
                        type=r.ev_type, data=r.ev_data, partition_key=r.ev_extra1)
+            for r in rows]
+
+
+def blocked_keys_from_rows(rows: list[Any]) -> list[BlockedKey]:
+    """BlockedKeys from pgque.blocked_keys rows, read by name."""
+    return [BlockedKey(slot=r.slot, key=r.key, event_id=r.ev_id, created_at=r.ev_time,
+                       type=r.ev_type, data=r.ev_data, attempts=r.attempts,
+                       first_error=r.first_error, last_error=r.last_error,
+                       blocked_since=r.blocked_since, last_failure=r.last_failure,
+                       retry_at=r.retry_at, held_behind=r.held_behind)
             for r in rows]

@@ -37,6 +37,7 @@ from pgque._shared import (
     PREPARED_STATEMENT_ERRORS,
     EventLike,
     batch_from_rows,
+    blocked_keys_from_rows,
     check_connection,
     config_json,
     dead_letters_from_rows,
@@ -60,7 +61,7 @@ from pgque.info import (
     TickerInfo,
     from_row,
 )
-from pgque.types import Batch, DeadLetter, Fence, Message
+from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message
 
 __all__ = ["Client", "connect", "open_connection", "redact"]
 
@@ -539,14 +540,74 @@ class Client:
 
     # -- partitioned consumption -----------------------------------------
 
-    def subscribe_slots(self, queue: str, consumer: str, *, slots: int) -> int:
+    def subscribe_slots(self, queue: str, consumer: str, *, slots: int,
+                        policy: str | None = None) -> int:
         """Subscribe consumer group ``consumer`` with ``slots`` slots (N is then fixed).
 
         Idempotent for the same N; returns how many slot subscriptions were new.
-        Raises SlotCountMismatch if the group exists with another N.
+        With ``policy`` (``"skip"`` or ``"pause"``), the group gets that failure
+        policy with the default bounds of :meth:`set_failure_policy`, unless it
+        has it already. Raises SlotCountMismatch if the group exists with another N.
         """
-        return int(self._value("select pgque.subscribe_slots(%s, %s, %s)",
-                               (queue, consumer, slots)))
+        if policy is None:  # also on a database from before the policies (0.5)
+            return int(self._value("select pgque.subscribe_slots(%s, %s, %s)",
+                                   (queue, consumer, slots)))
+        return int(self._value("select pgque.subscribe_slots(%s, %s, %s, %s)",
+                               (queue, consumer, slots, policy)))
+
+    def set_failure_policy(self, queue: str, consumer: str, policy: str, *,
+                           max_attempts: int | None = 10,
+                           pause_timeout: float | timedelta | None = timedelta(hours=1),
+                           ) -> None:
+        """Set what a failed event does to its key in consumer group ``consumer``:
+        ``"skip"`` (the default of a new group: it is retried later, the key
+        moves on) or ``"pause"`` (no later event of the key is handed out until
+        it is handled or dead-lettered). A pause ends with the head in the dead
+        letters after ``max_attempts`` failures, or once it blocked its key for
+        ``pause_timeout`` (None: no bound). Going to ``"skip"`` releases every
+        blocked key. Workers read the policy when they start.
+        """
+        self._value(
+            "select pgque.set_failure_policy(%s, %s, %s, %s, make_interval(secs => %s))",
+            (queue, consumer, policy, max_attempts,
+             None if pause_timeout is None else seconds(pause_timeout)))
+
+    def failure_policy(self, queue: str, consumer: str) -> FailurePolicy:
+        """Consumer group ``consumer``'s failure policy and the bounds of a pause."""
+        rows = self._rows("select * from pgque.failure_policy(%s, %s)",
+                          (queue, consumer), by_name=True)
+        row = rows[0]
+        return FailurePolicy(policy=row.policy, max_attempts=row.max_attempts,
+                             pause_timeout=row.pause_timeout)
+
+    def retry_head(self, queue: str, consumer: str, key: str) -> None:
+        """Hand the head of blocked key ``key`` (the event that failed) out again
+        now, without waiting for its retry time. Raises KeyNotBlocked, or
+        HeadInFlight while a worker has it."""
+        self._value("select pgque.retry_head(%s, %s, %s)", (queue, consumer, key))
+
+    def skip_head(self, queue: str, consumer: str, key: str,
+                  reason: str | None = None) -> int:
+        """Send the head of blocked key ``key`` to the dead letters (with ``reason``,
+        else its last error) and let the key go on with its held events; returns
+        the head's event id. Errors as :meth:`retry_head`."""
+        return int(self._value("select pgque.skip_head(%s, %s, %s, %s)",
+                               (queue, consumer, key, reason)))
+
+    def resume_key(self, queue: str, consumer: str, key: str) -> int:
+        """Let blocked key ``key`` go on without its head, which goes to the retry
+        queue as under the skip policy (it comes back after the key's held
+        events); returns the head's event id. Errors as :meth:`retry_head`."""
+        return int(self._value("select pgque.resume_key(%s, %s, %s)",
+                               (queue, consumer, key)))
+
+    def blocked_keys(self, queue: str, consumer: str) -> list[BlockedKey]:
+        """The keys that failed events block in consumer group ``consumer`` (the
+        pause policy), by slot and key, each with its head event and what
+        waits behind it."""
+        rows = self._rows("select * from pgque.blocked_keys(%s, %s)",
+                          (queue, consumer), by_name=True)
+        return blocked_keys_from_rows(rows)
 
     def unsubscribe_slots(self, queue: str, consumer: str) -> int:
         """Remove a consumer group with all its slots; returns how many were removed."""

@@ -59,6 +59,8 @@ __all__ = [
     "EventNotInBatch",
     "HandlerEndedTransaction",
     "HandlerReturnedAwaitable",
+    "HeadInFlight",
+    "HeldPieceNack",
     "InvalidArgument",
     "InvalidConfig",
     "InvalidDSN",
@@ -66,6 +68,7 @@ __all__ = [
     "InvalidName",
     "InvalidSlot",
     "InvalidSlotCount",
+    "KeyNotBlocked",
     "NewerSchema",
     "NotReadCommitted",
     "PartitionKeyTooLong",
@@ -273,6 +276,22 @@ class StaleEpoch(PgqueError, sqlstate="PQ026"):
     received. The transaction that checked must not commit its effects; it is
     in error, so it rolls back.
     """
+
+
+class KeyNotBlocked(PgqueError, sqlstate="PQ027"):
+    """The key is not blocked in that consumer group: no failed event holds it
+    (PQ027). Raised by the blocked-key ledger's verbs (retry_head, skip_head,
+    resume_key)."""
+
+
+class HeadInFlight(PgqueError, sqlstate="PQ028"):
+    """The blocked key's head is handed out to a worker right now: act on it
+    once that piece is acked (PQ028)."""
+
+
+class HeldPieceNack(PgqueError, sqlstate="PQ029"):
+    """A piece of held events (the pause policy) is nacked with its ack, not by
+    nack alone (PQ029)."""
 
 
 class CronUnavailable(PgqueError, sqlstate="PQ030"):

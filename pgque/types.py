@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -129,4 +129,40 @@ class DeadLetter(msgspec.Struct, frozen=True):
     @property
     def payload(self) -> Any:
         """The payload decoded from JSON."""
+        return decode_payload(self.data, None)
+
+
+class FailurePolicy(msgspec.Struct, frozen=True):
+    """What a failed event does to its key in a consumer group (see
+    docs/concepts.md): ``"skip"`` (it is retried later, the key moves on) or
+    ``"pause"`` (the key waits for it), and the bounds of a pause (None: no
+    bound): after ``max_attempts`` failures of the key's head, or once it has
+    blocked the key for ``pause_timeout``, the head goes to the dead letters."""
+
+    policy: str
+    max_attempts: int | None
+    pause_timeout: timedelta | None
+
+
+class BlockedKey(msgspec.Struct, frozen=True):
+    """A key that a failed event blocks in its slot, under the pause policy:
+    the head (the event that failed), how it failed, and what waits behind it."""
+
+    slot: int
+    key: str
+    event_id: int
+    created_at: datetime
+    type: str | None
+    data: str | None
+    attempts: int
+    first_error: str | None
+    last_error: str | None
+    blocked_since: datetime
+    last_failure: datetime | None
+    retry_at: datetime
+    held_behind: int
+
+    @property
+    def payload(self) -> Any:
+        """The head's payload decoded from JSON."""
         return decode_payload(self.data, None)

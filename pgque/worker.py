@@ -208,6 +208,7 @@ class Worker(Service, Generic[T]):
         max_events: int = 100,
         poll_interval: float = 0.2,
         retry_after: float | timedelta = 5.0,
+        failure_policy: str | None = None,
         rebalance_interval: float = 1.0,
         ticker: bool | Ticker = True,
         listen: bool = True,
@@ -231,6 +232,8 @@ class Worker(Service, Generic[T]):
         if (retry_after.total_seconds() if isinstance(retry_after, timedelta)
                 else retry_after) < 0:
             raise ValueError("retry_after must not be negative")
+        if failure_policy not in (None, "skip", "pause"):
+            raise ValueError("failure_policy must be 'skip', 'pause' or None (the group's)")
         check_handler(handler)
         super().__init__(name or f"pgque-worker-{queue}-{consumer}",
                          connect_timeout=connect_timeout)
@@ -246,6 +249,8 @@ class Worker(Service, Generic[T]):
         self.max_events = max_events
         self.poll_interval = poll_interval
         self.retry_after = retry_after
+        self.failure_policy = failure_policy
+        self._pause = failure_policy == "pause"  # the group's, once serve() read it
         self.rebalance_interval = rebalance_interval
         self.listen = listen
         self.network_timeout = network_timeout
@@ -310,7 +315,9 @@ class Worker(Service, Generic[T]):
                                                         3 * self.rebalance_interval))
             with control.call() as client:
                 client.pin_session(settings)
-                client.subscribe_slots(self.queue, self.consumer, slots=self.slots)
+                client.subscribe_slots(self.queue, self.consumer, slots=self.slots,
+                                       policy=self.failure_policy)
+                self._pause = self._group_pauses(client)
                 client.join_group(self.queue, self.consumer)
                 if self.listen:
                     cur = conn.execute("select pgque.tick_channel(%s)", (self.queue,))
@@ -324,6 +331,17 @@ class Worker(Service, Generic[T]):
             self.unwatch(control.watch)
             with contextlib.suppress(Exception):  # closing a dead connection may fail
                 conn.close()
+
+    def _group_pauses(self, client: Client) -> bool:
+        """Whether the group's failure policy is pause; skip on a database that
+        has no policies yet (a worker started before the install of 0.6)."""
+        try:
+            policy = client.failure_policy(self.queue, self.consumer)
+        except psycopg.errors.UndefinedFunction:
+            if self.failure_policy == "pause":
+                raise
+            return False
+        return policy.policy == "pause"
 
     def retryable(self, exc: Exception) -> bool:
         # The worker's own Ticker gave up (it never connected, say): with no
@@ -786,12 +804,24 @@ class _Lane(Generic[T]):
         worker = self.worker
         failures: dict[int, str] = {}
         handled: list[int] = []  # ids; appended from the runner's threads (atomic)
+        # Under the pause policy, the keys with a failed event in this piece: their
+        # later events are not handled but nacked with it, so that the server
+        # holds them behind it, in order. (A key's events run on one thread, in
+        # order, so the set is read after its own key's failure was added.)
+        blocked: dict[str, int] = {}
+        held = 0
 
         def handle(index: int, message: Message[T]) -> None:
+            nonlocal held
             if index and session.gone():
                 worker.log.warning("%s: session gone; slot %s stops before event %s",
                                    self.name, batch.slot, message.id)
                 raise _ConnectionLost("session gone during a batch")
+            key = message.partition_key
+            if key is not None and key in blocked:
+                failures[message.id] = f"held: event {blocked[key]} of its key failed"
+                held += 1
+                return
             try:
                 if conn is None:
                     handler_result(worker.handler(message))  # type: ignore[call-arg]
@@ -815,6 +845,8 @@ class _Lane(Generic[T]):
                     self.name, message.id, message.partition_key, batch.slot,
                     message.retry_count, exc, exc_info=message.retry_count == 0)
                 failures[message.id] = failure_reason(exc)
+                if worker._pause and key is not None:
+                    blocked[key] = message.id
             else:
                 handled.append(message.id)
 
@@ -824,7 +856,7 @@ class _Lane(Generic[T]):
         try:
             self._keys.run(batch.messages, _partition_key, handle)
         finally:
-            worker._count(len(handled), len(failures))  # one lock a batch, not an event
+            worker._count(len(handled), len(failures) - held)  # one lock a batch, not an event
         return failures
 
     def _handle_in_savepoint(self, message: Message[T], conn: Conn, *,

@@ -334,6 +334,19 @@ def install_0_4(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.4.0"
 
 
+# The install script of pgque 0.5.0 as it first landed (a562c71), frozen:
+# migrations 1 to 7, the engine's state in rotating tables (the 0.5.0 that
+# landed later, 346c4f5, has the same migrations: the same catalog).
+BASELINE_0_5 = Path(__file__).resolve().parent / "data" / "pgque-0.5.0-a562c71.sql"
+
+
+def install_0_5(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.5.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_5.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.5.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

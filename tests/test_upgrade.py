@@ -23,6 +23,7 @@ from helpers import (
     BASELINE_0_2,
     BASELINE_0_3,
     BASELINE_0_4,
+    BASELINE_0_5,
     BASELINES_0_1,
     catalog,
     drain,
@@ -30,6 +31,7 @@ from helpers import (
     install_0_2,
     install_0_3,
     install_0_4,
+    install_0_5,
     run_cli,
     scalar,
     scratch_database,
@@ -46,6 +48,7 @@ from pgque.testing import Deployment
 MIGRATIONS_0_2 = range(1, 6)
 MIGRATIONS_0_3 = 6  # the last migration 0.3.0 had
 MIGRATIONS_0_4 = 6  # and 0.4.0
+MIGRATIONS_0_5 = 7  # and 0.5.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -423,12 +426,30 @@ def test_upgrade_from_0_4_0_loses_nothing_and_equals_a_fresh_install(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_upgrade_from_0_5_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.5.0 filled as 0.2.0 was: migration 8 adds the failure
+    policy's columns and tables, every event, cursor, epoch and dead letter is
+    kept, the groups keep the skip policy, and the result is a fresh install."""
+    install_0_5(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.5.0"
+        assert migration_record(conn) == [
+            (m.number, "0.5.0" if m.number <= MIGRATIONS_0_5 else pgque.__version__)
+            for m in migrations()]
+        assert {row[0] for row in conn.execute("select cg_policy from pgque.consumer_group")} \
+            == {"skip"}
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())
 
 
 RELEASES = {
+    "0.5.0": [BASELINE_0_5],
     "0.4.0": [BASELINE_0_4],
     "0.3.0": [BASELINE_0_3],
     "0.2.0-then-0.3.0": [BASELINE_0_2, BASELINE_0_3],

@@ -120,6 +120,9 @@ declare
     v_moved boolean := false;
     v_steps integer := 0;
     v_ask integer := pgque._events_asked(p_max_events);
+    -- What of the open batch was handed out already (its held events set aside).
+    v_handed_before bigint := case when p_cur.cur_batch is null then 0
+                                   else coalesce(p_cur.cur_handed, 0) end;
 begin
     -- max_events was checked by the caller (receive, receive_partitioned).
     if p_cur.cur_batch is null then
@@ -173,6 +176,12 @@ begin
     end if;
     p_cur.cur_handed := coalesce(v_events[v_count].ev_id, p_cur.cur_pos);
     perform pgque._save_cursor(p_cur);
+    -- A slot with blocked keys (the pause policy, slots/pause.sql) sets their
+    -- events aside instead of handing them out; the cursor passes them all the same.
+    if p_slot is not null and pgque._has_blocked(p_sub.sub_id) then
+        v_events := pgque._hold_events(p_sub.sub_id, p_cur.cur_batch, v_events, v_handed_before);
+        v_count := coalesce(cardinality(v_events), 0);
+    end if;
 
     if v_count = 0 then
         return query select p_cur.cur_batch, null::bigint, null::timestamptz, null::integer,

@@ -160,13 +160,15 @@ begin
 end
 $$;
 
--- pgque.subscribe_slots(queue, consumer, slots): subscribes consumer group
--- consumer with slots slots (all of them), owned by the caller, persisting
--- the count. Idempotent for the same count; returns how many slot
+-- pgque.subscribe_slots(queue, consumer, slots, policy): subscribes consumer
+-- group consumer with slots slots (all of them), owned by the caller,
+-- persisting the count; with policy, sets its failure policy
+-- (set_failure_policy, with its default bounds) unless it has that one. Idempotent for the same count; returns how many slot
 -- subscriptions were new. Raises PQ020 if the group exists with another
 -- count, PQ022 for a bad count, PQ004 for a bad name, PQ014 if the group
 -- belongs to another role, PQ015 if the queue's grants leave the caller out.
-create or replace function pgque.subscribe_slots(p_queue text, p_consumer text, p_slots integer)
+create or replace function pgque.subscribe_slots(p_queue text, p_consumer text, p_slots integer,
+                                                 p_policy text default null)
 returns integer
 language plpgsql
 security definer
@@ -174,10 +176,15 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_group pgque.consumer_group;
     v_new integer := 0;
     k integer;
 begin
-    perform pgque._ensure_group(v_queue, p_consumer, 0, p_slots);
+    v_group := pgque._ensure_group(v_queue, p_consumer, 0, p_slots);
+    if p_policy is not null and p_policy is distinct from v_group.cg_policy then
+        -- With the bounds set_failure_policy gives by default.
+        perform pgque._set_policy(v_queue, v_group, p_policy, 10, interval '1 hour');
+    end if;
     for k in 0 .. p_slots - 1 loop
         if pgque._subscribe(v_queue, pgque._slot_name(p_consumer, k, p_slots)) then
             v_new := v_new + 1;

@@ -75,17 +75,23 @@ declare
     v_idle boolean;
     v_ahead_next bigint;
     v_ahead pgque.event_template[];
+    v_held boolean;
 begin
     -- Ownership before the row lock, so a non-owner never waits; then
-    -- whether there is anything to receive, so an idle poll writes nothing.
+    -- whether there is anything to receive, so an idle poll writes nothing:
+    -- a piece of held events due (slots/pause.sql), or of the log.
     perform pgque._require_owner(p_sub);
-    if not pgque._has_next_tick(p_queue.queue_id, p_cur) then
-        return;  -- idle: no lock taken, nothing written
-    end if;
-    select * into v_idle, v_ahead_next, v_ahead
-      from pgque._slot_read_ahead(p_queue, p_sub, p_cur, p_slot, p_group.cg_slots, p_max_events);
-    if v_idle then
-        return;  -- likewise
+    v_held := pgque._held_due(p_sub.sub_id);
+    if not v_held then
+        if not pgque._has_next_tick(p_queue.queue_id, p_cur) then
+            return;  -- idle: no lock taken, nothing written
+        end if;
+        select * into v_idle, v_ahead_next, v_ahead
+          from pgque._slot_read_ahead(p_queue, p_sub, p_cur, p_slot, p_group.cg_slots,
+                                      p_max_events);
+        if v_idle then
+            return;  -- likewise
+        end if;
     end if;
     -- Before the receive lock. Null while a transaction fenced by the previous
     -- owner's epoch is still open: nothing is handed out until it ends.
@@ -97,6 +103,13 @@ begin
     perform pgque._require_owner(v.sub);  -- the key may have been renewed meanwhile
     if (v.cur).cur_batch is not null or (v.cur).cur_last_tick <> p_cur.cur_last_tick then
         v_ahead := null;  -- the cursor moved meanwhile: what was read ahead is not its batch
+    end if;
+    -- Held events first, unless the piece of the log handed out is not acked.
+    if v_held and not pgque._log_piece_open(v.cur) then
+        return query select * from pgque._receive_held(v.sub, p_max_events, v_epoch, p_slot);
+        if found then
+            return;
+        end if;
     end if;
     return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
                         r.ev_extra1, v_epoch, r.slot
@@ -142,7 +155,8 @@ declare
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
-    return pgque._ack(v.sub, v.cur, p_batch_id);
+    return pgque._slot_nack_ack(v.queue, v.grp, v.sub, v.cur, p_batch_id, null, null,
+                                interval '0', p_slot);
 end
 $$;
 
@@ -163,9 +177,8 @@ declare
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
-    perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
-                        p_retry_after, p_slot, (v.grp).cg_slots);
-    return pgque._ack(v.sub, v.cur, p_batch_id);
+    return pgque._slot_nack_ack(v.queue, v.grp, v.sub, v.cur, p_batch_id, p_nack_ids,
+                                p_nack_reasons, p_retry_after, p_slot);
 end
 $$;
 
@@ -193,27 +206,32 @@ declare
     v record;
     v_cur pgque.cursor;
     v_epoch bigint;
+    v_held boolean;
 begin
     perform pgque._check_max_events(p_max_events);
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
-    -- Without nack ids this only checks the batch and retry_after, as the ack
-    -- with nacks does.
-    perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
-                        p_retry_after, p_slot, (v.grp).cg_slots);
-    perform pgque._ack(v.sub, v.cur, p_batch_id);
+    perform pgque._slot_nack_ack(v.queue, v.grp, v.sub, v.cur, p_batch_id, p_nack_ids,
+                                 p_nack_reasons, p_retry_after, p_slot);
     -- The receive, from the cursor the ack wrote, under the receive lock the
     -- ack took. Its epoch is the one this session took for the piece just
     -- acked; when it has none (it released and claimed the slot again since),
     -- nothing is received here: receive_partitioned takes a new epoch, before
     -- the receive lock, as it must.
     v_cur := pgque._current_cursor((v.sub).sub_id);
-    if not pgque._has_next_tick((v.queue).queue_id, v_cur) then
+    v_held := pgque._held_due((v.sub).sub_id) and not pgque._log_piece_open(v_cur);
+    if not v_held and not pgque._has_next_tick((v.queue).queue_id, v_cur) then
         return;
     end if;
     v_epoch := pgque._held_epoch(v.sub);
     if v_epoch is null then
         return;
+    end if;
+    if v_held then
+        return query select * from pgque._receive_held(v.sub, p_max_events, v_epoch, p_slot);
+        if found then
+            return;
+        end if;
     end if;
     return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
                         r.ev_extra1, v_epoch, r.slot
@@ -239,6 +257,17 @@ declare
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
+    if p_batch_id is distinct from (v.cur).cur_batch
+       and exists (select from pgque.blocked_key b
+                    where b.bk_sub = (v.sub).sub_id and b.bk_batch = p_batch_id) then
+        raise exception using errcode = 'PQ029',
+            message = format('batch %s is a piece of held events: nack its events with its ack '
+                             '(ack_partitioned with nack_ids)', p_batch_id);
+    end if;
+    if (v.grp).cg_policy = 'pause' then
+        return pgque._block_keys(v.queue, v.grp, v.sub, v.cur, p_batch_id, p_ev_ids,
+                                 array[p_reason], p_retry_after, p_slot);
+    end if;
     return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, array[p_reason],
                        p_retry_after, p_slot, (v.grp).cg_slots);
 end

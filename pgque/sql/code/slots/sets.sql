@@ -282,8 +282,11 @@ begin
     if cardinality(v_span.together) > 0 then
         v_events := pgque._run_reader(v_queue.queue_id, v_span.req);
         v_route := pgque._route_span(v_events, v_span.req, p_max_events);
+        -- A slot with blocked keys (slots/pause.sql) goes slot by slot: its
+        -- receive sets their events aside, or hands out held ones.
         v_span.together := array(select i from unnest(v_span.together) i
-                                  where v_ks[i] = any(v_route.with_events));
+                                  where v_ks[i] = any(v_route.with_events)
+                                    and not pgque._has_blocked((v_subs[i]).sub_id));
     else
         v_route := pgque._route_span('{}', null, null);  -- nothing to route
     end if;
@@ -403,6 +406,7 @@ declare
     v_batch_ids bigint[];
     v_positions bigint[];
     v_done boolean[];
+    v_held integer[] := '{}';  -- the positions of pieces of held events
     v_i integer;
 begin
     perform pgque._check_slot(0, p_slots);
@@ -435,11 +439,26 @@ begin
         if (v_curs[v_i]).cur_sub is null then
             perform pgque._cursor_missing((v_subs[v_i]).sub_id);  -- 40001: an old snapshot
         end if;
-        perform pgque._require_batch(v_subs[v_i], v_curs[v_i], v_batch_ids[v_i]);
+        if v_batch_ids[v_i] is distinct from (v_curs[v_i]).cur_batch
+           and exists (select from pgque.blocked_key b
+                        where b.bk_sub = (v_subs[v_i]).sub_id
+                          and b.bk_batch = v_batch_ids[v_i]) then
+            v_held := v_held || v_i;  -- a piece of held events (slots/pause.sql)
+        else
+            perform pgque._require_batch(v_subs[v_i], v_curs[v_i], v_batch_ids[v_i]);
+        end if;
     end loop;
-    -- What _ack writes for one slot, for all of them in one statement; each
-    -- result goes where the slot was given.
-    v_done := pgque._ack_cursors(v_curs);
+    -- What _ack writes for one slot, for all of them in one statement (but
+    -- the pieces of held events, acked one by one); each result goes where
+    -- the slot was given.
+    v_done := pgque._ack_cursors(array(select v_curs[t.i] from generate_subscripts(v_curs, 1) t(i)
+                                        where t.i <> all(v_held) order by t.i));
+    v_done := array(select case when t.i = any(v_held)
+                                then pgque._ack_held(v_queue, v_group, v_subs[t.i], v_batch_ids[t.i],
+                                                     null, null, interval '0')
+                                else v_done[t.i - (select count(*) from unnest(v_held) h
+                                                    where h < t.i)::integer] end
+                      from generate_subscripts(v_curs, 1) t(i) order by t.i);
     select array_agg(v_done[t.i] order by v_positions[t.i]) into v_done
       from generate_subscripts(v_curs, 1) t(i);
     return v_done;

@@ -276,5 +276,10 @@ begin
         queue_name := null; step := 'rotate_retries'; amount := v_amount;
         return next;
     end if;
+    v_amount := pgque._rotate_held();
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_held'; amount := v_amount;
+        return next;
+    end if;
 end
 $$;

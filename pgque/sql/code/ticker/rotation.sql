@@ -591,3 +591,59 @@ begin
     return nullif(v_done, 0);
 end
 $$;
+
+-- pgque._rotate_held(): the rotation of the held events of blocked keys
+-- (slots/pause.sql), as the retry queue's: a held event is needed while its
+-- key's marker has not moved past it. The partition not written is emptied
+-- after the held events still needed in it are copied, with their numbers,
+-- into the partition written; then, when rt_period has passed and the
+-- partition written holds a row, the switch. Returns how many partitions it
+-- emptied plus one if it switched; null when it had nothing to do or its lock
+-- was busy. The copy and the truncate commit together, so a reader sees the
+-- rows or their copies, never both and never neither.
+create or replace function pgque._rotate_held()
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rotation pgque.rotation;
+    v_other smallint;
+    v_empty boolean;                 -- the other partition is empty
+    v_done integer := 0;
+begin
+    select * into v_rotation from pgque.rotation where rt_name = 'held';
+    v_other := (v_rotation.rt_part + 1) % v_rotation.rt_parts;
+    v_empty := not exists (select from pgque.held_event h where h.he_part = v_other);
+    if v_empty and (now() - v_rotation.rt_time < v_rotation.rt_period
+                    or not exists (select from pgque.held_event h
+                                    where h.he_part = v_rotation.rt_part)) then
+        return null;  -- the cheap look, without a lock: nothing to do
+    end if;
+    if pgque._lock_rotation('held') is distinct from v_rotation.rt_part then
+        return null;  -- another rotation runs, or ran since the look
+    end if;
+    if not v_empty then
+        if not pgque._lock_partition('held_event', v_other) then
+            return null;
+        end if;
+        -- Locked: no receive or ack writes there now, and this statement's
+        -- snapshot sees all they committed.
+        insert into pgque.held_event (he_sub, he_key, he_seq, ev_id, ev_time, ev_txid, ev_retry,
+                                      ev_type, ev_data, he_part)
+        select h.he_sub, h.he_key, h.he_seq, h.ev_id, h.ev_time, h.ev_txid, h.ev_retry,
+               h.ev_type, h.ev_data, v_rotation.rt_part
+          from pgque.held_event h
+          join pgque.blocked_key b on b.bk_sub = h.he_sub and b.bk_key = h.he_key
+         where h.he_part = v_other and h.he_seq > b.bk_done_seq;
+        execute format('truncate pgque.%I', 'held_event_' || v_other);
+        v_done := 1;
+    end if;
+    if now() - v_rotation.rt_time >= v_rotation.rt_period
+       and exists (select from pgque.held_event h where h.he_part = v_rotation.rt_part) then
+        perform pgque._switch_rotation('held', v_other);
+        v_done := v_done + 1;
+    end if;
+    return nullif(v_done, 0);
+end
+$$;
