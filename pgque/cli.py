@@ -1,4 +1,5 @@
-"""The ``pgque`` command line: install, queues, send, tail, workers, ticker, status, dead letters.
+"""The ``pgque`` command line: install, queues, send, tail, workers, ticker, status, dead letters,
+blocked keys.
 
 Every command that talks to a database takes ``--dsn`` (default: the
 ``PGQUE_DSN`` environment variable) and ``--connect-timeout``. Errors end as one
@@ -561,6 +562,9 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
 @click.option("--max-events", type=click.IntRange(min=1), default=_WORKER_DEFAULTS["max_events"],
               show_default=True, help="Events per receive of a slot.")
 @_seconds("retry_after", "Wait before a failed event comes back.", min_open=False)
+@click.option("--failure-policy", type=click.Choice(["skip", "pause"]),
+              help="Set the group's failure policy: skip (a failed event is retried later, "
+                   "its key goes on) or pause (its key waits for it) [default: the group's].")
 @_seconds("poll_interval", "Poll an idle slot this often (the fallback for a lost "
                            "tick notification).")
 @_seconds("rebalance_interval", "Check the worker's fair share of slots this often.")
@@ -870,6 +874,104 @@ def dlq_purge(state: State, queue_name: str, consumer: str | None,
     with _dead_letter_refusal(state, "purge", queue_name):
         count = client.purge_dead_letters(queue_name, consumer, list(letter_ids) or None)
     click.echo(f"purged {count} dead letter{'' if count == 1 else 's'}")
+
+
+# -- blocked keys (the pause policy) -----------------------------------------------------
+
+
+def _blocked_dict(key: pgque.BlockedKey) -> dict[str, Any]:
+    document: dict[str, Any] = msgspec.structs.asdict(key)
+    document["payload"] = display.payload(document.pop("data"))
+    return document
+
+
+@cli.group()
+def blocked() -> None:
+    """Keys that failed events block under the pause policy: list, show, retry, skip."""
+
+
+@blocked.command("list")
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("group")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@db_options
+@pass_state
+def blocked_list(state: State, queue_name: str, group: str, as_json: bool) -> None:
+    """List the blocked keys of consumer group GROUP of QUEUE, by slot and key."""
+    keys = state.client().blocked_keys(queue_name, group)
+    if as_json:
+        click.echo(display.dumps([_blocked_dict(key) for key in keys]))
+        return
+    display.console().print(display.table(
+        None, ["slot", "key", "head", "attempts", "blocked since", "retry at", "held",
+               "last error"],
+        ([k.slot, k.key, k.event_id, k.attempts, k.blocked_since, k.retry_at, k.held_behind,
+          k.last_error] for k in keys)))
+
+
+@blocked.command("show")
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("group")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@db_options
+@pass_state
+def blocked_show(state: State, queue_name: str, group: str, key: str, as_json: bool) -> None:
+    """Show blocked key KEY of GROUP with its head event's payload and errors."""
+    found = [k for k in state.client().blocked_keys(queue_name, group) if k.key == key]
+    if not found:
+        raise pgque.KeyNotBlocked(f"key {key!r} is not blocked in consumer group {group!r}"
+                                  f" of queue {queue_name!r}")
+    document = _blocked_dict(found[0])
+    if as_json:
+        click.echo(display.dumps(document))
+        return
+    payload = document.pop("payload")
+    console = display.console()
+    console.print(display.table(None, ["field", "value"], document.items()))
+    console.print(JSON(display.dumps(payload)))
+
+
+@blocked.command("retry")
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("group")
+@click.argument("key")
+@db_options
+@pass_state
+def blocked_retry(state: State, queue_name: str, group: str, key: str) -> None:
+    """Hand KEY's head out again now, without waiting for its retry time."""
+    state.client().retry_head(queue_name, group, key)
+    click.echo(f"key {key}: its head is due now")
+
+
+@blocked.command("skip")
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("group")
+@click.argument("key")
+@click.option("--reason", help="The dead letter's reason (default: the head's last error).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@db_options
+@pass_state
+def blocked_skip(state: State, queue_name: str, group: str, key: str, reason: str | None,
+                 yes: bool) -> None:
+    """Send KEY's head to the dead letters and let the key go on."""
+    if not yes:
+        click.confirm(f"Dead-letter the head of key {key} in group {group} of queue "
+                      f"{queue_name} and let the key go on?", abort=True, err=True)
+    event_id = state.client().skip_head(queue_name, group, key, reason)
+    click.echo(f"key {key}: event {event_id} dead-lettered, the key goes on")
+
+
+@blocked.command("resume")
+@click.argument("queue_name", metavar="QUEUE")
+@click.argument("group")
+@click.argument("key")
+@db_options
+@pass_state
+def blocked_resume(state: State, queue_name: str, group: str, key: str) -> None:
+    """Let KEY go on now; its head goes to the retry queue, as under skip."""
+    event_id = state.client().resume_key(queue_name, group, key)
+    click.echo(f"key {key}: event {event_id} goes to the retry queue, the key goes on")
 
 
 # -- demo and bench ----------------------------------------------------------------------

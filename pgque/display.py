@@ -149,6 +149,18 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
     return result
 
 
+def policy(group: GroupInfo) -> Text:
+    """A group's failure policy; a pause with no bound is shown as a warning:
+    a head that never succeeds then blocks its key until an operator acts."""
+    if group.failure_policy != "pause":
+        return Text(group.failure_policy)
+    if group.max_attempts is None and group.pause_timeout is None:
+        return Text("pause, unbounded", style="bold yellow")
+    bounds = [f"{group.max_attempts} attempts" if group.max_attempts is not None else None,
+              f"{group.pause_timeout}" if group.pause_timeout is not None else None]
+    return Text(f"pause ({', '.join(b for b in bounds if b)})")
+
+
 def state(stalled: bool) -> Text:
     """The state cell of a queue or slot: STALLED, or ok."""
     return Text("STALLED", style="bold red") if stalled else Text("ok", style="dim")
@@ -216,20 +228,24 @@ def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
     group_table = table(
         "consumer groups",
         ["queue", "group", "slots", "members", "owned", "pending", "stalled slots",
-         "newest epoch"],
+         "newest epoch", "policy", "blocked keys", "oldest blocked", "dead letters"],
         ([g.queue_name, g.consumer_name, g.slots, g.members, f"{g.owned_slots}/{g.slots}",
           sum(s.pending_events for s in slots_of.get((g.queue_name, g.consumer_name), [])),
           sum(s.stalled for s in slots_of.get((g.queue_name, g.consumer_name), [])),
-          g.newest_epoch]
+          g.newest_epoch, policy(g),
+          g.blocked_keys, max((s.oldest_blocked_age
+                               for s in slots_of.get((g.queue_name, g.consumer_name), [])
+                               if s.oldest_blocked_age is not None), default=None),
+          g.dead_letters]
          for g in groups))
     slot_table = table(
         "consumer group slots",
         ["queue", "group", "slot", "owner", "epoch", "pending", "oldest unconsumed",
-         "ticks behind", "retries", "dead letters", "state"],
+         "ticks behind", "retries", "dead letters", "blocked keys", "state"],
         ([s.queue_name, s.consumer_name, f"{s.slot}/{s.slots}",
           session_name(s.owner_pid, s.owner_name, "unowned"), s.epoch, s.pending_events,
           s.oldest_unconsumed_age, s.ticks_behind, s.retries_waiting, s.dead_letters,
-          state(s.stalled)]
+          s.blocked_keys, state(s.stalled)]
          for s in slots))
     parts: list[RenderableType] = [summary]
     if nobody_ticks and stalled_queues:

@@ -75,8 +75,9 @@ class ConsumerInfo(msgspec.Struct, frozen=True):
 class SlotStatus(msgspec.Struct, frozen=True):
     """One slot of a consumer group: its owner (backend pid, and the application
     name its session set: a Worker's lane is ``<worker name>-lane<n>``), its
-    current fencing epoch, its backlog, and whether it looks stalled (an event
-    waited longer than ``stalled_after`` while nobody owns or moves the slot)."""
+    current fencing epoch, its backlog, whether it looks stalled (an event
+    waited longer than ``stalled_after`` while nobody owns or moves the slot),
+    and its blocked keys under the pause policy with the oldest one's wait."""
 
     queue_name: str
     consumer_name: str
@@ -95,12 +96,15 @@ class SlotStatus(msgspec.Struct, frozen=True):
     dead_letters: int
     stalled_after: timedelta
     stalled: bool
+    blocked_keys: int
+    oldest_blocked_age: timedelta | None
 
 
 class GroupInfo(msgspec.Struct, frozen=True):
     """A consumer group: its slot count, its live members (sessions that joined it:
     one per Worker), how many slots have an owner, and the newest epoch of its
-    slots (None before any slot received)."""
+    slots (None before any slot received); its failure policy with the bounds of a
+    pause (None: no bound), its blocked keys and its dead letters."""
 
     queue_name: str
     consumer_name: str
@@ -108,6 +112,11 @@ class GroupInfo(msgspec.Struct, frozen=True):
     members: int
     owned_slots: int
     newest_epoch: int | None
+    failure_policy: str
+    max_attempts: int | None
+    pause_timeout: timedelta | None
+    blocked_keys: int
+    dead_letters: int
 
 
 class TickerInfo(msgspec.Struct, frozen=True):

@@ -11,9 +11,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, slot_keys
+from helpers import assert_one_line_error, ok, run_cli, scalar, slot_keys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import pgque
 
 Rows = list[tuple[Any, ...]]
 
@@ -264,3 +266,191 @@ def test_each_key_is_handled_in_send_order_once_whatever_fails_and_crashes(
         assert slot.blocked() == []
         for key in "abc":
             assert timeline[key] == sent[key]
+
+
+# -- the ledger ---------------------------------------------------------------------------
+
+def test_the_ledger_lists_and_its_verbs_act_on_a_blocked_key(
+        conn: psycopg.Connection[Any], client: pgque.Client, dsn: str) -> None:
+    slot = Slot(conn)
+    slot.send(("a", 1), ("a", 2), ("b", 1), ("c", 1), ("c", 2))
+    batch, _ = slot.receive()
+    ids = dict(slot.ids)
+    slot.ack(batch, failed=(("a", 1), ("a", 2), ("b", 1), ("c", 1), ("c", 2)),
+             retry_after="1 hour")
+    [a, b, c] = client.blocked_keys("q", "g")
+    assert (a.key, a.event_id, a.attempts, a.held_behind, a.first_error, a.payload) == \
+        ("a", ids[("a", 1)], 1, 1, "boom", {"n": 1})
+    assert a.retry_at > a.blocked_since and (b.key, c.key) == ("b", "c")
+    # retry: a's head is due now, and comes first.
+    client.retry_head("q", "g", "a")
+    held, events = slot.receive()
+    assert events == [("a", 1, 1), ("a", 2, 0)]
+    # While that piece is out, the verbs refuse to touch a.
+    with pytest.raises(pgque.HeadInFlight):
+        client.skip_head("q", "g", "a")
+    slot.ack(held)
+    # skip: b's head to the dead letters, b is unblocked (nothing was held behind it).
+    assert client.skip_head("q", "g", "b", "not needed") == ids[("b", 1)]
+    [letter] = client.dead_letters("q", "g")
+    assert (letter.event_id, letter.reason, letter.partition_key) == \
+        (ids[("b", 1)], "not needed", "b")
+    # resume: c's head to the retry queue, c2 is handed out now, before it.
+    assert client.resume_key("q", "g", "c") == ids[("c", 1)]
+    held, events = slot.receive()
+    assert events == [("c", 2, 0)]
+    slot.ack(held)
+    assert client.blocked_keys("q", "g") == []
+    assert scalar(conn, "select count(*) from pgque._retry_waiting") == 1
+    # Refused, changing nothing: a key that is not blocked, a group that is not there.
+    for call in (lambda: client.retry_head("q", "g", "a"),
+                 lambda: client.skip_head("q", "g", "zzz"),
+                 lambda: client.resume_key("q", "g", "b")):
+        with pytest.raises(pgque.KeyNotBlocked):
+            call()
+    with pytest.raises(pgque.ConsumerNotFound):
+        client.blocked_keys("q", "nobody")
+    out = ok(run_cli("blocked", "list", "q", "g", "--json", "--dsn", dsn))
+    assert json.loads(out) == []
+
+
+def test_a_role_that_may_not_use_the_group_is_refused_by_the_ledger(
+        conn: psycopg.Connection[Any], role_clients: dict[str, pgque.Client]) -> None:
+    owner, stranger = role_clients["reader"], role_clients["other"]
+    owner.set_failure_policy("q", "g", "pause")
+    slot = scalar(conn, "select pgque.slot_of('a', 4)")
+    assert scalar(conn, "select pgque.claim_slot('q', 'g', %s)", (slot,))
+    conn.execute("select pgque.send('q', 'e', '1', 'a')")
+    conn.execute("select pgque.tick('q')")
+    [(batch, ev_id)] = conn.execute("select batch_id, ev_id from"
+                                    " pgque.receive_partitioned('q', 'g', %s, 4)",
+                                    (slot,)).fetchall()
+    conn.execute("select pgque.ack_partitioned('q', 'g', %s, 4, %s, %s, '{boom}', '1 hour')",
+                 (slot, batch, [ev_id]))
+    for call in (lambda: stranger.blocked_keys("q", "g"),
+                 lambda: stranger.failure_policy("q", "g"),
+                 lambda: stranger.retry_head("q", "g", "a"),
+                 lambda: stranger.skip_head("q", "g", "a"),
+                 lambda: stranger.resume_key("q", "g", "a"),
+                 lambda: stranger.set_failure_policy("q", "g", "skip")):
+        with pytest.raises(pgque.ConsumerAccessDenied):
+            call()
+    [blocked] = owner.blocked_keys("q", "g")
+    assert (blocked.key, blocked.attempts, blocked.event_id) == ("a", 1, ev_id)
+    assert owner.failure_policy("q", "g").policy == "pause"
+
+
+def test_the_cli_lists_shows_retries_and_skips(conn: psycopg.Connection[Any], dsn: str) -> None:
+    slot = Slot(conn)
+    slot.send(("acct-1", 1), ("acct-1", 2))
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("acct-1", 1), ("acct-1", 2)), retry_after="1 hour")
+    assert "acct-1" in ok(run_cli("blocked", "list", "q", "g", "--dsn", dsn))
+    shown = json.loads(ok(run_cli("blocked", "show", "q", "g", "acct-1", "--json",
+                                  "--dsn", dsn)))
+    assert (shown["key"], shown["payload"], shown["held_behind"]) == ("acct-1", {"n": 1}, 1)
+    assert "due now" in ok(run_cli("blocked", "retry", "q", "g", "acct-1", "--dsn", dsn))
+    assert scalar(conn, "select bk_retry_at <= now() from pgque.blocked_key")
+    conn.execute("update pgque.blocked_key set bk_retry_at = now() + interval '1 hour'")
+    assert "dead-lettered" in ok(run_cli("blocked", "skip", "q", "g", "acct-1", "--yes",
+                                         "--dsn", dsn))
+    error = assert_one_line_error(
+        run_cli("blocked", "retry", "q", "g", "acct-9", "--dsn", dsn), 1)
+    assert "not blocked" in error
+    # The status shows the policy, and the key acct-1 still has a2 to go.
+    status = json.loads(ok(run_cli("status", "--json", "--dsn", dsn)))
+    [group] = status["groups"]
+    assert (group["failure_policy"], group["max_attempts"], group["blocked_keys"],
+            group["dead_letters"]) == ("pause", 10, 1, 1)
+    [slot_row] = status["slots"]
+    assert slot_row["blocked_keys"] == 1 and slot_row["oldest_blocked_age"] is not None
+
+
+# -- the engine around it -------------------------------------------------------------------
+
+def test_receive_slots_goes_slot_by_slot_for_a_slot_with_blocked_keys(
+        conn: psycopg.Connection[Any], client: pgque.Client) -> None:
+    conn.execute("select pgque.create_queue('q'), pgque.subscribe_slots('q', 'g', 2, 'pause')")
+    k0 = slot_keys(conn, 0, 2, 2)
+    k1 = slot_keys(conn, 1, 2, 1)[0]
+    for slot in (0, 1):
+        assert scalar(conn, "select pgque.claim_slot('q', 'g', %s)", (slot,))
+    for key in (*k0, k1, k0[0], k0[1], k1):
+        conn.execute("select pgque.send('q', 'e', '1', %s)", (key,))
+    conn.execute("select pgque.tick('q')")
+    rows = conn.execute("select batch_id, ev_id, ev_extra1 from"
+                        " pgque.receive_partitioned('q', 'g', 0, 2, 1)").fetchall()
+    assert rows[0][2] == k0[0]
+    conn.execute("select pgque.ack_partitioned('q', 'g', 0, 2, %s, %s, '{x}', '1 hour')",
+                 (rows[0][0], [rows[0][1]]))
+    # Together: slot 0 leaves k0[0]'s second event out, slot 1 is untouched.
+    got = conn.execute("select slot, ev_extra1 from pgque.receive_slots('q', 'g', 2, '{0,1}')"
+                       " where ev_id is not null").fetchall()
+    assert sorted(got) == sorted([(0, k0[1]), (0, k0[1]), (1, k1), (1, k1)])
+    batches = conn.execute("select slot, batch_id from pgque.receive_slots('q', 'g', 2, '{0,1}')"
+                           " group by 1, 2").fetchall()
+    conn.execute("select pgque.ack_slots('q', 'g', 2, %s, %s)",
+                 ([b[0] for b in batches], [b[1] for b in batches]))
+    conn.execute("select pgque.retry_head('q', 'g', %s)", (k0[0],))
+    got = conn.execute("select slot, batch_id, ev_extra1 from"
+                       " pgque.receive_slots('q', 'g', 2, '{0}')").fetchall()
+    assert [g[2] for g in got] == [k0[0], k0[0]]  # the head, then what waited
+    assert conn.execute("select pgque.ack_slots('q', 'g', 2, '{0}', %s)",
+                        ([got[0][1]],)).fetchone() == ([True],)
+    assert client.blocked_keys("q", "g") == []
+
+
+def test_the_next_owner_gets_the_held_piece_and_the_key_stays_blocked(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    slot = Slot(conn)
+    slot.send(("a", 1), ("a", 2), ("b", 1))
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("a", 1), ("a", 2)))
+    held, events = slot.receive()
+    assert events == [("a", 1, 1), ("a", 2, 0)]
+    conn.execute("select pgque.release_slot('q', 'g', 0)")  # dies with the piece out
+    with psycopg.connect(dsn, autocommit=True) as other:
+        assert scalar(other, "select pgque.claim_slot('q', 'g', 0)")
+        with pytest.raises(psycopg.Error) as refused:
+            conn.execute("select pgque.ack_partitioned('q', 'g', 0, 1, %s)", (held,))
+        assert refused.value.sqlstate == "PQ024"
+        rows = other.execute("select batch_id, ev_extra1 from"
+                             " pgque.receive_partitioned('q', 'g', 0, 1)").fetchall()
+        assert rows == [(held, "a"), (held, "a")]  # the same piece
+        other.execute("select pgque.send('q', 'e', '{\"n\": 3}', 'a')")
+        other.execute("select pgque.tick('q')")
+        other.execute("select pgque.ack_partitioned('q', 'g', 0, 1, %s)", (held,))
+        rows = other.execute("select ev_data from pgque.receive_partitioned('q', 'g', 0, 1)"
+                             " where ev_extra1 = 'a'").fetchall()
+        assert rows == [('{"n": 3}',)]
+
+
+def test_held_events_rotate_without_dead_rows_and_what_is_needed_survives(
+        conn: psycopg.Connection[Any]) -> None:
+    """Held rows are never updated or deleted: the rotation copies those still
+    needed and empties the partition; a key blocked across two rotations comes
+    back whole and in order."""
+    slot = Slot(conn)
+    conn.execute("update pgque.rotation set rt_period = '0' where rt_name = 'held'")
+    slot.send(("a", 1), ("a", 2), ("b", 1))
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("a", 1), ("a", 2), ("b", 1)), retry_after="1 hour")
+    conn.execute("select pgque.skip_head('q', 'g', 'b')")  # b goes on: its row is not needed
+    client_steps = []
+    for n in range(3, 6):
+        slot.send(("a", n), ("b", n))
+        batch, events = slot.receive()
+        assert events == [("b", n, 0)]  # a's is set aside
+        slot.ack(batch)
+        client_steps += [s for _q, s, _n in conn.execute("select * from pgque.maint()")]
+        client_steps += [s for _q, s, _n in conn.execute("select * from pgque.maint()")]
+    assert client_steps.count("rotate_held") >= 3
+    conn.execute("select pg_stat_force_next_flush()")
+    conn.execute("select pg_stat_clear_snapshot()")
+    assert conn.execute("select relname, n_tup_ins > 0, n_tup_upd + n_tup_del"
+                        "  from pg_stat_user_tables"
+                        " where relname in ('held_event_0', 'held_event_1') order by 1"
+                        ).fetchall() == [("held_event_0", True, 0), ("held_event_1", True, 0)]
+    conn.execute("select pgque.retry_head('q', 'g', 'a')")
+    held, events = slot.receive()
+    assert [(k, n) for k, n, _r in events] == [("a", n) for n in range(1, 6)]

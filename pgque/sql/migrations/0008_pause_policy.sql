@@ -69,6 +69,7 @@ create table if not exists pgque.held_event (
     he_sub   integer not null references pgque.subscription on delete cascade,
     he_key   text not null,
     he_seq   bigint not null,
+    he_batch bigint not null,  -- the batch of the slot's log it was read from
     ev_id    bigint not null,
     ev_time  timestamptz not null,
     ev_txid  xid8,
@@ -80,6 +81,8 @@ create table if not exists pgque.held_event (
 ) partition by list (he_part);
 create table if not exists pgque.held_event_0 partition of pgque.held_event for values in (0);
 create table if not exists pgque.held_event_1 partition of pgque.held_event for values in (1);
+-- A piece of the log handed out again sets aside only what it did not the first time.
+create index if not exists held_event_read on pgque.held_event (he_sub, he_batch, ev_id);
 
 alter table pgque.rotation drop constraint if exists rotation_rt_name_check;
 alter table pgque.rotation add constraint rotation_rt_name_check

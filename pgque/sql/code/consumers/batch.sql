@@ -120,9 +120,7 @@ declare
     v_moved boolean := false;
     v_steps integer := 0;
     v_ask integer := pgque._events_asked(p_max_events);
-    -- What of the open batch was handed out already (its held events set aside).
-    v_handed_before bigint := case when p_cur.cur_batch is null then 0
-                                   else coalesce(p_cur.cur_handed, 0) end;
+    v_again boolean := false;
 begin
     -- max_events was checked by the caller (receive, receive_partitioned).
     if p_cur.cur_batch is null then
@@ -160,26 +158,36 @@ begin
         p_cur.cur_pos := 0;
         p_cur.cur_end := null;
     else
+        -- A slot with blocked keys hands a piece out again as it was, whatever
+        -- max_events now: the events it set aside stay ahead of the cursor
+        -- until its ack (slots/pause.sql).
+        v_again := p_slot is not null and coalesce(p_cur.cur_handed, 0) > coalesce(p_cur.cur_pos, 0)
+                   and pgque._has_blocked(p_sub.sub_id);
         v_events := pgque._batch_events(
             p_queue.queue_id, p_sub.sub_id,
             pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_last_tick),
             pgque._tick_snapshot(p_queue.queue_id, p_cur.cur_next_tick),
-            p_cur.cur_pos, null, v_ask, null, p_slot, p_slots);
+            p_cur.cur_pos, case when v_again then p_cur.cur_handed end,
+            case when not v_again then v_ask end, null, p_slot, p_slots);
     end if;
 
     v_count := coalesce(cardinality(v_events), 0);
-    if p_max_events is not null and v_count > p_max_events then
+    if v_again then
+        null;  -- the same piece: the cursor says so already
+    elsif p_max_events is not null and v_count > p_max_events then
         v_events := v_events[1:p_max_events];
         v_count := p_max_events;
     else
         p_cur.cur_end := coalesce(v_events[v_count].ev_id, p_cur.cur_pos);
     end if;
-    p_cur.cur_handed := coalesce(v_events[v_count].ev_id, p_cur.cur_pos);
-    perform pgque._save_cursor(p_cur);
+    if not v_again then
+        p_cur.cur_handed := coalesce(v_events[v_count].ev_id, p_cur.cur_pos);
+        perform pgque._save_cursor(p_cur);
+    end if;
     -- A slot with blocked keys (the pause policy, slots/pause.sql) sets their
     -- events aside instead of handing them out; the cursor passes them all the same.
     if p_slot is not null and pgque._has_blocked(p_sub.sub_id) then
-        v_events := pgque._hold_events(p_sub.sub_id, p_cur.cur_batch, v_events, v_handed_before);
+        v_events := pgque._hold_events(p_sub.sub_id, p_cur.cur_batch, v_events);
         v_count := coalesce(cardinality(v_events), 0);
     end if;
 

@@ -251,7 +251,9 @@ select q.queue_name,
        (select count(*) from pgque._retry_waiting r where r.ev_owner = s.sub_id) as retries_waiting,
        (select count(*) from pgque.dead_letter d where d.dl_sub = s.sub_id) as dead_letters,
        pgque._stalled_after(q) as stalled_after,
-       pgque._slot_stalled(o.age, l.pid, c.cur_time, pgque._stalled_after(q)) as stalled
+       pgque._slot_stalled(o.age, l.pid, c.cur_time, pgque._stalled_after(q)) as stalled,
+       b.blocked_keys,
+       b.oldest_blocked_age
   from pgque.consumer_group g
   join pgque.queue q on q.queue_id = g.cg_queue
   cross join lateral generate_series(0, g.cg_slots - 1) as k(slot)
@@ -270,7 +272,12 @@ select q.queue_name,
                       where k.granted and k.mode = 'ExclusiveLock'
                         and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees)
                       limit 1) l on true
-  left join pgque.slot_claim e on e.sc_sub = s.sub_id;
+  left join pgque.slot_claim e on e.sc_sub = s.sub_id
+  -- The pause policy's blocked keys (slots/pause.sql) and how long the oldest
+  -- has waited for its head.
+  cross join lateral (select count(*) as blocked_keys,
+                             now() - min(x.bk_since) as oldest_blocked_age
+                        from pgque.blocked_key x where x.bk_sub = s.sub_id) b;
 
 -- pgque._group_info: one row per consumer group: its slot count, its live
 -- members (sessions holding one of its member keys, see join_group), how many
@@ -308,7 +315,24 @@ select q.queue_name,
          where s.sub_queue = q.queue_id
            and s.sub_consumer = any (array(
                    select pgque._slot_name(g.cg_consumer, n, g.cg_slots)
-                     from generate_series(0, g.cg_slots - 1) n))) as newest_epoch
+                     from generate_series(0, g.cg_slots - 1) n))) as newest_epoch,
+       g.cg_policy as failure_policy,
+       g.cg_max_attempts as max_attempts,
+       g.cg_pause_timeout as pause_timeout,
+       (select count(*)
+          from pgque.subscription s
+          join pgque.blocked_key b on b.bk_sub = s.sub_id
+         where s.sub_queue = q.queue_id
+           and s.sub_consumer = any (array(
+                   select pgque._slot_name(g.cg_consumer, n, g.cg_slots)
+                     from generate_series(0, g.cg_slots - 1) n))) as blocked_keys,
+       (select count(*)
+          from pgque.subscription s
+          join pgque.dead_letter d on d.dl_sub = s.sub_id
+         where s.sub_queue = q.queue_id
+           and s.sub_consumer = any (array(
+                   select pgque._slot_name(g.cg_consumer, n, g.cg_slots)
+                     from generate_series(0, g.cg_slots - 1) n))) as dead_letters
   from pgque.consumer_group g
   join pgque.queue q on q.queue_id = g.cg_queue;
 

@@ -76,14 +76,13 @@ as $$
                            or (b.bk_from_batch = p_batch_id and p_ev_id >= b.bk_from_ev)))
 $$;
 
--- pgque._hold_events(sub_id, batch_id, events, handed_before): the events of
--- a slot's piece of the log (of batch batch_id, ev_id order) without those
--- that are held, which it sets aside into pgque.held_event, in order: those
--- after handed_before only, since a piece handed out again had its held
--- events set aside the first time. The caller holds the receive lock.
+-- pgque._hold_events(sub_id, batch_id, events): the events of a slot's piece
+-- of the log (of batch batch_id, ev_id order) without those that are held,
+-- which it sets aside into pgque.held_event, in order, unless they were set
+-- aside from this batch already (a piece handed out again, maybe cut
+-- otherwise). The caller holds the receive lock.
 create or replace function pgque._hold_events(
-    p_sub_id integer, p_batch_id bigint, p_events pgque.event_template[],
-    p_handed_before bigint)
+    p_sub_id integer, p_batch_id bigint, p_events pgque.event_template[])
 returns pgque.event_template[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -91,13 +90,15 @@ as $$
 declare
     v_part smallint := pgque._write_part('held');
 begin
-    insert into pgque.held_event (he_sub, he_key, he_seq, ev_id, ev_time, ev_txid, ev_retry,
-                                  ev_type, ev_data, he_part)
-    select p_sub_id, h.ev_extra1, nextval('pgque.held_seq'), h.ev_id, h.ev_time, h.ev_txid,
-           h.ev_retry, h.ev_type, h.ev_data, v_part
+    insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
+                                  ev_retry, ev_type, ev_data, he_part)
+    select p_sub_id, h.ev_extra1, nextval('pgque.held_seq'), p_batch_id, h.ev_id, h.ev_time,
+           h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
       from (select e.* from unnest(p_events) e
-             where e.ev_id > p_handed_before
-               and pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id)
+             where pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id)
+               and not exists (select from pgque.held_event x
+                                where x.he_sub = p_sub_id and x.he_batch = p_batch_id
+                                  and x.ev_id = e.ev_id)
              order by e.ev_id) h;
     return array(select e from unnest(p_events) e
                   where not pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id)
@@ -454,10 +455,10 @@ begin
                 message = format('nack: event %s was held, not handed out of batch %s',
                                  v_first.ev_id, p_batch_id);
         end if;
-        insert into pgque.held_event (he_sub, he_key, he_seq, ev_id, ev_time, ev_txid, ev_retry,
-                                      ev_type, ev_data, he_part)
-        select p_sub.sub_id, h.ev_extra1, nextval('pgque.held_seq'), h.ev_id, h.ev_time,
-               h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
+        insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
+                                      ev_retry, ev_type, ev_data, he_part)
+        select p_sub.sub_id, h.ev_extra1, nextval('pgque.held_seq'), p_batch_id, h.ev_id,
+               h.ev_time, h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
           from (select e.* from unnest(v_events) e
                  where e.ev_extra1 = v_first.key and e.ev_id = any(p_ev_ids)
                  order by e.ev_id) h;

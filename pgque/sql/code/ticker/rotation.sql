@@ -629,10 +629,10 @@ begin
         end if;
         -- Locked: no receive or ack writes there now, and this statement's
         -- snapshot sees all they committed.
-        insert into pgque.held_event (he_sub, he_key, he_seq, ev_id, ev_time, ev_txid, ev_retry,
-                                      ev_type, ev_data, he_part)
-        select h.he_sub, h.he_key, h.he_seq, h.ev_id, h.ev_time, h.ev_txid, h.ev_retry,
-               h.ev_type, h.ev_data, v_rotation.rt_part
+        insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
+                                      ev_retry, ev_type, ev_data, he_part)
+        select h.he_sub, h.he_key, h.he_seq, h.he_batch, h.ev_id, h.ev_time, h.ev_txid,
+               h.ev_retry, h.ev_type, h.ev_data, v_rotation.rt_part
           from pgque.held_event h
           join pgque.blocked_key b on b.bk_sub = h.he_sub and b.bk_key = h.he_key
          where h.he_part = v_other and h.he_seq > b.bk_done_seq;
