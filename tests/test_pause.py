@@ -452,5 +452,5 @@ def test_held_events_rotate_without_dead_rows_and_what_is_needed_survives(
                         " where relname in ('held_event_0', 'held_event_1') order by 1"
                         ).fetchall() == [("held_event_0", True, 0), ("held_event_1", True, 0)]
     conn.execute("select pgque.retry_head('q', 'g', 'a')")
-    held, events = slot.receive()
+    _held, events = slot.receive()
     assert [(k, n) for k, n, _r in events] == [("a", n) for n in range(1, 6)]
