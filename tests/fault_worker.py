@@ -210,6 +210,8 @@ def main() -> int:
     }
     if config.get("transactional"):
         kwargs["transactional"] = True
+    if config.get("failure_policy", "skip") != "skip":
+        kwargs["failure_policy"] = config["failure_policy"]
     accepted = inspect.signature(pgque.Worker).parameters
     if config.get("network_timeout") is not None and "network_timeout" in accepted:
         kwargs["network_timeout"] = config["network_timeout"]

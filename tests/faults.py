@@ -37,6 +37,9 @@ Checks (every scenario)
 * per (producer, key), first handlings (retry_count 0) in send order;
 * each always-failing event has exactly one dead letter, with
   ev_retry == max_retries; no other event is dead-lettered;
+* under the pause policy (``Workload.failure_policy``), after a failed call of
+  an event no later event of its (producer, key) starts before it succeeded or
+  was dead-lettered;
 * zombie bound (faults that end the victim's sessions on the server side:
   pg_terminate_backend, a proxy cut or close, idle_session_timeout of a frozen
   worker, a server restart, a netns partition): the victim starts at most as
@@ -185,6 +188,10 @@ class Workload:
     # Transactional handlers (Worker(transactional=True)): each call also writes
     # its effect (fault_effects, fault_balance) in the transaction that acks.
     transactional: bool = False
+    # The group's failure policy. Under "pause" a failed event blocks its key
+    # until it succeeds or is dead-lettered, after max_retries + 1 attempts (so
+    # its dead letter has ev_retry == max_retries too).
+    failure_policy: str = "skip"
 
 
 def effect_amount(producer: int, seq: int) -> int:
@@ -722,6 +729,10 @@ class FaultRun:
                                 max_retries=workload.max_retries)
         with pgque.connect(self.worker_dsn) as team, pgque.connect(dsn) as client:
             team.subscribe_slots(self.queue, CONSUMER, slots=workload.slots)
+            if workload.failure_policy != "skip":
+                team.set_failure_policy(self.queue, CONSUMER, workload.failure_policy,
+                                        max_attempts=workload.max_retries + 1,
+                                        pause_timeout=None)
             lock_slots = {}
             for slot in range(workload.slots):
                 key = client.slot_lock_key(self.queue, CONSUMER, slot)
@@ -761,6 +772,7 @@ class FaultRun:
             "delay_ms": list(w.victim_delay_ms if victim else w.delay_ms),
             "seed": w.seed * 100 + index, "network_timeout": network_timeout,
             "ticker_dsn": ticker_dsn, "transactional": w.transactional,
+            "failure_policy": w.failure_policy,
         }
         log = self.workdir / f"{name}.log"
         argv = [sys.executable, WORKER_SCRIPT, json.dumps(config)]
@@ -1364,6 +1376,13 @@ class FaultRun:
             failures.append(f"{len(order_breaks)} first handlings out of send order, e.g. "
                             f"(producer, key), earlier event, later event: {order_breaks[:3]}")
 
+        # Under pause, nothing of a key after a failed event starts before that
+        # event succeeded or was dead-lettered (per (producer, key), by send order).
+        held_breaks = self._held_breaks(sent, calls, by_pk) if w.failure_policy == "pause" else []
+        if held_breaks:
+            failures.append(f"{len(held_breaks)} events of a blocked key started before the "
+                            f"failed one was handled, e.g. (failed, later): {held_breaks[:3]}")
+
         # Dead letters: exactly the always-failing events, once each, after max_retries.
         doomed = {ev for ev, r in sent.items() if r[4] > w.max_retries}
         wrong_retry = sorted({d[0] for d in dead if d[1] != w.max_retries})
@@ -1450,6 +1469,8 @@ class FaultRun:
             "dead_letters": len(dead),
             "doomed": len(doomed),
             "order_breaks": len(order_breaks),
+            "failure_policy": w.failure_policy,
+            "held_breaks": len(held_breaks),
             "lost": len(lost),
             "transactional": w.transactional,
             "effects_duplicated": effects_duplicated,
@@ -1460,6 +1481,33 @@ class FaultRun:
             "failures": failures,
         }
         return report
+
+    def _held_breaks(self, sent: dict[int, tuple[Any, ...]], calls: list[tuple[Any, ...]],
+                     by_pk: dict[tuple[int, str], list[tuple[int, int]]]
+                     ) -> list[tuple[int, int]]:
+        """The pause policy's promise, checked on the calls: after a call of event
+        e that failed, no call of a later event of e's (producer, key) starts
+        before a call of e that succeeded ended, or e's dead letter was written."""
+        dead_at = dict(self.db.rows(
+            "select ev_id, dl_time from pgque.dead_letters(%s, %s, 1000000)",
+            (self.queue, CONSUMER)))
+        calls_of: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+        for c in calls:
+            calls_of[c[1]].append(c)
+        breaks = []
+        for evs in by_pk.values():
+            order = [ev for _seq, ev in sorted(evs)]
+            for i, ev in enumerate(order):
+                for failed in (c for c in calls_of[ev] if c[10] == "fail" and c[9] is not None):
+                    oks = [c[9] for c in calls_of[ev]
+                           if c[10] == "ok" and c[9] is not None and c[8] > failed[8]]
+                    released = min([*oks, *([dead_at[ev]] if ev in dead_at else [])],
+                                   default=None)
+                    for later in order[i + 1:]:
+                        if any(failed[9] < c[8] and (released is None or c[8] < released)
+                               for c in calls_of[later]):
+                            breaks.append((ev, later))
+        return breaks
 
     def _fault_report(self, fault: Fault, sent: dict[int, tuple[Any, ...]],
                       calls: list[tuple[Any, ...]], slot_of: dict[str, int],

@@ -76,11 +76,12 @@ def test_worker_passes_every_option_with_the_librarys_defaults(
         "--concurrency", "1", "--key-concurrency", "3", "--payload-type", "cli_handlers:Job",
         "--max-events", "7", "--poll-interval", "0.5", "--retry-after", "1.5",
         "--rebalance-interval", "2", "--no-ticker", "--no-listen", "--connect-timeout", "7",
-        "--network-timeout", "12", "--name", "w1",
+        "--network-timeout", "12", "--name", "w1", "--failure-policy", "pause",
     ) == {**base, "transactional": False, "concurrency": 1, "key_concurrency": 3,
           "payload_type": cli_handlers.Job, "max_events": 7, "poll_interval": 0.5,
           "retry_after": 1.5, "rebalance_interval": 2.0, "ticker": False, "listen": False,
-          "connect_timeout": 7.0, "network_timeout": 12.0, "name": "w1"}
+          "connect_timeout": 7.0, "network_timeout": 12.0, "name": "w1",
+          "failure_policy": "pause"}
 
 
 @pytest.mark.parametrize(("options", "says"), [

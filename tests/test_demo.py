@@ -97,6 +97,15 @@ def test_demo_uninstalls_pgque_where_it_installed_it(empty_dsn: str) -> None:
         assert roles(conn) == before  # roles that existed (other databases use them) stay
 
 
+@pytest.mark.slow
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_demo_with_the_pause_policy_holds_strict_order(dsn: str) -> None:
+    out = run_demo(dsn, "--events", "2000", "--no-restart", "--policy", "pause",
+                   "--flaky", "0.03")
+    assert "failure policy pause" in out
+    assert "in strict send order, failures included" in out
+
+
 # -- the checks -------------------------------------------------------------------------------
 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
@@ -216,6 +225,29 @@ def test_a_pair_out_of_send_order_fails_the_order_check() -> None:
                else dataclasses.replace(h, started=ha.started, ended=ha.ended) if h is hb
                else h for h in handlings]
     assert failing(sent, swapped, letters) == {CHECK_ORDER}
+
+
+def test_under_pause_a_later_event_started_before_a_failed_one_was_done_fails() -> None:
+    """The clean run handles the flaky event's retry at the end, after its tenant's
+    later events: fine under skip, an order break under pause. Moved up to right
+    after its failure, the same records pass the strict check."""
+    sent, handlings, letters = clean_run()
+    assert failing(sent, handlings, letters) == set()
+    checks = verify(sent, handlings, letters, max_retries=2, workers=(1, 2),
+                    slot_of=SLOT_OF, policy="pause")
+    assert {c.title for c in checks if not c.passed} == {CHECK_ORDER}
+    # Pause-shaped records: each failed event's retries right after its failure,
+    # the rest of its stream after that.
+    paused: list[Handling] = []
+    clock = T0
+    for event in sent:
+        for h in [h for h in handlings if h.event_id == event.event_id]:
+            paused.append(dataclasses.replace(h, started=clock, ended=clock + 5 * MS))
+            clock += 10 * MS
+    checks = verify(sent, paused, letters, max_retries=2, workers=(1, 2), slot_of=SLOT_OF,
+                    policy="pause")
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    assert "strict send order" in next(c for c in checks if c.title == CHECK_ORDER).detail
 
 
 def test_overlapping_handlers_of_one_tenant_fail_the_exclusivity_check() -> None:

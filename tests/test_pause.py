@@ -7,11 +7,12 @@ the slot."""
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import assert_one_line_error, ok, run_cli, scalar, slot_keys
+from helpers import assert_one_line_error, ok, run_cli, scalar, slot_keys, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -454,3 +455,41 @@ def test_held_events_rotate_without_dead_rows_and_what_is_needed_survives(
     conn.execute("select pgque.retry_head('q', 'g', 'a')")
     _held, events = slot.receive()
     assert [(k, n) for k, n, _r in events] == [("a", n) for n in range(1, 6)]
+
+
+def test_the_held_rotation_never_waits_for_a_slot_owners_transaction(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    """The rotation's copy of held events must not wait for the receive lock a
+    worker's transaction holds (a foreign key check would: a share lock on the
+    subscription's row), or the worker's next read of the partition being
+    emptied deadlocks with it."""
+    slot = Slot(conn)
+    conn.execute("update pgque.rotation set rt_period = '0' where rt_name = 'held'")
+    slot.send(("a", 1), ("a", 2))
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("a", 1), ("a", 2)), retry_after="1 hour")
+    conn.execute("select * from pgque.maint()")  # switch: a's rows are in the other partition
+    with conn.transaction():
+        conn.execute("select pgque.retry_head('q', 'g', 'a')")  # holds the receive lock
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def maintain() -> None:
+            try:
+                with psycopg.connect(dsn, autocommit=True) as other:
+                    steps = [s for _q, s, _n in other.execute("select * from pgque.maint()")]
+                    assert "rotate_held" in steps
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=maintain)
+        thread.start()
+        wait_for(done.is_set, timeout=10, what="maint() to finish beside the open transaction",
+                 dsn=dsn)
+        thread.join()
+        assert errors == []
+        rows = conn.execute("select ev_extra1 from pgque.receive_partitioned('q', 'g', 0, 1)"
+                            ).fetchall()
+    assert rows == [("a",), ("a",)]

@@ -70,7 +70,7 @@ def test_every_key_in_order_with_transient_failures(
         handled[key].append(n)
     for key in {k for k, _ in events}:
         sent = [n for k, n in events if k == key]
-        assert handled[key] == sent  # in order, each once
+        assert handled[key] == sent, (key, handled[key], sent)  # in order, each once
         # No later event of the key even started before a failed one was handled.
         starts = order[key]
         assert starts == sorted(starts)

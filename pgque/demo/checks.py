@@ -141,23 +141,26 @@ HANDLING_COLUMNS = tuple(f.name for f in dataclasses.fields(Handling))
 
 def verify(sent: Sequence[Sent], handlings: Sequence[Handling], letters: Sequence[Letter], *,
            max_retries: int, workers: Sequence[int], slot_of: Mapping[str, int],
-           planned: int | None = None, effects: Effects | None = None) -> list[Check]:
+           planned: int | None = None, effects: Effects | None = None,
+           policy: str = "skip") -> list[Check]:
     """Check a run's records against the guarantees; one :class:`Check` per title
     of :data:`CHECK_TITLES` except the workers' exit codes (the caller knows those)
     and, unless ``effects`` are given (a transactional run), the effects.
 
     ``workers`` are the numbers of the workers that ran (each should have handled
     events); ``slot_of`` maps each tenant to its slot; ``planned``, how many events
-    the producers were to send (fewer were sent when the run was cut short).
+    the producers were to send (fewer were sent when the run was cut short);
+    ``policy``, the group's failure policy: under ``"pause"`` the order is checked
+    strictly, failures included.
     """
     by_event: dict[int, list[Handling]] = defaultdict(list)
     for handling in sorted(handlings, key=lambda h: (h.started, h.ended)):
         by_event[handling.event_id].append(handling)
     return [
         _check_handled(sent, handlings, by_event, planned),
-        _check_order(sent, by_event),
+        _check_strict_order(sent, by_event) if policy == "pause" else _check_order(sent, by_event),
         _check_exclusive(handlings),
-        _check_retries(sent, by_event),
+        _check_retries(sent, by_event, policy),
         _check_dead_letter(sent, by_event, letters, max_retries),
         *([_check_effects(sent, handlings, letters, effects)] if effects is not None else []),
         _check_spread(handlings, workers, slot_of),
@@ -218,6 +221,34 @@ def _check_order(sent: Sequence[Sent], by_event: Mapping[int, list[Handling]]) -
                  f"first handled in send order (retries aside)")
 
 
+def _check_strict_order(sent: Sequence[Sent], by_event: Mapping[int, list[Handling]]) -> Check:
+    """Under the pause policy, failures included: no call of an event starts before
+    its (producer, tenant)'s previous event was done, that is, handled (its first
+    successful call ended) or, when it always fails, given up (its last call ended)."""
+    streams: dict[tuple[int, str], list[Sent]] = defaultdict(list)
+    for s in sorted(sent, key=lambda s: (s.producer, s.seq)):
+        streams[(s.producer, s.tenant)].append(s)
+    broken: list[str] = []
+    compared = 0
+    for (producer, tenant), events in streams.items():
+        for a, b in itertools.pairwise(events):
+            calls_a, calls_b = by_event.get(a.event_id, []), by_event.get(b.event_id, [])
+            if not calls_a or not calls_b:
+                continue  # the first check reports it
+            ok = [h.ended for h in calls_a if h.ok]
+            done = min(ok) if ok else max(h.ended for h in calls_a)
+            compared += 1
+            if calls_b[0].started < done:
+                broken.append(f"producer {producer}, {tenant}: #{b.event_id} (sent {b.seq}) "
+                              f"started before #{a.event_id} (sent {a.seq}) was done")
+    if broken:
+        return Check(CHECK_ORDER, False,
+                     f"{len(broken)} out of order; e.g. " + "; ".join(broken[:2]))
+    return Check(CHECK_ORDER, True,
+                 f"{len(streams):,} (producer, tenant) streams: {compared:,} consecutive pairs "
+                 f"in strict send order, failures included (pause policy)")
+
+
 def _check_exclusive(handlings: Sequence[Handling]) -> Check:
     by_tenant: dict[str, list[Handling]] = defaultdict(list)
     for h in handlings:
@@ -244,7 +275,8 @@ def _check_exclusive(handlings: Sequence[Handling]) -> Check:
                  f"in time; {moved} tenants changed workers during the run")
 
 
-def _check_retries(sent: Sequence[Sent], by_event: Mapping[int, list[Handling]]) -> Check:
+def _check_retries(sent: Sequence[Sent], by_event: Mapping[int, list[Handling]],
+                   policy: str = "skip") -> Check:
     flaky = [s for s in sent if s.fate == "flaky"]
     not_retried: list[int] = []
     waits: list[float] = []
@@ -270,10 +302,12 @@ def _check_retries(sent: Sequence[Sent], by_event: Mapping[int, list[Handling]])
         problems.append(f"{len(unexpected)} failed unexpectedly: {_ids(unexpected)}")
     if problems:
         return Check(CHECK_RETRIES, False, "; ".join(problems))
+    where = ("before their tenant's later events" if policy == "pause"
+             else "behind their slot's backlog")
     return Check(CHECK_RETRIES, True,
-                 f"{len(flaky)} events failed their first attempt; all came back, behind "
-                 f"their slot's backlog, and were handled {statistics.median(waits):.2f} s "
-                 f"later (median), {max(waits):.2f} s at most")
+                 f"{len(flaky)} events failed their first attempt; all came back, {where}, "
+                 f"and were handled {statistics.median(waits):.2f} s later (median), "
+                 f"{max(waits):.2f} s at most")
 
 
 def _check_dead_letter(sent: Sequence[Sent], by_event: Mapping[int, list[Handling]],

@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None) -> Options:
     parser.add_argument("--max-retries", type=int, default=2, help="the queue's max_retries")
     parser.add_argument("--retry-after", type=float, default=0.2,
                         help="seconds before a failed event comes back")
+    parser.add_argument("--policy", choices=["skip", "pause"], default="skip",
+                        help="the group's failure policy: skip (a failed event comes back "
+                             "later, its tenant goes on) or pause (its tenant waits for it: "
+                             "strict per-tenant order, checked)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for every event to be handled")
     parser.add_argument("--seed", type=int, default=1, help="seed of the workload")
@@ -60,7 +64,7 @@ def parse_args(argv: list[str] | None) -> Options:
         parser.error("--flaky is a share: at least 0, below 1")
     return Options(args.dsn, args.events, args.tenants, args.producers, args.slots, args.workers,
                    args.flaky, args.work_ms, args.max_retries, args.retry_after, args.timeout,
-                   args.seed, args.restart, args.transactional)
+                   args.seed, args.restart, args.transactional, args.policy)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

@@ -74,6 +74,7 @@ class Options:
     seed: int
     restart: bool
     transactional: bool
+    policy: str = "skip"  # the group's failure policy
 
 
 class _Rate(ProgressColumn):
@@ -125,6 +126,14 @@ class Demo:
                          f"group [bold]{GROUP}[/] of {opts.slots} slots")
                 admin.create_queue(self.queue, max_retries=opts.max_retries)
                 admin.subscribe_slots(self.queue, GROUP, slots=opts.slots)
+                if opts.policy == "pause":
+                    # A tenant waits for its failed event: max_retries + 1 attempts,
+                    # as many as skip makes, then the dead letters.
+                    admin.set_failure_policy(self.queue, GROUP, "pause",
+                                             max_attempts=opts.max_retries + 1,
+                                             pause_timeout=None)
+                    self.note("failure policy pause: a failed event holds its tenant's later "
+                              "events back until it is handled or dead-lettered")
                 self._create_tables(admin.conn)
                 self.note(f"handler calls are recorded in {self.table}")
                 if opts.transactional:
@@ -200,7 +209,7 @@ class Demo:
             (opts.slots, tenants)).fetchall())
         checks = verify(sent, handlings, letters, max_retries=opts.max_retries,
                         workers=sorted(self.workers.processes), slot_of=slot_of,
-                        planned=opts.events,
+                        planned=opts.events, policy=opts.policy,
                         effects=self._effects(admin.conn) if opts.transactional else None)
         clean = bool(codes) and all(c == 0 for c in codes)
         checks.append(Check(CHECK_STOPPED, clean,

@@ -65,8 +65,14 @@ create sequence if not exists pgque.held_seq;
 -- done once its marker's bk_done_seq passed it or the marker is gone, and
 -- the table rotates like the retry queue (two partitions, the one not written
 -- emptied by TRUNCATE after what is still needed in it is copied over).
+--
+-- No foreign key to pgque.subscription: its check would share-lock the
+-- subscription's row, which a worker holds (its receive lock) while it reads
+-- this table, and the rotation's copy would wait for it while holding the
+-- partition it empties (a deadlock). The rows of a subscription that is gone
+-- have no marker, so the next rotation leaves them behind.
 create table if not exists pgque.held_event (
-    he_sub   integer not null references pgque.subscription on delete cascade,
+    he_sub   integer not null,
     he_key   text not null,
     he_seq   bigint not null,
     he_batch bigint not null,  -- the batch of the slot's log it was read from
