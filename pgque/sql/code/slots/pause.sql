@@ -88,20 +88,33 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_part smallint := pgque._write_part('held');
+    v_keys text[];
+    v_part smallint;
 begin
+    -- The piece's keys that are blocked, in one index scan: most pieces have
+    -- none, and go out as they are.
+    v_keys := array(select b.bk_key from pgque.blocked_key b
+                     where b.bk_sub = p_sub_id
+                       and b.bk_key = any (array(select distinct e.ev_extra1
+                                                   from unnest(p_events) e)));
+    if cardinality(v_keys) = 0 then
+        return p_events;
+    end if;
+    v_part := pgque._write_part('held');
     insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
                                   ev_retry, ev_type, ev_data, he_part)
     select p_sub_id, h.ev_extra1, nextval('pgque.held_seq'), p_batch_id, h.ev_id, h.ev_time,
            h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
       from (select e.* from unnest(p_events) e
-             where pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id)
+             where e.ev_extra1 = any (v_keys)
+               and pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id)
                and not exists (select from pgque.held_event x
                                 where x.he_sub = p_sub_id and x.he_batch = p_batch_id
                                   and x.ev_id = e.ev_id)
              order by e.ev_id) h;
     return array(select e from unnest(p_events) e
-                  where not pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id)
+                  where not (e.ev_extra1 = any (v_keys)
+                             and pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id))
                   order by e.ev_id);
 end
 $$;
