@@ -838,33 +838,91 @@ def dlq_show(state: State, queue_name: str, letter_id: int, as_json: bool) -> No
     console.print(JSON(display.dumps(payload)))
 
 
+def _dead_letter_filters(function: F) -> F:
+    """The options that choose dead letters by what they are, for replay and purge."""
+    for option in reversed([
+            click.option("--consumer", help="Only this consumer's (or consumer group's)."),
+            click.option("--type", "event_type", help="Only events of this type."),
+            click.option("--key", help="Only events of this partition key."),
+            click.option("--older-than", type=click.FloatRange(min=0), metavar="SECONDS",
+                         help="Only those dead-lettered more than SECONDS ago."),
+            click.option("--reason", help="Only those whose reason contains this text."),
+            click.option("--dry-run", is_flag=True, help="Only count them.")]):
+        function = option(function)
+    return function
+
+
 @dlq.command("replay")
 @click.argument("queue_name", metavar="QUEUE")
-@click.argument("letter_ids", metavar="ID...", type=int, nargs=-1, required=True)
+@click.argument("letter_ids", metavar="[ID...]", type=int, nargs=-1)
+@click.option("--all", "all_matching", is_flag=True,
+              help="Every dead letter the filters below match (instead of IDs).")
+@_dead_letter_filters
+@click.option("--as-next", is_flag=True,
+              help="Each as the next event of its key in its slot (consumer groups), before "
+                   "the key's events not handed out yet, instead of after everything since.")
 @db_options
 @pass_state
-def dlq_replay(state: State, queue_name: str, letter_ids: tuple[int, ...]) -> None:
-    """Put dead letters back into the log for their consumers (all or none)."""
+def dlq_replay(state: State, queue_name: str, letter_ids: tuple[int, ...], all_matching: bool,
+               consumer: str | None, event_type: str | None, key: str | None,
+               older_than: float | None, reason: str | None, dry_run: bool,
+               as_next: bool) -> None:
+    """Put dead letters back into the log for their consumers (all or none): the IDs
+    given, or with --all every one the filters match."""
     client = state.client()
+    filtered = any(v is not None for v in (consumer, event_type, key, older_than, reason))
+    if bool(letter_ids) == all_matching:
+        raise click.UsageError("give dead letter IDs, or --all (with filters)")
+    if letter_ids and (filtered or dry_run):
+        raise click.UsageError("the filters and --dry-run go with --all, not with IDs")
+    if all_matching:
+        with _dead_letter_refusal(state, "replay", queue_name):
+            count = client.replay_dead_letters(
+                queue_name, consumer, type=event_type, key=key, older_than=older_than,
+                reason=reason, as_next=as_next, dry_run=dry_run)
+        click.echo(f"{'would replay' if dry_run else 'replayed'} {count} dead "
+                   f"letter{'' if count == 1 else 's'}")
+        return
     replayed: list[tuple[int, int]] = []
     with _dead_letter_refusal(state, "replay", queue_name), client.conn.transaction():
         for letter_id in letter_ids:
-            replayed.append((letter_id, client.replay_dead_letter(queue_name, letter_id)))
+            replayed.append((letter_id, client.replay_dead_letter(queue_name, letter_id,
+                                                                  as_next=as_next)))
     for letter_id, event_id in replayed:
-        click.echo(f"dead letter {letter_id} replayed as event {event_id}")
+        where = " as its key's next event" if as_next else ""
+        click.echo(f"dead letter {letter_id} replayed as event {event_id}{where}")
 
 
 @dlq.command("purge")
 @click.argument("queue_name", metavar="QUEUE")
-@click.option("--consumer", help="Only this consumer's.")
 @click.option("--id", "letter_ids", type=int, multiple=True, help="Only these (repeatable).")
+@_dead_letter_filters
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @db_options
 @pass_state
-def dlq_purge(state: State, queue_name: str, consumer: str | None,
-              letter_ids: tuple[int, ...], yes: bool) -> None:
-    """Delete dead letters of QUEUE: the given ids, or all (of --consumer)."""
+def dlq_purge(state: State, queue_name: str, letter_ids: tuple[int, ...],
+              consumer: str | None, event_type: str | None, key: str | None,
+              older_than: float | None, reason: str | None, dry_run: bool, yes: bool) -> None:
+    """Delete dead letters of QUEUE: the given ids, or all that the filters match."""
     client = state.client()
+    filtered = any(v is not None for v in (event_type, key, older_than, reason))
+    if letter_ids and (filtered or dry_run):
+        raise click.UsageError("the filters and --dry-run do not go with --id")
+    if filtered or dry_run:
+        if not dry_run and not yes:
+            with _dead_letter_refusal(state, "purge", queue_name):
+                count = client.purge_dead_letters_where(
+                    queue_name, consumer, type=event_type, key=key, older_than=older_than,
+                    reason=reason, dry_run=True)
+            click.confirm(f"Delete {count} dead letter(s) of queue {queue_name}?", abort=True,
+                          err=True)
+        with _dead_letter_refusal(state, "purge", queue_name):
+            count = client.purge_dead_letters_where(
+                queue_name, consumer, type=event_type, key=key, older_than=older_than,
+                reason=reason, dry_run=dry_run)
+        click.echo(f"{'would purge' if dry_run else 'purged'} {count} dead "
+                   f"letter{'' if count == 1 else 's'}")
+        return
     if not yes:
         # A team's purge deletes only the dead letters of its own consumers.
         what = (f"{len(letter_ids)} dead letter(s)" if letter_ids

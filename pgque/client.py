@@ -834,14 +834,52 @@ class Client:
                           (queue, consumer, limit, after_id), by_name=True)
         return dead_letters_from_rows(rows)
 
-    def replay_dead_letter(self, queue: str, dead_letter_id: int) -> int:
+    def replay_dead_letter(self, queue: str, dead_letter_id: int, *,
+                           as_next: bool = False) -> int:
         """Put a dead letter back into the log for its consumer; returns the event id.
 
+        With ``as_next`` (a consumer group's dead letter with a partition key),
+        it comes back as the next event of its key in its slot, before the
+        key's events the slot has not handed out yet, instead of after
+        everything sent since (see docs/concepts.md, failure policies).
         Admins may replay any; another role those of the consumers it owns or
         was granted, while they are subscribed (ConsumerAccessDenied otherwise).
         """
-        return int(self._value("select pgque.replay_dead_letter(%s, %s)",
+        if not as_next:  # also on a database from before as_next (0.5)
+            return int(self._value("select pgque.replay_dead_letter(%s, %s)",
+                                   (queue, dead_letter_id)))
+        return int(self._value("select pgque.replay_dead_letter(%s, %s, true)",
                                (queue, dead_letter_id)))
+
+    def replay_dead_letters(self, queue: str, consumer: str | None = None, *,
+                            type: str | None = None, key: str | None = None,
+                            older_than: float | timedelta | None = None,
+                            reason: str | None = None, as_next: bool = False,
+                            dry_run: bool = False) -> int:
+        """Replay every dead letter of ``queue`` that matches the filters given (of
+        a consumer or group, of an event type, of a partition key, dead-lettered
+        more than ``older_than`` ago, whose reason contains ``reason``), as
+        :meth:`replay_dead_letter` does, all or none; returns how many. With
+        ``dry_run``, only counts them. A role that is not an admin replays
+        those of the consumers it may use."""
+        return int(self._value(
+            "select pgque.replay_dead_letters(%s, %s, %s, %s, make_interval(secs => %s), %s,"
+            " %s, %s)",
+            (queue, consumer, type, key, None if older_than is None else seconds(older_than),
+             reason, as_next, dry_run)))
+
+    def purge_dead_letters_where(self, queue: str, consumer: str | None = None, *,
+                                 type: str | None = None, key: str | None = None,
+                                 older_than: float | timedelta | None = None,
+                                 reason: str | None = None, dry_run: bool = False) -> int:
+        """Delete every dead letter of ``queue`` that matches the filters (as for
+        :meth:`replay_dead_letters`); returns how many. With ``dry_run``, only
+        counts them."""
+        return int(self._value(
+            "select pgque.purge_dead_letters_where(%s, %s, %s, %s, make_interval(secs => %s),"
+            " %s, %s)",
+            (queue, consumer, type, key, None if older_than is None else seconds(older_than),
+             reason, dry_run)))
 
     def purge_dead_letters(self, queue: str, consumer: str | None = None,
                            ids: Sequence[int] | None = None) -> int:

@@ -493,3 +493,99 @@ def test_the_held_rotation_never_waits_for_a_slot_owners_transaction(
         rows = conn.execute("select ev_extra1 from pgque.receive_partitioned('q', 'g', 0, 1)"
                             ).fetchall()
     assert rows == [("a",), ("a",)]
+
+
+# -- dead letters replayed in key order ------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["pause", "skip"])
+def test_a_dead_letter_replayed_as_next_comes_before_its_keys_later_events(
+        conn: psycopg.Connection[Any], client: pgque.Client, policy: str) -> None:
+    slot = Slot(conn, policy=policy, max_attempts=1)
+    conn.execute("update pgque.queue set queue_max_retries = 0")
+    slot.send(("a", 1), ("b", 1))
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("a", 1),))  # a1 dead at once (max_attempts 1 / max_retries 0)
+    [letter] = client.dead_letters("q", "g")
+    assert slot.blocked() == []
+    slot.send(("a", 2), ("a", 3), ("b", 2))
+    batch, events = slot.receive(max_events=1)  # a2 handed out: it goes on before a1
+    assert events == [("a", 2, 0)]
+    assert client.replay_dead_letter("q", letter.id, as_next=True) == letter.event_id
+    slot.ack(batch)
+    held, events = slot.receive()
+    assert events == [("a", 1, 0)]  # due at once, ahead of a3 (not handed out yet)
+    slot.ack(held)
+    batch, events = slot.receive()
+    assert events == [("a", 3, 0), ("b", 2, 0)]
+    slot.ack(batch)
+    assert slot.blocked() == [] and client.dead_letters("q") == []
+
+
+def test_as_next_on_a_blocked_key_goes_ahead_of_its_head_and_bulk_replay_keeps_order(
+        conn: psycopg.Connection[Any], client: pgque.Client, dsn: str) -> None:
+    slot = Slot(conn, max_attempts=1)
+    slot.send(("a", 1), ("a", 2), ("a", 3), ("a", 4))
+    batch, _ = slot.receive(max_events=1)
+    slot.ack(batch, failed=(("a", 1),))  # dead
+    batch, _ = slot.receive(max_events=1)
+    slot.ack(batch, failed=(("a", 2),))  # dead
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("a", 3), ("a", 4)), retry_after="1 hour")  # a3 the head, a4 held
+    # With max_attempts 1 each head is dead at its first failure; a4 waits, due now.
+    assert [d.payload for d in client.dead_letters("q")] == [{"n": 1}, {"n": 2}, {"n": 3}]
+    conn.execute("update pgque.blocked_key set bk_retry_at = now() + interval '1 hour'")
+    assert client.replay_dead_letters("q", "g", key="a", dry_run=True) == 3
+    out = ok(run_cli("dlq", "replay", "q", "--all", "--key", "a", "--dry-run", "--dsn", dsn))
+    assert "would replay 3 dead letters" in out
+    assert client.replay_dead_letters("q", "g", key="a", as_next=True) == 3
+    held, events = slot.receive()
+    assert [(k, n) for k, n, _r in events] == [("a", 1), ("a", 2), ("a", 3), ("a", 4)]
+    slot.ack(held)
+    assert slot.blocked() == []
+
+
+def test_bulk_replay_and_purge_filter_and_refuse_bad_input(
+        conn: psycopg.Connection[Any], client: pgque.Client, dsn: str) -> None:
+    conn.execute("select pgque.create_queue('q', '{\"max_retries\": 0}')")
+    conn.execute("select pgque.subscribe('q', 'plain')")
+    for key, kind in (("a", "x"), ("b", "x"), ("c", "y")):
+        conn.execute("select pgque.send('q', %s, '{}', %s)", (kind, key))
+    conn.execute("select pgque.tick('q')")
+    rows = conn.execute("select batch_id, ev_id from pgque.receive('q', 'plain')").fetchall()
+    conn.execute("select pgque.ack('q', 'plain', %s, %s, '{disk full}', '0')",
+                 (rows[0][0], [r[1] for r in rows]))
+    assert client.purge_dead_letters_where("q", type="x", dry_run=True) == 2
+    assert client.purge_dead_letters_where("q", reason="nope") == 0
+    assert client.purge_dead_letters_where("q", older_than=3600) == 0
+    with pytest.raises(pgque.InvalidArgument):
+        client.purge_dead_letters_where("q", older_than=-1)
+    with pytest.raises(pgque.InvalidArgument):  # a plain consumer's: no key order to keep
+        client.replay_dead_letters("q", as_next=True)
+    assert len(client.dead_letters("q")) == 3  # all or none
+    assert client.replay_dead_letters("q", type="y") == 1
+    assert "purged 2 dead letters" in ok(run_cli("dlq", "purge", "q", "--reason", "disk",
+                                                 "--yes", "--dsn", dsn))
+    assert client.dead_letters("q") == []
+
+
+def test_bulk_dead_letter_calls_reach_only_what_the_role_may_use(
+        conn: psycopg.Connection[Any], role_clients: dict[str, pgque.Client]) -> None:
+    owner, other = role_clients["reader"], role_clients["other"]
+    slot = scalar(conn, "select pgque.slot_of('a', 4)")
+    conn.execute("update pgque.queue set queue_max_retries = 0")
+    assert scalar(conn, "select pgque.claim_slot('q', 'g', %s)", (slot,))
+    conn.execute("select pgque.send('q', 'e', '1', 'a')")
+    conn.execute("select pgque.tick('q')")
+    [(batch, ev_id)] = conn.execute("select batch_id, ev_id from"
+                                    " pgque.receive_partitioned('q', 'g', %s, 4)",
+                                    (slot,)).fetchall()
+    conn.execute("select pgque.ack_partitioned('q', 'g', %s, 4, %s, %s, '{boom}', '0')",
+                 (slot, batch, [ev_id]))
+    assert other.replay_dead_letters("q", dry_run=True) == 0
+    assert other.purge_dead_letters_where("q") == 0
+    with pytest.raises(pgque.ConsumerAccessDenied):
+        other.replay_dead_letters("q", "g")
+    assert owner.replay_dead_letters("q", "g", dry_run=True) == 1
+    assert owner.replay_dead_letters("q", "g", as_next=True) == 1
+    [blocked] = owner.blocked_keys("q", "g")
+    assert (blocked.key, blocked.event_id, blocked.attempts) == ("a", ev_id, 0)

@@ -177,16 +177,21 @@ begin
 end
 $$;
 
--- pgque.replay_dead_letter(queue, dl_id): puts a dead letter back into the
--- log for the consumer that dead-lettered it (same ev_id, type, payload and
--- partition key; retry count back to 0) and removes it from dead letters.
--- Returns the ev_id. Admins may replay any; another role those of the
+-- pgque.replay_dead_letter(queue, dl_id, as_next): puts a dead letter back
+-- into the log for the consumer that dead-lettered it (same ev_id, type,
+-- payload and partition key; retry count back to 0) and removes it from dead
+-- letters. Returns the ev_id. With as_next, for a slot of a consumer group,
+-- it is not appended to the log but made the next event of its key in its
+-- slot, before the key's events the slot has not handed out yet
+-- (slots/pause.sql, _hold_first); 22023 for a plain consumer's dead letter or
+-- one without a partition key, PQ028 while the key's head is handed out. Admins may replay any; another role those of the
 -- subscriptions it may use, within the queue's 'consume' grants. Raises
 -- PQ015 (the queue's grants), PQ009 if there is no such dead letter, PQ014
 -- if the role may not use its consumer, or the subscription that made it is
 -- gone (admins only, then), PQ002 (an admin) if no consumer of its name is
 -- subscribed. A refusal changes nothing.
-create or replace function pgque.replay_dead_letter(p_queue text, p_dl_id bigint)
+create or replace function pgque.replay_dead_letter(p_queue text, p_dl_id bigint,
+                                                    p_as_next boolean default false)
 returns bigint
 language plpgsql
 security definer
@@ -197,6 +202,7 @@ declare
     v_admin boolean := pgque._dead_letter_access(v_queue, 'replay');
     v_dead pgque.dead_letter;
     v_owner integer;
+    v record;
 begin
     -- Locked first: a concurrent replay of the same dead letter then finds it gone.
     select * into v_dead from pgque.dead_letter d
@@ -221,6 +227,20 @@ begin
         raise exception using errcode = 'PQ002',
             message = format('consumer %L is not subscribed to queue %L',
                              pgque._name_for_message(v_dead.dl_consumer), pgque._name_for_message(p_queue));
+    end if;
+    if p_as_next then
+        if position('#' in v_dead.dl_consumer) = 0 or v_dead.ev_extra1 is null then
+            raise exception using errcode = '22023',
+                message = format('dead letter %s cannot be replayed as the next event of its key: '
+                                 '%s', p_dl_id,
+                                 case when v_dead.ev_extra1 is null then 'it has no partition key'
+                                      else 'it is not a consumer group''s' end);
+        end if;
+        -- Under the slot's receive lock, as its receive and ack change its keys.
+        select * into v from pgque._find_subscription(v_queue, v_dead.dl_consumer, true);
+        delete from pgque.dead_letter d where d.dl_id = v_dead.dl_id;
+        perform pgque._hold_first(v.sub, v.cur, v_dead);
+        return v_dead.ev_id;
     end if;
     delete from pgque.dead_letter d where d.dl_id = v_dead.dl_id;
     execute 'with src as (select $1::bigint as ev_id, $2::timestamptz as ev_time,'
@@ -279,5 +299,100 @@ begin
        and (v_admin or pgque._may_use_dead_letters(v_queue, d.dl_sub, v_role));
     get diagnostics v_count = row_count;
     return v_count;
+end
+$$;
+
+-- pgque._dead_letters_where(queue, consumer, ev_type, key, older_than,
+-- reason): the ids of the queue's dead letters that match every filter given
+-- (null: any): of the consumer or group (as dead_letters names them), of that
+-- type and partition key, dead-lettered longer than older_than ago, whose
+-- reason contains reason; only those the caller may use (all for an admin).
+-- Refuses as dead_letters does (PQ015, PQ014), and 22023 for a negative
+-- older_than. Oldest first.
+create or replace function pgque._dead_letters_where(
+    p_queue pgque.queue, p_action text, p_consumer text, p_ev_type text, p_key text,
+    p_older_than interval, p_reason text)
+returns setof bigint
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_admin boolean := pgque._dead_letter_access(p_queue, p_action, p_consumer);
+    v_role oid := case when not v_admin then pgque._role_id(pgque._caller()) end;
+begin
+    if p_older_than < interval '0' then
+        raise exception using errcode = '22023', message = 'older_than must not be negative';
+    end if;
+    return query
+        select d.dl_id from pgque.dead_letter d
+         where d.dl_queue = p_queue.queue_id
+           and (p_consumer is null or d.dl_consumer = p_consumer
+                or split_part(d.dl_consumer, '#', 1) = p_consumer)
+           and (p_ev_type is null or d.ev_type = p_ev_type)
+           and (p_key is null or d.ev_extra1 = p_key)
+           and (p_older_than is null or d.dl_time < now() - p_older_than)
+           and (p_reason is null or position(p_reason in coalesce(d.dl_reason, '')) > 0)
+           and (v_admin or pgque._may_use_dead_letters(p_queue, d.dl_sub, v_role))
+         order by d.dl_id;
+end
+$$;
+
+-- pgque.replay_dead_letters(queue, consumer, ev_type, key, older_than, reason,
+-- as_next, dry_run): replays every dead letter that matches the filters
+-- (_dead_letters_where; null: any), as replay_dead_letter does, oldest
+-- first (with as_next, newest first, so that each key's come back in their
+-- order ahead of its later events); with dry_run, only counts them. Returns
+-- how many. All or none: a refusal of any (PQ002, PQ028, 22023) replays none.
+create or replace function pgque.replay_dead_letters(
+    p_queue text, p_consumer text default null, p_ev_type text default null,
+    p_key text default null, p_older_than interval default null, p_reason text default null,
+    p_as_next boolean default false, p_dry_run boolean default false)
+returns bigint
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_ids bigint[] := array(select pgque._dead_letters_where(v_queue, 'replay', p_consumer,
+                                                             p_ev_type, p_key, p_older_than,
+                                                             p_reason));
+    v_id bigint;
+begin
+    if p_dry_run then
+        return cardinality(v_ids);
+    end if;
+    foreach v_id in array case when p_as_next
+                               then array(select i from unnest(v_ids) i order by i desc)
+                               else v_ids end loop
+        perform pgque.replay_dead_letter(p_queue, v_id, p_as_next);
+    end loop;
+    return cardinality(v_ids);
+end
+$$;
+
+-- pgque.purge_dead_letters_where(queue, consumer, ev_type, key, older_than,
+-- reason, dry_run): deletes every dead letter that matches the filters
+-- (_dead_letters_where; null: any); with dry_run, only counts them. Returns
+-- how many.
+create or replace function pgque.purge_dead_letters_where(
+    p_queue text, p_consumer text default null, p_ev_type text default null,
+    p_key text default null, p_older_than interval default null, p_reason text default null,
+    p_dry_run boolean default false)
+returns bigint
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_ids bigint[] := array(select pgque._dead_letters_where(v_queue, 'purge', p_consumer,
+                                                             p_ev_type, p_key, p_older_than,
+                                                             p_reason));
+begin
+    if not p_dry_run then
+        delete from pgque.dead_letter d where d.dl_id = any(v_ids);
+    end if;
+    return cardinality(v_ids);
 end
 $$;

@@ -776,3 +776,67 @@ begin
     return v_head.ev_id;
 end
 $$;
+
+-- pgque._hold_first(sub, cur, dead): puts dead letter dead back as the next
+-- event of its key in the slot subscription sub (locked by the caller, its
+-- cursor cur): before every event of the key the slot has not handed out yet.
+-- When the key is blocked, it becomes the head, ahead of what is held (whose
+-- pending rows are copied behind it: rows are never updated); when not, the
+-- key is blocked from the slot's next unread event on, with it as the head,
+-- due now. Its retry count starts again at 0. PQ028 while the key's piece of
+-- held events is handed out.
+create or replace function pgque._hold_first(p_sub pgque.subscription, p_cur pgque.cursor,
+                                             p_dead pgque.dead_letter)
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_marker pgque.blocked_key;
+    v_blocked boolean;
+    v_part smallint := pgque._write_part('held');
+    v_seq bigint := nextval('pgque.held_seq');
+begin
+    select * into v_marker from pgque.blocked_key b
+     where b.bk_sub = p_sub.sub_id and b.bk_key = p_dead.ev_extra1
+       for update;
+    v_blocked := found;
+    if v_blocked and v_marker.bk_batch is not null then
+        raise exception using errcode = 'PQ028',
+            message = format('cannot replay dead letter %s as the next event of key %L: the '
+                             'key''s head is handed out now (batch %s); try again once it is '
+                             'acked', p_dead.dl_id, pgque._name_for_message(p_dead.ev_extra1),
+                             v_marker.bk_batch);
+    end if;
+    insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
+                                  ev_retry, ev_type, ev_data, he_part)
+    values (p_sub.sub_id, p_dead.ev_extra1, v_seq, 0, p_dead.ev_id, p_dead.ev_time,
+            p_dead.ev_txid, 0, p_dead.ev_type, p_dead.ev_data, v_part);
+    if v_blocked then
+        -- What was pending follows it, copied with new numbers; the old rows
+        -- fall below bk_done_seq, done.
+        insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
+                                      ev_retry, ev_type, ev_data, he_part)
+        select h.he_sub, h.he_key, nextval('pgque.held_seq'), h.he_batch, h.ev_id, h.ev_time,
+               h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
+          from (select x.* from pgque.held_event x
+                 where x.he_sub = p_sub.sub_id and x.he_key = p_dead.ev_extra1
+                   and x.he_seq > v_marker.bk_done_seq and x.he_seq < v_seq
+                 order by x.he_seq) h;
+        update pgque.blocked_key b
+           set bk_done_seq = v_seq - 1, bk_attempts = 0, bk_retry_at = now(), bk_since = now(),
+               bk_first_error = null, bk_last_error = null, bk_last_failure = null
+         where b.bk_sub = p_sub.sub_id and b.bk_key = p_dead.ev_extra1;
+        return;
+    end if;
+    -- Not blocked: held from the slot's next unread event of its log on (in its
+    -- open batch after what was handed out, else from the next batch).
+    insert into pgque.blocked_key (bk_sub, bk_key, bk_from_batch, bk_from_ev, bk_done_seq,
+                                   bk_attempts, bk_retry_at, bk_since)
+    values (p_sub.sub_id, p_dead.ev_extra1,
+            coalesce(p_cur.cur_batch, pg_sequence_last_value('pgque.batch_id_seq'), 0),
+            case when p_cur.cur_batch is not null then coalesce(p_cur.cur_handed, 0) + 1
+                 else 9223372036854775807 end,
+            v_seq - 1, 0, now(), now());
+end
+$$;
