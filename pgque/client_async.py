@@ -559,19 +559,21 @@ class AsyncClient:
     async def set_failure_policy(self, queue: str, consumer: str, policy: str, *,
                                  max_attempts: int | None = 10,
                                  pause_timeout: float | timedelta | None = timedelta(hours=1),
-                                 ) -> None:
+                                 max_retries: int | None = None) -> None:
         """Set what a failed event does to its key in consumer group ``consumer``:
         ``"skip"`` (the default of a new group: it is retried later, the key
         moves on) or ``"pause"`` (no later event of the key is handed out until
         it is handled or dead-lettered). A pause ends with the head in the dead
         letters after ``max_attempts`` failures, or once it blocked its key for
-        ``pause_timeout`` (None: no bound). Going to ``"skip"`` releases every
-        blocked key. Workers read the policy when they start.
+        ``pause_timeout`` (None: no bound). Under skip a failed event is retried
+        ``max_retries`` times before it is dead-lettered: the group's own, or
+        (None) the queue's. Going to ``"skip"`` releases every blocked key.
+        Workers read the policy when they start.
         """
         await self._value(
-            "select pgque.set_failure_policy(%s, %s, %s, %s, make_interval(secs => %s))",
+            "select pgque.set_failure_policy(%s, %s, %s, %s, make_interval(secs => %s), %s)",
             (queue, consumer, policy, max_attempts,
-             None if pause_timeout is None else seconds(pause_timeout)))
+             None if pause_timeout is None else seconds(pause_timeout), max_retries))
 
     async def failure_policy(self, queue: str, consumer: str) -> FailurePolicy:
         """Consumer group ``consumer``'s failure policy and the bounds of a pause."""
@@ -579,7 +581,7 @@ class AsyncClient:
                                 (queue, consumer), by_name=True)
         row = rows[0]
         return FailurePolicy(policy=row.policy, max_attempts=row.max_attempts,
-                             pause_timeout=row.pause_timeout)
+                             pause_timeout=row.pause_timeout, max_retries=row.max_retries)
 
     async def retry_head(self, queue: str, consumer: str, key: str) -> None:
         """Hand the head of blocked key ``key`` (the event that failed) out again

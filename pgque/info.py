@@ -104,7 +104,8 @@ class GroupInfo(msgspec.Struct, frozen=True):
     """A consumer group: its slot count, its live members (sessions that joined it:
     one per Worker), how many slots have an owner, and the newest epoch of its
     slots (None before any slot received); its failure policy with the bounds of a
-    pause (None: no bound), its blocked keys and its dead letters."""
+    pause (None: no bound) and its own max_retries (None: the queue's), its
+    blocked keys and its dead letters."""
 
     queue_name: str
     consumer_name: str
@@ -115,6 +116,7 @@ class GroupInfo(msgspec.Struct, frozen=True):
     failure_policy: str
     max_attempts: int | None
     pause_timeout: timedelta | None
+    max_retries: int | None
     blocked_keys: int
     dead_letters: int
 

@@ -137,11 +137,14 @@ class FailurePolicy(msgspec.Struct, frozen=True):
     docs/concepts.md): ``"skip"`` (it is retried later, the key moves on) or
     ``"pause"`` (the key waits for it), and the bounds of a pause (None: no
     bound): after ``max_attempts`` failures of the key's head, or once it has
-    blocked the key for ``pause_timeout``, the head goes to the dead letters."""
+    blocked the key for ``pause_timeout``, the head goes to the dead letters;
+    ``max_retries``, the group's retries of a failed event under skip (None:
+    the queue's)."""
 
     policy: str
     max_attempts: int | None
     pause_timeout: timedelta | None
+    max_retries: int | None = None  # under skip; None: the queue's
 
 
 class BlockedKey(msgspec.Struct, frozen=True):

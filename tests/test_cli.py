@@ -670,7 +670,8 @@ def test_status_names_the_workers_and_shows_members_and_epochs(
     [group] = document["groups"]
     assert group == {"queue_name": "q", "consumer_name": "g", "slots": 2, "members": 1,
                      "owned_slots": 2, "newest_epoch": max(epochs), "failure_policy": "skip",
-                     "max_attempts": None, "pause_timeout": None, "blocked_keys": 0,
+                     "max_attempts": None, "pause_timeout": None, "max_retries": None,
+                     "blocked_keys": 0,
                      "dead_letters": 0}
     [row] = table_rows(text, "consumer groups")
     assert (row["group"], row["members"], row["owned"], row["newest epoch"]) == (

@@ -589,3 +589,18 @@ def test_bulk_dead_letter_calls_reach_only_what_the_role_may_use(
     assert owner.replay_dead_letters("q", "g", as_next=True) == 1
     [blocked] = owner.blocked_keys("q", "g")
     assert (blocked.key, blocked.event_id, blocked.attempts) == ("a", ev_id, 0)
+
+
+def test_a_groups_own_max_retries_beats_the_queues(conn: psycopg.Connection[Any],
+                                                   client: pgque.Client) -> None:
+    slot = Slot(conn, policy="skip")
+    client.set_failure_policy("q", "g", "skip", max_retries=0)
+    assert client.failure_policy("q", "g").max_retries == 0
+    slot.send(("a", 1))
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("a", 1),))  # the queue allows 5 retries; the group none
+    [letter] = client.dead_letters("q", "g")
+    assert (letter.payload, letter.retry_count) == ({"n": 1}, 0)
+    with pytest.raises(pgque.InvalidArgument):
+        client.set_failure_policy("q", "g", "skip", max_retries=-1)
+    assert client.failure_policy("q", "g").max_retries == 0

@@ -53,7 +53,7 @@ declare
         'get_partition_slot_status(interval)', 'get_group_info()', 'get_ticker_info()',
         'get_generated_code()',
         'subscribe_slots(text,text,integer,text)', 'subscribe_slot(text,text,integer,integer)',
-        'set_failure_policy(text,text,text,integer,interval)', 'failure_policy(text,text)',
+        'set_failure_policy(text,text,text,integer,interval,integer)', 'failure_policy(text,text)',
         'blocked_keys(text,text)', 'retry_head(text,text,text)',
         'skip_head(text,text,text,text)', 'resume_key(text,text,text)',
         'unsubscribe_slots(text,text)', 'slot_lock_key(text,text,integer)',

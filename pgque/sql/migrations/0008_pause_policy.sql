@@ -11,7 +11,8 @@
 alter table pgque.consumer_group
     add column if not exists cg_policy text not null default 'skip',
     add column if not exists cg_max_attempts integer,
-    add column if not exists cg_pause_timeout interval;
+    add column if not exists cg_pause_timeout interval,
+    add column if not exists cg_max_retries integer;  -- null: the queue's max_retries
 
 do $policy$
 begin
@@ -21,7 +22,8 @@ begin
         alter table pgque.consumer_group add constraint consumer_group_policy_check
             check (cg_policy in ('skip', 'pause')
                    and (cg_max_attempts is null or cg_max_attempts >= 1)
-                   and (cg_pause_timeout is null or cg_pause_timeout > interval '0'));
+                   and (cg_pause_timeout is null or cg_pause_timeout > interval '0')
+                   and (cg_max_retries is null or cg_max_retries >= 0));
     end if;
 end
 $policy$;

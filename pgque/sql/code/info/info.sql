@@ -319,6 +319,7 @@ select q.queue_name,
        g.cg_policy as failure_policy,
        g.cg_max_attempts as max_attempts,
        g.cg_pause_timeout as pause_timeout,
+       g.cg_max_retries as max_retries,
        (select count(*)
           from pgque.subscription s
           join pgque.blocked_key b on b.bk_sub = s.sub_id

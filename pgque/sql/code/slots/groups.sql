@@ -183,7 +183,8 @@ begin
     v_group := pgque._ensure_group(v_queue, p_consumer, 0, p_slots);
     if p_policy is not null and p_policy is distinct from v_group.cg_policy then
         -- With the bounds set_failure_policy gives by default.
-        perform pgque._set_policy(v_queue, v_group, p_policy, 10, interval '1 hour');
+        perform pgque._set_policy(v_queue, v_group, p_policy, 10, interval '1 hour',
+                                  v_group.cg_max_retries);
     end if;
     for k in 0 .. p_slots - 1 loop
         if pgque._subscribe(v_queue, pgque._slot_name(p_consumer, k, p_slots)) then

@@ -504,6 +504,8 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    -- Retries under skip count against the group's max_retries when it has one.
+    p_queue.queue_max_retries := coalesce(p_group.cg_max_retries, p_queue.queue_max_retries);
     if p_batch_id is distinct from p_cur.cur_batch
        and exists (select from pgque.blocked_key b
                     where b.bk_sub = p_sub.sub_id and b.bk_batch = p_batch_id) then
@@ -521,15 +523,17 @@ begin
 end
 $$;
 
--- pgque._set_policy(queue, group, policy, max_attempts, pause_timeout): sets
--- a group's failure policy and the bounds of a pause (null: none). 22023 for
--- a policy other than 'skip' or 'pause', max_attempts below 1, or a
--- pause_timeout not above zero; nothing changes then. Going to 'skip'
+-- pgque._set_policy(queue, group, policy, max_attempts, pause_timeout,
+-- max_retries): sets a group's failure policy, the bounds of a pause (null:
+-- none) and the retries of a failed event under skip (null: the queue's
+-- max_retries). 22023 for a policy other than 'skip' or 'pause',
+-- max_attempts below 1, a pause_timeout not above zero or a negative
+-- max_retries; nothing changes then. Going to 'skip'
 -- releases every blocked key of the group: their held events are handed out
 -- next, in order, and a failure among them goes to the retry queue.
 create or replace function pgque._set_policy(
     p_queue pgque.queue, p_group pgque.consumer_group, p_policy text, p_max_attempts integer,
-    p_pause_timeout interval)
+    p_pause_timeout interval, p_max_retries integer)
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -545,6 +549,11 @@ begin
             message = format('max_attempts must be at least 1 (or null: no bound), not %s',
                              p_max_attempts);
     end if;
+    if p_max_retries < 0 then
+        raise exception using errcode = '22023',
+            message = format('max_retries must not be negative (or null: the queue''s), not %s',
+                             p_max_retries);
+    end if;
     if p_pause_timeout <= interval '0' then
         raise exception using errcode = '22023',
             message = format('pause_timeout must be above zero (or null: no bound), not %s',
@@ -552,7 +561,7 @@ begin
     end if;
     update pgque.consumer_group
        set cg_policy = p_policy, cg_max_attempts = p_max_attempts,
-           cg_pause_timeout = p_pause_timeout
+           cg_pause_timeout = p_pause_timeout, cg_max_retries = p_max_retries
      where cg_id = p_group.cg_id;
     if p_policy = 'skip' then
         update pgque.blocked_key b set bk_retry_at = now()
@@ -567,16 +576,18 @@ end
 $$;
 
 -- pgque.set_failure_policy(queue, consumer, policy, max_attempts,
--- pause_timeout): what a failed event of consumer group consumer does to its
--- key: 'skip' (the default: it goes to the retry queue, the key moves on) or
--- 'pause' (the key waits for it; see the top of this file), with the bounds
--- of a pause: after max_attempts failures of the head, or once it blocked its
--- key for pause_timeout, the head goes to the dead letters (null: no bound).
+-- pause_timeout, max_retries): what a failed event of consumer group consumer
+-- does to its key: 'skip' (the default: it goes to the retry queue, the key
+-- moves on, and after max_retries retries, the group's or else the queue's,
+-- to the dead letters) or 'pause' (the key waits for it; see the top of this
+-- file), with the bounds of a pause: after max_attempts failures of the head,
+-- or once it blocked its key for pause_timeout, the head goes to the dead
+-- letters (null: no bound).
 -- Those who may use the group may set it. PQ002 for a group that is not
 -- subscribed, PQ014 for a role that may not use it, 22023 for bad values.
 create or replace function pgque.set_failure_policy(
     p_queue text, p_consumer text, p_policy text, p_max_attempts integer default 10,
-    p_pause_timeout interval default interval '1 hour')
+    p_pause_timeout interval default interval '1 hour', p_max_retries integer default null)
 returns void
 language plpgsql
 security definer
@@ -586,7 +597,7 @@ declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
     perform pgque._set_policy(v_queue, pgque._group(v_queue, p_consumer, null), p_policy,
-                              p_max_attempts, p_pause_timeout);
+                              p_max_attempts, p_pause_timeout, p_max_retries);
 end
 $$;
 
@@ -595,7 +606,8 @@ $$;
 -- not subscribed, PQ014 for a role that may not use it.
 create or replace function pgque.failure_policy(
     p_queue text, p_consumer text,
-    out policy text, out max_attempts integer, out pause_timeout interval)
+    out policy text, out max_attempts integer, out pause_timeout interval,
+    out max_retries integer)
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
@@ -606,6 +618,7 @@ begin
     policy := v_group.cg_policy;
     max_attempts := v_group.cg_max_attempts;
     pause_timeout := v_group.cg_pause_timeout;
+    max_retries := v_group.cg_max_retries;
 end
 $$;
 

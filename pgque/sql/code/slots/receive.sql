@@ -254,6 +254,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v record;
+    v_queue pgque.queue;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
@@ -264,11 +265,14 @@ begin
             message = format('batch %s is a piece of held events: nack its events with its ack '
                              '(ack_partitioned with nack_ids)', p_batch_id);
     end if;
+    -- Retries under skip count against the group's max_retries when it has one.
+    v_queue := v.queue;
+    v_queue.queue_max_retries := coalesce((v.grp).cg_max_retries, v_queue.queue_max_retries);
     if (v.grp).cg_policy = 'pause' then
-        return pgque._block_keys(v.queue, v.grp, v.sub, v.cur, p_batch_id, p_ev_ids,
+        return pgque._block_keys(v_queue, v.grp, v.sub, v.cur, p_batch_id, p_ev_ids,
                                  array[p_reason], p_retry_after, p_slot);
     end if;
-    return pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_ev_ids, array[p_reason],
+    return pgque._nack(v_queue, v.sub, v.cur, p_batch_id, p_ev_ids, array[p_reason],
                        p_retry_after, p_slot, (v.grp).cg_slots);
 end
 $$;
