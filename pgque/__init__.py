@@ -57,6 +57,7 @@ from pgque.info import (
     SlotStatus,
     TickerInfo,
 )
+from pgque.retry import Backoff, NonRetryable
 from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
 from pgque.types import Batch, BlockedKey, DeadLetter, Event, FailurePolicy, Fence, Message
@@ -67,6 +68,7 @@ __all__ = [
     "AccessDenied",
     "AsyncClient",
     "AsyncWorker",
+    "Backoff",
     "Batch",
     "BatchNotActive",
     "BlockedKey",
@@ -100,6 +102,7 @@ __all__ = [
     "KeyNotBlocked",
     "Message",
     "NewerSchema",
+    "NonRetryable",
     "NotReadCommitted",
     "PartitionKeyTooLong",
     "PayloadError",

@@ -118,6 +118,28 @@ def nacked(nack: Mapping[int, str | None] | Iterable[Message[Any] | int],
     return message_ids(nack), [None]
 
 
+#: When failed events come back: one delay for all, or a delay per event id
+#: (those not named: none).
+RetryAfter = float | timedelta | Mapping[int, float | timedelta]
+
+
+def failure_delays(ids: Sequence[int], retry_after: RetryAfter
+                   ) -> tuple[float, list[timedelta | None] | None]:
+    """``ack``'s ``retry_after`` as the delay for all (seconds) and, when given per
+    event, one delay per id of ``ids`` (None: the delay for all). Negative ones
+    are the server's to refuse."""
+    if not isinstance(retry_after, Mapping):
+        return seconds(retry_after), None
+    if not retry_after:
+        return 0.0, None  # no event has a delay of its own
+    unknown = set(retry_after) - set(ids)
+    if unknown:
+        raise ValueError(f"retry_after names events {sorted(unknown)} that are not nacked")
+    per_id = [None if i not in retry_after else timedelta(seconds=seconds(retry_after[i]))
+              for i in ids]
+    return 0.0, per_id
+
+
 def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],
                     payload_type: type[T] | None, slot: int | None = None,
                     slots: int | None = None) -> Batch[Any] | None:

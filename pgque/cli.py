@@ -520,6 +520,16 @@ def load_payload_type(path: str) -> Any:
     return target
 
 
+def load_exception_class(path: str) -> type[BaseException]:
+    """Import ``module:Class``, an exception class (for ``--non-retryable``);
+    click.BadParameter otherwise."""
+    hint = "'--non-retryable'"
+    target = _import_object(path, "MODULE:CLASS", "myapp.errors:BadPayload", hint)
+    if not (isinstance(target, type) and issubclass(target, BaseException)):
+        raise click.BadParameter(f"{path!r} is not an exception class", param_hint=hint)
+    return target
+
+
 #: The Worker's parameters that have defaults, with them: the worker command's
 #: options default to these, so that it runs as the library does.
 _WORKER_DEFAULTS: dict[str, Any] = {
@@ -562,6 +572,9 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
 @click.option("--max-events", type=click.IntRange(min=1), default=_WORKER_DEFAULTS["max_events"],
               show_default=True, help="Events per receive of a slot.")
 @_seconds("retry_after", "Wait before a failed event comes back.", min_open=False)
+@click.option("--non-retryable", "non_retryable_paths", metavar="MODULE:CLASS", multiple=True,
+              help="Failures of this exception class are not retried: the event goes to the "
+                   "dead letters at once (repeatable; pgque.NonRetryable always is).")
 @click.option("--failure-policy", type=click.Choice(["skip", "pause"]),
               help="Set the group's failure policy: skip (a failed event is retried later, "
                    "its key goes on) or pause (its key waits for it) [default: the group's].")
@@ -582,7 +595,8 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
 @_worker_db_options
 @pass_state
 def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, slots: int,
-           run_ticker: bool, payload_path: str | None, log_level: str, **options: Any) -> None:
+           run_ticker: bool, payload_path: str | None, log_level: str,
+           non_retryable_paths: tuple[str, ...], **options: Any) -> None:
     """Run a worker of consumer group --consumer that calls MODULE:FUNCTION with each
     message, until SIGTERM or Ctrl-C (it finishes its batches and releases its slots).
 
@@ -593,6 +607,7 @@ def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, s
     """
     handler = load_handler(handler_path)
     payload_type = None if payload_path is None else load_payload_type(payload_path)
+    non_retryable = tuple(load_exception_class(path) for path in non_retryable_paths)
     dsn = state.require_dsn()
     # The library's own test for an async handler, so the choice is always one
     # the chosen class accepts (each refuses the other kind).
@@ -601,7 +616,8 @@ def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, s
         # The other options are named as the Worker's parameters.
         service = worker_class(dsn, queue=queue_name, consumer=consumer, slots=slots,
                                handler=handler, payload_type=payload_type, ticker=run_ticker,
-                               connect_timeout=state.connect_timeout, **options)
+                               connect_timeout=state.connect_timeout,
+                               non_retryable=non_retryable, **options)
     except ValueError as exc:  # the library's word on the options, e.g. two that conflict
         raise click.UsageError(str(exc), click.get_current_context()) from None
     # Check the DSN, the queue and the slot count before logging starts, so a

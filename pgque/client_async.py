@@ -37,12 +37,14 @@ from pgque._dsn import TRANSIENT_STATES, check_dsn, connect_error, redact
 from pgque._shared import (
     PREPARED_STATEMENT_ERRORS,
     EventLike,
+    RetryAfter,
     batch_from_rows,
     blocked_keys_from_rows,
     check_connection,
     config_json,
     dead_letters_from_rows,
     event_columns,
+    failure_delays,
     group_status_from_row,
     message_ids,
     nacked,
@@ -451,16 +453,24 @@ class AsyncClient:
 
     async def ack(self, batch: Batch[Any], *,
                   nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
-                  retry_after: float | timedelta = 0.0) -> bool:
+                  retry_after: RetryAfter = 0.0,
+                  dead: Iterable[Message[Any] | int] = ()) -> bool:
         """Ack the batch piece; True when that finished the whole batch.
 
         ``nack`` names events of the piece that failed: ids or messages, or a
         mapping of event id to reason. They go to retry (or dead letters) in the
         same transaction as the ack, so a crash cannot leave them nacked but the
-        batch unacked. A slot's batch is acked through the partition layer,
-        which checks that this session still owns the slot (SlotNotOwned).
+        batch unacked. ``retry_after`` is one delay for all, or a mapping of
+        event id to its own delay; ``dead`` names nacked events not to retry:
+        they go to the dead letters now (under the pause policy, the key moves
+        on). A slot's batch is acked through the partition layer, which checks
+        that this session still owns the slot (SlotNotOwned).
         """
         ids, reasons = nacked(nack)
+        delay, delays = failure_delays(ids, retry_after)
+        dead_ids = message_ids(dead)
+        if delays is not None or dead_ids:
+            return await self._ack_each(batch, ids, reasons, delay, delays, dead_ids)
         if batch.slot is not None:
             check, params = self._checked(batch.queue)
             if not ids:
@@ -471,32 +481,52 @@ class AsyncClient:
                 f"select pgque.ack_partitioned({check}, %s, %s, %s, %s, %s::bigint[], "
                 "%s::text[], make_interval(secs => %s))",
                 (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
-                 reasons, seconds(retry_after))))
+                 reasons, delay)))
         if not ids:
             return bool(await self._value("select pgque.ack(%s, %s, %s)",
                                           (batch.queue, batch.consumer, batch.batch_id)))
         return bool(await self._value(
             "select pgque.ack(%s, %s, %s, %s::bigint[], %s::text[], make_interval(secs => %s))",
-            (batch.queue, batch.consumer, batch.batch_id, ids, reasons,
-             seconds(retry_after))))
+            (batch.queue, batch.consumer, batch.batch_id, ids, reasons, delay)))
+
+    async def _ack_each(self, batch: Batch[Any], ids: list[int], reasons: list[str | None],
+                        delay: float, delays: list[timedelta | None] | None,
+                        dead_ids: list[int]) -> bool:
+        """:meth:`ack` with a delay per failed event or events not to retry (the
+        calls of 0.6 that take them, kept apart so the others work on 0.5)."""
+        if batch.slot is not None:
+            check, params = self._checked(batch.queue)
+            return bool(await self._value(
+                f"select pgque.ack_partitioned({check}, %s, %s, %s, %s, %s::bigint[], "
+                "%s::text[], make_interval(secs => %s), %s::interval[], %s::bigint[])",
+                (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                 reasons, delay, delays, dead_ids)))
+        return bool(await self._value(
+            "select pgque.ack(%s, %s, %s, %s::bigint[], %s::text[], make_interval(secs => %s),"
+            " %s::interval[], %s::bigint[])",
+            (batch.queue, batch.consumer, batch.batch_id, ids, reasons, delay, delays,
+             dead_ids)))
 
     @overload
     async def ack_and_receive(self, batch: Batch[Any], *,
                               nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
-                              retry_after: float | timedelta = 0.0,
+                              retry_after: RetryAfter = 0.0,
+                              dead: Iterable[Message[Any] | int] = (),
                               max_events: int | None = None,
                               payload_type: None = None) -> Batch[Any] | None: ...
 
     @overload
     async def ack_and_receive(self, batch: Batch[Any], *,
                               nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
-                              retry_after: float | timedelta = 0.0,
+                              retry_after: RetryAfter = 0.0,
+                              dead: Iterable[Message[Any] | int] = (),
                               max_events: int | None = None,
                               payload_type: type[T]) -> Batch[T] | None: ...
 
     async def ack_and_receive(self, batch: Batch[Any], *,
                               nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
-                              retry_after: float | timedelta = 0.0,
+                              retry_after: RetryAfter = 0.0,
+                              dead: Iterable[Message[Any] | int] = (),
                               max_events: int | None = None,
                               payload_type: type[T] | None = None) -> Batch[Any] | None:
         """:meth:`ack` of a slot's batch piece (with its ``nack``), then
@@ -510,12 +540,22 @@ class AsyncClient:
             raise ValueError("ack_and_receive takes a slot's batch (receive_partitioned); "
                              "ack a plain batch with ack, then receive")
         ids, reasons = nacked(nack)
+        delay, delays = failure_delays(ids, retry_after)
+        dead_ids = message_ids(dead)
         check, params = self._checked(batch.queue)
-        rows = await self._rows(
-            f"select * from pgque.ack_receive_partitioned({check}, %s, %s, %s, %s, "
-            "%s::bigint[], %s::text[], make_interval(secs => %s), %s)",
-            (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids, reasons,
-             seconds(retry_after), max_events), binary=True)
+        if delays is None and not dead_ids:
+            rows = await self._rows(
+                f"select * from pgque.ack_receive_partitioned({check}, %s, %s, %s, %s, "
+                "%s::bigint[], %s::text[], make_interval(secs => %s), %s)",
+                (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                 reasons, delay, max_events), binary=True)
+        else:
+            rows = await self._rows(
+                f"select * from pgque.ack_receive_partitioned({check}, %s, %s, %s, %s, "
+                "%s::bigint[], %s::text[], make_interval(secs => %s), %s::interval[], "
+                "%s::bigint[], %s::integer)",
+                (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
+                 reasons, delay, delays, dead_ids, max_events), binary=True)
         return batch_from_rows(batch.queue, batch.consumer, rows, payload_type, batch.slot,
                                batch.slots)
 

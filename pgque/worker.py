@@ -89,7 +89,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from datetime import timedelta
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -118,6 +118,7 @@ from pgque.lifecycle import (
     is_fatal,
     server_timeouts,
 )
+from pgque.retry import NonRetryable, RetryDelay, check_retry_after, delay_for
 from pgque.ticker import Ticker
 from pgque.types import Batch, Message
 
@@ -207,8 +208,9 @@ class Worker(Service, Generic[T]):
         payload_type: type[T] | None = None,
         max_events: int = 100,
         poll_interval: float = 0.2,
-        retry_after: float | timedelta = 5.0,
+        retry_after: RetryDelay = 5.0,
         failure_policy: str | None = None,
+        non_retryable: tuple[type[BaseException], ...] = (),
         rebalance_interval: float = 1.0,
         ticker: bool | Ticker = True,
         listen: bool = True,
@@ -229,9 +231,7 @@ class Worker(Service, Generic[T]):
             raise ValueError("network_timeout must be at least 2 seconds")
         if max_events < 1:
             raise ValueError("max_events must be at least 1")
-        if (retry_after.total_seconds() if isinstance(retry_after, timedelta)
-                else retry_after) < 0:
-            raise ValueError("retry_after must not be negative")
+        check_retry_after(retry_after)
         if failure_policy not in (None, "skip", "pause"):
             raise ValueError("failure_policy must be 'skip', 'pause' or None (the group's)")
         check_handler(handler)
@@ -250,6 +250,7 @@ class Worker(Service, Generic[T]):
         self.poll_interval = poll_interval
         self.retry_after = retry_after
         self.failure_policy = failure_policy
+        self.non_retryable: tuple[type[BaseException], ...] = (NonRetryable, *non_retryable)
         self._pause = failure_policy == "pause"  # the group's, once serve() read it
         self.rebalance_interval = rebalance_interval
         self.listen = listen
@@ -764,19 +765,22 @@ class _Lane(Generic[T]):
                     # not an ack in the handler's transaction. One statement a batch.
                     _on_savepoint(conn, "release savepoint pgque_event")
                 with session.call() as client:
-                    client.ack(batch, nack=failures, retry_after=worker.retry_after)
+                    client.ack(batch, nack=failures.reasons,
+                               retry_after=failures.retry_after, dead=failures.dead)
             return True
         while True:
             failures = self._handle(batch, session, None)
             with session.call() as client:
                 if not self._stays_on(slot):
-                    client.ack(batch, nack=failures, retry_after=worker.retry_after)
+                    client.ack(batch, nack=failures.reasons,
+                               retry_after=failures.retry_after, dead=failures.dead)
                     return True
                 # The lane's next step is this slot again: the ack carries its
                 # receive (one round trip and one commit a piece, not two).
                 next_batch = client.ack_and_receive(
-                    batch, nack=failures, retry_after=worker.retry_after,
-                    max_events=worker.max_events, payload_type=worker.payload_type)
+                    batch, nack=failures.reasons, retry_after=failures.retry_after,
+                    dead=failures.dead, max_events=worker.max_events,
+                    payload_type=worker.payload_type)
             if next_batch is None:
                 return False  # acked, and the slot has nothing more: it waits its poll
             batch = next_batch
@@ -796,13 +800,15 @@ class _Lane(Generic[T]):
                        for other in self._turns)
 
     def _handle(self, batch: Batch[T], session: _Session,
-                conn: Conn | None) -> dict[int, str]:
+                conn: Conn | None) -> _Failures:
         """Run the handler on each event of the batch (for a transactional handler,
-        each in a savepoint of ``conn``'s transaction); returns the failed events'
-        reasons by id. Raises _ConnectionLost when the session was seen gone
-        between events: whoever owns the slot next gets the batch again."""
+        each in a savepoint of ``conn``'s transaction); returns the failed events
+        (their reasons, delays and those not to retry). Raises _ConnectionLost
+        when the session was seen gone between events: whoever owns the slot
+        next gets the batch again."""
         worker = self.worker
-        failures: dict[int, str] = {}
+        result = _Failures(worker.retry_after)
+        failures = result.reasons
         handled: list[int] = []  # ids; appended from the runner's threads (atomic)
         # Under the pause policy, the keys with a failed event in this piece: their
         # later events are not handled but nacked with it, so that the server
@@ -840,11 +846,13 @@ class _Lane(Generic[T]):
                 # Expected under the skip policy, hence a warning. The traceback
                 # is what a developer needs to fix the handler: logged at the
                 # event's first failure only, its retries get one line each.
+                dead = isinstance(exc, worker.non_retryable)
                 worker.log.warning(
-                    "%s: handler failed for event %s (key %r, slot %s, retry %s): %r",
+                    "%s: handler failed for event %s (key %r, slot %s, retry %s%s): %r",
                     self.name, message.id, message.partition_key, batch.slot,
-                    message.retry_count, exc, exc_info=message.retry_count == 0)
-                failures[message.id] = failure_reason(exc)
+                    message.retry_count, ", not retryable: to the dead letters" if dead else "",
+                    exc, exc_info=message.retry_count == 0)
+                result.failed(message, exc, dead=dead)
                 if worker._pause and key is not None:
                     blocked[key] = message.id
             else:
@@ -857,7 +865,7 @@ class _Lane(Generic[T]):
             self._keys.run(batch.messages, _partition_key, handle)
         finally:
             worker._count(len(handled), len(failures) - held)  # one lock a batch, not an event
-        return failures
+        return result
 
     def _handle_in_savepoint(self, message: Message[T], conn: Conn, *,
                              first: bool) -> None:
@@ -892,6 +900,35 @@ class _Lane(Generic[T]):
                 self._drop(slot)
         except (psycopg.Error, _ConnectionLost) as exc:
             worker.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
+
+
+class _Failures:
+    """The failed events of a piece, as its ack takes them: reasons by id, each
+    one's delay when the Worker's retry_after depends on the event (a Backoff,
+    or by exception class), and those not to retry."""
+
+    def __init__(self, retry_after: RetryDelay) -> None:
+        self.reasons: dict[int, str] = {}
+        self.dead: list[int] = []
+        self._retry_after = retry_after
+        self._varies = not isinstance(retry_after, (int, float, timedelta))
+        self._delays: dict[int, float] = {}
+
+    def failed(self, message: Message[Any], exc: BaseException, *, dead: bool) -> None:
+        self.reasons[message.id] = failure_reason(exc)
+        if dead:
+            self.dead.append(message.id)
+        elif self._varies:
+            self._delays[message.id] = delay_for(self._retry_after, message.retry_count, exc)
+
+    @property
+    def retry_after(self) -> float | timedelta | dict[int, float]:
+        """For the ack: one delay for all (the usual, and the call of 0.5), or
+        one per failed event."""
+        if self._varies:
+            return self._delays
+        assert isinstance(self._retry_after, (int, float, timedelta))
+        return self._retry_after
 
 
 class HandlerFailed(Exception):

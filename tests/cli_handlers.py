@@ -88,3 +88,7 @@ async def record_span(message: pgque.Message[Job]) -> None:
     await asyncio.sleep(0.3)
     await _async_conn.execute("update cli_spans set finished = clock_timestamp() "
                               "where ev_id = %s", (message.id,))
+
+
+class Refused(Exception):
+    """A failure that retrying cannot heal (for --non-retryable)."""

@@ -288,7 +288,8 @@ $$;
 create or replace function pgque._nack(
     p_queue pgque.queue, p_sub pgque.subscription, p_cur pgque.cursor, p_batch_id bigint,
     p_ev_ids bigint[], p_reasons text[], p_retry_after interval,
-    p_slot integer default null, p_slots integer default null)
+    p_slot integer default null, p_slots integer default null,
+    p_retry_afters interval[] default null, p_dead_ids bigint[] default null)
 returns integer
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -301,19 +302,10 @@ declare
     v_retry_part smallint;
 begin
     perform pgque._require_batch(p_sub, p_cur, p_batch_id);
-    if p_retry_after is null or p_retry_after < interval '0' then
-        raise exception using errcode = '22023', message = 'retry_after must not be negative';
-    end if;
+    perform pgque._check_nack_args(p_batch_id, p_ev_ids, p_reasons, p_retry_after,
+                                   p_retry_afters, p_dead_ids);
     if coalesce(cardinality(p_ev_ids), 0) = 0 then
         return 0;
-    end if;
-    if array_position(p_ev_ids, null) is not null then
-        raise exception using errcode = 'PQ010',
-            message = format('nack: event id must not be null (batch %s)', p_batch_id);
-    end if;
-    if cardinality(p_reasons) not in (1, cardinality(p_ev_ids)) then
-        raise exception using errcode = '22023',
-            message = 'nack: give one reason, or one per event id';
     end if;
     -- Looked up only now: an ack of a slot passes here with no ids each time.
     v_nack_part := pgque._nack_part(p_batch_id);
@@ -336,7 +328,9 @@ begin
     -- reason, and only if this batch has not nacked it already.
     with asked as (
         select i.id, case when cardinality(p_reasons) = 1 then p_reasons[1]
-                          else p_reasons[i.n] end as reason
+                          else p_reasons[i.n] end as reason,
+               coalesce(p_retry_afters[i.n], p_retry_after) as delay,
+               i.id = any(coalesce(p_dead_ids, '{}')) as dead
           from unnest(p_ev_ids) with ordinality i(id, n)),
     fresh as (
         insert into pgque.batch_nack (bn_sub, bn_batch, bn_ev_id, bn_part)
@@ -344,9 +338,10 @@ begin
         on conflict do nothing
         returning bn_ev_id),
     nacked as (
-        select distinct on (e.ev_id) e.*,
-               (select a.reason from asked a where a.id = e.ev_id limit 1) as reason
+        select distinct on (e.ev_id) e.*, a.reason, a.delay, a.dead
           from unnest(v_events) e
+          cross join lateral (select a.reason, a.delay, a.dead from asked a
+                               where a.id = e.ev_id limit 1) a
           join fresh f on f.bn_ev_id = e.ev_id
          order by e.ev_id, e.ev_retry desc),
     dead as (
@@ -355,15 +350,15 @@ begin
         select p_queue.queue_id, p_sub.sub_consumer, p_sub.sub_id, e.reason, e.ev_id, e.ev_time,
                e.ev_txid, e.ev_retry, e.ev_type, e.ev_data, e.ev_extra1
           from nacked e
-         where e.ev_retry >= p_queue.queue_max_retries
+         where e.ev_retry >= p_queue.queue_max_retries or e.dead
         returning 1),
     retried as (
         insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
                                        ev_retry, ev_type, ev_data, ev_extra1, rq_part)
-        select now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
+        select now() + e.delay, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
                e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, v_retry_part
           from nacked e
-         where e.ev_retry < p_queue.queue_max_retries
+         where e.ev_retry < p_queue.queue_max_retries and not e.dead
         returning 1)
     select (select count(*) from dead) into v_dead;
     return v_dead;
@@ -478,6 +473,29 @@ begin
     select * into v from pgque._plain_sub(p_queue, p_consumer, true);
     perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
                         p_retry_after);
+    return pgque._ack(v.sub, v.cur, p_batch_id);
+end
+$$;
+
+-- pgque.ack(queue, consumer, batch_id, nack_ids, nack_reasons, retry_after,
+-- retry_afters, dead_ids): the same, with a delay per failed event
+-- (retry_afters, one per nack id; a null one: retry_after) and the failed
+-- events not to retry (dead_ids, among nack_ids: to the dead letters now).
+create or replace function pgque.ack(
+    p_queue text, p_consumer text, p_batch_id bigint, p_nack_ids bigint[],
+    p_nack_reasons text[], p_retry_after interval, p_retry_afters interval[],
+    p_dead_ids bigint[])
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    select * into v from pgque._plain_sub(p_queue, p_consumer, true);
+    perform pgque._nack(v.queue, v.sub, v.cur, p_batch_id, p_nack_ids, p_nack_reasons,
+                        p_retry_after, null, null, p_retry_afters, p_dead_ids);
     return pgque._ack(v.sub, v.cur, p_batch_id);
 end
 $$;

@@ -179,12 +179,15 @@ begin
 end
 $$;
 
--- pgque._check_nack_args(batch_id, ev_ids, reasons, retry_after): the checks
--- every nack makes of its arguments: 22023 for a negative or null
--- retry_after or a count of reasons that is neither one nor one per id, PQ010
--- for a null id.
+-- pgque._check_nack_args(batch_id, ev_ids, reasons, retry_after,
+-- retry_afters, dead_ids): the checks every nack makes of its arguments: 22023
+-- for a negative or null retry_after, a count of reasons that is neither one
+-- nor one per id, retry_afters not one per id or with a negative one, or a
+-- dead id that is not among ev_ids; PQ010 for a null id.
 create or replace function pgque._check_nack_args(p_batch_id bigint, p_ev_ids bigint[],
-                                                  p_reasons text[], p_retry_after interval)
+                                                  p_reasons text[], p_retry_after interval,
+                                                  p_retry_afters interval[] default null,
+                                                  p_dead_ids bigint[] default null)
 returns void
 language plpgsql immutable
 set search_path = pg_catalog, pg_temp
@@ -204,8 +207,28 @@ begin
         raise exception using errcode = '22023',
             message = 'nack: give one reason, or one per event id';
     end if;
+    if p_retry_afters is not null
+       and (cardinality(p_retry_afters) <> cardinality(p_ev_ids)
+            or exists (select from unnest(p_retry_afters) d where d < interval '0')) then
+        raise exception using errcode = '22023',
+            message = 'nack: retry_afters must be one per event id, none negative';
+    end if;
+    if exists (select from unnest(p_dead_ids) d where d is null or d <> all(p_ev_ids)) then
+        raise exception using errcode = '22023',
+            message = 'nack: every dead id must be one of the nacked event ids';
+    end if;
 end
 $$;
+
+-- pgque._delay_of(ev_ids, retry_afters, retry_after, ev_id): how long the
+-- failed event ev_id waits before it is due again: its own of retry_afters,
+-- else retry_after.
+create or replace function pgque._delay_of(p_ev_ids bigint[], p_retry_afters interval[],
+                                           p_retry_after interval, p_ev_id bigint)
+returns interval
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select coalesce(p_retry_afters[array_position(p_ev_ids, p_ev_id)], p_retry_after) $$;
 
 -- pgque._reason_of(ev_ids, reasons, ev_id): the reason given for ev_id.
 create or replace function pgque._reason_of(p_ev_ids bigint[], p_reasons text[], p_ev_id bigint)
@@ -222,11 +245,12 @@ $$;
 -- exists): it becomes the head (its attempts counted on, or from 1 when it was
 -- not the head yet), due again after retry_after; once it failed
 -- max_attempts times, or blocked the key for pause_timeout, it goes to the
--- dead letters instead and the key moves on. Returns 1 when it was
+-- dead letters instead and the key moves on; so it does at once when
+-- dead_now (a failure retrying cannot heal). Returns 1 when it was
 -- dead-lettered, else 0. Deletes the marker when nothing is left held.
 create or replace function pgque._fail_head(
     p_queue pgque.queue, p_group pgque.consumer_group, p_sub pgque.subscription, p_key text,
-    p_head_seq bigint, p_reason text, p_retry_after interval)
+    p_head_seq bigint, p_reason text, p_retry_after interval, p_dead_now boolean default false)
 returns integer
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -255,7 +279,7 @@ begin
     v_marker.bk_last_failure := now();
     v_marker.bk_retry_at := least(now() + p_retry_after,
                                   v_marker.bk_since + p_group.cg_pause_timeout);
-    if v_marker.bk_attempts >= p_group.cg_max_attempts
+    if p_dead_now or v_marker.bk_attempts >= p_group.cg_max_attempts
        or now() >= v_marker.bk_since + p_group.cg_pause_timeout then
         insert into pgque.dead_letter (dl_queue, dl_consumer, dl_sub, dl_reason, ev_id, ev_time,
                                        ev_txid, ev_retry, ev_type, ev_data, ev_extra1)
@@ -275,16 +299,17 @@ $$;
 -- pgque._held_to_retry(queue, sub, held, reason, retry_after): a held event
 -- that failed while its group has the 'skip' policy goes where a failure goes
 -- under 'skip': to the retry queue, or to the dead letters once it was retried
--- max_retries times. Returns 1 for a dead letter, else 0.
+-- max_retries times (or at once when dead_now). Returns 1 for a dead letter,
+-- else 0.
 create or replace function pgque._held_to_retry(
     p_queue pgque.queue, p_sub pgque.subscription, p_held pgque.held_event, p_reason text,
-    p_retry_after interval)
+    p_retry_after interval, p_dead_now boolean default false)
 returns integer
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if p_held.ev_retry < p_queue.queue_max_retries then
+    if p_held.ev_retry < p_queue.queue_max_retries and not p_dead_now then
         insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
                                        ev_retry, ev_type, ev_data, ev_extra1, rq_part)
         values (now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, p_held.ev_id,
@@ -334,7 +359,8 @@ $$;
 -- PQ010 for a failed id not in it; 22023 for bad arguments (_check_nack_args).
 create or replace function pgque._ack_held(
     p_queue pgque.queue, p_group pgque.consumer_group, p_sub pgque.subscription,
-    p_batch_id bigint, p_nack_ids bigint[], p_reasons text[], p_retry_after interval)
+    p_batch_id bigint, p_nack_ids bigint[], p_reasons text[], p_retry_after interval,
+    p_retry_afters interval[] default null, p_dead_ids bigint[] default null)
 returns boolean
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -342,8 +368,10 @@ as $$
 declare
     v_marker pgque.blocked_key;
     v_failed bigint;
+    v_failed_id bigint;
 begin
-    perform pgque._check_nack_args(p_batch_id, p_nack_ids, p_reasons, p_retry_after);
+    perform pgque._check_nack_args(p_batch_id, p_nack_ids, p_reasons, p_retry_after,
+                                   p_retry_afters, p_dead_ids);
     if exists (select from unnest(p_nack_ids) i
                 where not exists (
                     select from pgque.blocked_key b
@@ -364,7 +392,9 @@ begin
             -- Released by a change to 'skip': what failed is retried, the rest is done.
             perform pgque._held_to_retry(p_queue, p_sub, h,
                                          pgque._reason_of(p_nack_ids, p_reasons, h.ev_id),
-                                         p_retry_after)
+                                         pgque._delay_of(p_nack_ids, p_retry_afters,
+                                                         p_retry_after, h.ev_id),
+                                         h.ev_id = any(coalesce(p_dead_ids, '{}')))
                from pgque.held_event h
               where h.he_sub = p_sub.sub_id and h.he_key = v_marker.bk_key
                 and h.he_seq > v_marker.bk_done_seq and h.he_seq <= v_marker.bk_handed_seq
@@ -383,13 +413,14 @@ begin
             v_marker.bk_attempts := 0;
             perform pgque._save_marker(v_marker);
         else
+            select h.ev_id into v_failed_id from pgque.held_event h
+             where h.he_sub = p_sub.sub_id and h.he_key = v_marker.bk_key
+               and h.he_seq = v_failed limit 1;
             perform pgque._fail_head(
                 p_queue, p_group, p_sub, v_marker.bk_key, v_failed,
-                pgque._reason_of(p_nack_ids, p_reasons,
-                                 (select h.ev_id from pgque.held_event h
-                                   where h.he_sub = p_sub.sub_id and h.he_key = v_marker.bk_key
-                                     and h.he_seq = v_failed limit 1)),
-                p_retry_after);
+                pgque._reason_of(p_nack_ids, p_reasons, v_failed_id),
+                pgque._delay_of(p_nack_ids, p_retry_afters, p_retry_after, v_failed_id),
+                v_failed_id = any(coalesce(p_dead_ids, '{}')));
         end if;
     end loop;
     if not found then
@@ -414,7 +445,8 @@ $$;
 create or replace function pgque._block_keys(
     p_queue pgque.queue, p_group pgque.consumer_group, p_sub pgque.subscription,
     p_cur pgque.cursor, p_batch_id bigint, p_ev_ids bigint[], p_reasons text[],
-    p_retry_after interval, p_slot integer)
+    p_retry_after interval, p_slot integer, p_retry_afters interval[] default null,
+    p_dead_ids bigint[] default null)
 returns integer
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -428,7 +460,8 @@ declare
     v_head_seq bigint;
 begin
     perform pgque._require_batch(p_sub, p_cur, p_batch_id);
-    perform pgque._check_nack_args(p_batch_id, p_ev_ids, p_reasons, p_retry_after);
+    perform pgque._check_nack_args(p_batch_id, p_ev_ids, p_reasons, p_retry_after,
+                                   p_retry_afters, p_dead_ids);
     if coalesce(cardinality(p_ev_ids), 0) = 0 then
         return 0;
     end if;
@@ -450,7 +483,12 @@ begin
         v_dead := pgque._nack(p_queue, p_sub, p_cur, p_batch_id, v_keyless,
                               array(select pgque._reason_of(p_ev_ids, p_reasons, i)
                                       from unnest(v_keyless) i),
-                              p_retry_after, p_slot, p_group.cg_slots);
+                              p_retry_after, p_slot, p_group.cg_slots,
+                              array(select pgque._delay_of(p_ev_ids, p_retry_afters,
+                                                           p_retry_after, i)
+                                      from unnest(v_keyless) i),
+                              array(select i from unnest(v_keyless) i
+                                     where i = any(coalesce(p_dead_ids, '{}'))));
     end if;
     v_part := pgque._write_part('held');
     for v_first in select e.ev_extra1 as key, min(e.ev_id) as ev_id
@@ -484,7 +522,9 @@ begin
                 0, now(), now());
         v_dead := v_dead + pgque._fail_head(
             p_queue, p_group, p_sub, v_first.key, v_head_seq,
-            pgque._reason_of(p_ev_ids, p_reasons, v_first.ev_id), p_retry_after);
+            pgque._reason_of(p_ev_ids, p_reasons, v_first.ev_id),
+            pgque._delay_of(p_ev_ids, p_retry_afters, p_retry_after, v_first.ev_id),
+            v_first.ev_id = any(coalesce(p_dead_ids, '{}')));
     end loop;
     return v_dead;
 end
@@ -498,7 +538,8 @@ $$;
 create or replace function pgque._slot_nack_ack(
     p_queue pgque.queue, p_group pgque.consumer_group, p_sub pgque.subscription,
     p_cur pgque.cursor, p_batch_id bigint, p_nack_ids bigint[], p_reasons text[],
-    p_retry_after interval, p_slot integer)
+    p_retry_after interval, p_slot integer, p_retry_afters interval[] default null,
+    p_dead_ids bigint[] default null)
 returns boolean
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -510,14 +551,15 @@ begin
        and exists (select from pgque.blocked_key b
                     where b.bk_sub = p_sub.sub_id and b.bk_batch = p_batch_id) then
         return pgque._ack_held(p_queue, p_group, p_sub, p_batch_id, p_nack_ids, p_reasons,
-                               p_retry_after);
+                               p_retry_after, p_retry_afters, p_dead_ids);
     end if;
     if p_group.cg_policy = 'pause' then
         perform pgque._block_keys(p_queue, p_group, p_sub, p_cur, p_batch_id, p_nack_ids,
-                                  p_reasons, p_retry_after, p_slot);
+                                  p_reasons, p_retry_after, p_slot, p_retry_afters, p_dead_ids);
     else
         perform pgque._nack(p_queue, p_sub, p_cur, p_batch_id, p_nack_ids, p_reasons,
-                            p_retry_after, p_slot, p_group.cg_slots);
+                            p_retry_after, p_slot, p_group.cg_slots, p_retry_afters,
+                            p_dead_ids);
     end if;
     return pgque._ack(p_sub, p_cur, p_batch_id);
 end

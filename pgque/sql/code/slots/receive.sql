@@ -182,8 +182,34 @@ begin
 end
 $$;
 
--- pgque.ack_receive_partitioned(queue, consumer, slot, slots, batch_id,
--- nack_ids, nack_reasons, retry_after, max_events): ack_partitioned of the
+-- pgque.ack_partitioned(queue, consumer, slot, slots, batch_id, nack_ids,
+-- nack_reasons, retry_after, retry_afters, dead_ids): the same, with a delay
+-- per failed event (retry_afters, one per nack id; a null one: retry_after)
+-- and the failed events not to retry (dead_ids, among nack_ids: to the dead
+-- letters now; under pause the key moves on).
+create or replace function pgque.ack_partitioned(
+    p_queue text, p_consumer text, p_slot integer, p_slots integer, p_batch_id bigint,
+    p_nack_ids bigint[], p_nack_reasons text[], p_retry_after interval,
+    p_retry_afters interval[], p_dead_ids bigint[])
+returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v record;
+begin
+    select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
+    perform pgque._require_owner(v.sub);
+    return pgque._slot_nack_ack(v.queue, v.grp, v.sub, v.cur, p_batch_id, p_nack_ids,
+                                p_nack_reasons, p_retry_after, p_slot, p_retry_afters,
+                                p_dead_ids);
+end
+$$;
+
+-- pgque._ack_receive_slot(queue, consumer, slot, slots, batch_id, nack_ids,
+-- nack_reasons, retry_after, retry_afters, dead_ids, max_events): what
+-- ack_receive_partitioned does (below): ack_partitioned of the
 -- slot's batch piece (with its nacks; none when nack_ids is empty or null),
 -- then receive_partitioned of the same slot, in one call and one transaction:
 -- a consumer that works a slot piece after piece pays one round trip and one
@@ -193,13 +219,12 @@ $$;
 -- then takes the new epoch). Refuses what either
 -- refuses (PQ024 unless this session owns the slot, PQ003 for a batch that is
 -- not the open one); an error undoes both, the ack included.
-create or replace function pgque.ack_receive_partitioned(
+create or replace function pgque._ack_receive_slot(
     p_queue text, p_consumer text, p_slot integer, p_slots integer, p_batch_id bigint,
     p_nack_ids bigint[], p_nack_reasons text[], p_retry_after interval,
-    p_max_events integer default null)
+    p_retry_afters interval[], p_dead_ids bigint[], p_max_events integer)
 returns setof pgque.batch_event
 language plpgsql
-security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -212,7 +237,8 @@ begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, p_slots, true);
     perform pgque._require_owner(v.sub);
     perform pgque._slot_nack_ack(v.queue, v.grp, v.sub, v.cur, p_batch_id, p_nack_ids,
-                                 p_nack_reasons, p_retry_after, p_slot);
+                                 p_nack_reasons, p_retry_after, p_slot, p_retry_afters,
+                                 p_dead_ids);
     -- The receive, from the cursor the ack wrote, under the receive lock the
     -- ack took. Its epoch is the one this session took for the piece just
     -- acked; when it has none (it released and claimed the slot again since),
@@ -238,6 +264,42 @@ begin
                    from pgque._receive(v.queue, v.sub, v_cur, p_max_events, p_slot,
                                        (v.grp).cg_slots) r;
 end
+$$;
+
+-- pgque.ack_receive_partitioned(queue, consumer, slot, slots, batch_id,
+-- nack_ids, nack_reasons, retry_after, max_events): _ack_receive_slot with
+-- one delay for every failed event.
+create or replace function pgque.ack_receive_partitioned(
+    p_queue text, p_consumer text, p_slot integer, p_slots integer, p_batch_id bigint,
+    p_nack_ids bigint[], p_nack_reasons text[], p_retry_after interval,
+    p_max_events integer default null)
+returns setof pgque.batch_event
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select * from pgque._ack_receive_slot(p_queue, p_consumer, p_slot, p_slots, p_batch_id,
+                                          p_nack_ids, p_nack_reasons, p_retry_after, null,
+                                          null, p_max_events)
+$$;
+
+-- pgque.ack_receive_partitioned(queue, consumer, slot, slots, batch_id,
+-- nack_ids, nack_reasons, retry_after, retry_afters, dead_ids, max_events):
+-- the same, with a delay per failed event (retry_afters, one per nack id; a
+-- null one: retry_after) and the failed events not to retry (dead_ids: to the
+-- dead letters now, under pause the key moves on).
+create or replace function pgque.ack_receive_partitioned(
+    p_queue text, p_consumer text, p_slot integer, p_slots integer, p_batch_id bigint,
+    p_nack_ids bigint[], p_nack_reasons text[], p_retry_after interval,
+    p_retry_afters interval[], p_dead_ids bigint[], p_max_events integer)
+returns setof pgque.batch_event
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select * from pgque._ack_receive_slot(p_queue, p_consumer, p_slot, p_slots, p_batch_id,
+                                          p_nack_ids, p_nack_reasons, p_retry_after,
+                                          p_retry_afters, p_dead_ids, p_max_events)
 $$;
 
 -- pgque.nack_partitioned(queue, consumer, slot, slots, batch_id, ev_ids,
