@@ -401,9 +401,13 @@ def test_receive_slots_goes_slot_by_slot_for_a_slot_with_blocked_keys(
     assert client.blocked_keys("q", "g") == []
 
 
-def test_the_next_owner_gets_the_held_piece_and_the_key_stays_blocked(
+def test_the_next_owner_gets_the_held_events_again_and_the_loss_counts_as_a_failure(
         conn: psycopg.Connection[Any], dsn: str) -> None:
-    slot = Slot(conn)
+    """A piece of held events whose owner lost the slot before its ack comes to
+    the next owner again, in a new piece, and the loss counts as a failure of
+    its head: a head that kills its worker every time ends in the dead letters
+    after max_attempts, like one that fails."""
+    slot = Slot(conn, max_attempts=3)
     slot.send(("a", 1), ("a", 2), ("b", 1))
     batch, _ = slot.receive()
     slot.ack(batch, failed=(("a", 1), ("a", 2)))
@@ -415,12 +419,13 @@ def test_the_next_owner_gets_the_held_piece_and_the_key_stays_blocked(
         with pytest.raises(psycopg.Error) as refused:
             conn.execute("select pgque.ack_partitioned('q', 'g', 0, 1, %s)", (held,))
         assert refused.value.sqlstate == "PQ024"
-        rows = other.execute("select batch_id, ev_extra1 from"
+        rows = other.execute("select batch_id, ev_extra1, ev_retry from"
                              " pgque.receive_partitioned('q', 'g', 0, 1)").fetchall()
-        assert rows == [(held, "a"), (held, "a")]  # the same piece
+        again = rows[0][0]
+        assert again != held and rows == [(again, "a", 2), (again, "a", 0)]
         other.execute("select pgque.send('q', 'e', '{\"n\": 3}', 'a')")
         other.execute("select pgque.tick('q')")
-        other.execute("select pgque.ack_partitioned('q', 'g', 0, 1, %s)", (held,))
+        other.execute("select pgque.ack_partitioned('q', 'g', 0, 1, %s)", (again,))
         rows = other.execute("select ev_data from pgque.receive_partitioned('q', 'g', 0, 1)"
                              " where ev_extra1 = 'a'").fetchall()
         assert rows == [('{"n": 3}',)]
@@ -604,3 +609,27 @@ def test_a_groups_own_max_retries_beats_the_queues(conn: psycopg.Connection[Any]
     with pytest.raises(pgque.InvalidArgument):
         client.set_failure_policy("q", "g", "skip", max_retries=-1)
     assert client.failure_policy("q", "g").max_retries == 0
+
+
+def test_a_head_that_kills_its_worker_every_time_is_dead_lettered_after_max_attempts(
+        conn: psycopg.Connection[Any], dsn: str) -> None:
+    slot = Slot(conn, max_attempts=3)
+    slot.send(("a", 1), ("a", 2))
+    batch, _ = slot.receive()
+    slot.ack(batch, failed=(("a", 1), ("a", 2)))  # a1's attempt 1
+    conn.execute("select pgque.release_slot('q', 'g', 0)")
+    seen = []
+    for _ in range(2):  # each owner receives a piece and dies before its ack
+        with psycopg.connect(dsn, autocommit=True) as worker:
+            assert scalar(worker, "select pgque.claim_slot('q', 'g', 0)")
+            seen.append(worker.execute(
+                "select (ev_data::json->>'n')::int, ev_retry"
+                "  from pgque.receive_partitioned('q', 'g', 0, 1)").fetchall())
+    # a1 lost with the first owner counts as its attempt 2 for the second owner;
+    # lost again, its attempt 3 ends it in the dead letters, and a2 goes on.
+    assert seen == [[(1, 1), (2, 0)], [(1, 2), (2, 0)]]
+    assert scalar(conn, "select pgque.claim_slot('q', 'g', 0)")
+    _held, events = slot.receive()
+    assert events == [("a", 2, 0)]
+    [(data, reason)] = conn.execute("select ev_data, dl_reason from pgque.dead_letter")
+    assert data == '{"n": 1}' and "lost" in reason

@@ -53,6 +53,7 @@ create table if not exists pgque.blocked_key (
     -- the he_seq of its last event of this key.
     bk_batch        bigint,
     bk_handed_seq   bigint,
+    bk_epoch        bigint,  -- the slot owner's epoch it was handed out under
     primary key (bk_sub, bk_key)
 );
 create index if not exists blocked_key_ready on pgque.blocked_key (bk_sub, bk_retry_at);

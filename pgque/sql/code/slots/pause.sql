@@ -119,26 +119,56 @@ begin
 end
 $$;
 
--- pgque._receive_held(sub, max_events, epoch, slot): the slot's piece of held
--- events, as batch_event rows: the piece handed out and not acked again, else
--- a new one (a new batch id) of the keys whose head is due, oldest due first,
--- each key's events in order, at most max_events in all (null: every one).
--- No rows when there is none. The head of a key comes with its attempts as
--- its retry count. The caller holds the receive lock and checked that the
--- slot's piece of the log is not open.
-create or replace function pgque._receive_held(p_sub pgque.subscription, p_max_events integer,
-                                               p_epoch bigint, p_slot integer)
+-- pgque._receive_held(queue, group, sub, max_events, epoch, slot): the slot's
+-- piece of held events, as batch_event rows: the piece handed out and not
+-- acked again (to the same owner), else a new one (a new batch id) of the
+-- keys whose head is due, oldest due first, each key's events in order, at
+-- most max_events in all (null: every one). No rows when there is none. The
+-- head of a key comes with its attempts as its retry count. A piece whose
+-- owner lost the slot before its ack (another epoch now) counts as a failure
+-- of each of its heads, so that a head that kills its worker every time is
+-- bounded like one that fails (max_attempts, pause_timeout); a head due past
+-- pause_timeout goes to the dead letters without another try. The caller
+-- holds the receive lock and checked that the slot's piece of the log is not
+-- open.
+create or replace function pgque._receive_held(
+    p_queue pgque.queue, p_group pgque.consumer_group, p_sub pgque.subscription,
+    p_max_events integer, p_epoch bigint, p_slot integer)
 returns setof pgque.batch_event
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_batch bigint;
+    v_then bigint;
+    v_marker pgque.blocked_key;
 begin
-    select b.bk_batch into v_batch from pgque.blocked_key b
+    select b.bk_batch, b.bk_epoch into v_batch, v_then from pgque.blocked_key b
      where b.bk_sub = p_sub.sub_id and b.bk_retry_at <= now() and b.bk_batch is not null
      limit 1;
+    if v_batch is not null and v_then is distinct from p_epoch then
+        for v_marker in select * from pgque.blocked_key b
+                         where b.bk_sub = p_sub.sub_id and b.bk_batch = v_batch
+                         order by b.bk_key for update loop
+            update pgque.blocked_key b set bk_batch = null, bk_handed_seq = null, bk_epoch = null
+             where b.bk_sub = v_marker.bk_sub and b.bk_key = v_marker.bk_key;
+            perform pgque._fail_head(p_queue, p_group, p_sub, v_marker.bk_key,
+                                     (pgque._head_of(v_marker)).he_seq,
+                                     'lost: the session that had it ended before its ack',
+                                     interval '0');
+        end loop;
+        v_batch := null;
+    end if;
     if v_batch is null then
+        for v_marker in select * from pgque.blocked_key b
+                         where b.bk_sub = p_sub.sub_id and b.bk_retry_at <= now()
+                           and b.bk_attempts > 0
+                           and now() >= b.bk_since + p_group.cg_pause_timeout
+                         order by b.bk_key for update loop
+            perform pgque._kill_head(p_queue, p_sub, v_marker,
+                                     coalesce(v_marker.bk_last_error || '; ', '')
+                                     || 'pause_timeout passed');
+        end loop;
         v_batch := nextval('pgque.batch_id_seq');
         with due as (
             select b.bk_key, b.bk_done_seq, b.bk_retry_at from pgque.blocked_key b
@@ -156,7 +186,8 @@ begin
              where p_max_events is null or e.n <= p_max_events
              group by e.bk_key
         )
-        update pgque.blocked_key b set bk_batch = v_batch, bk_handed_seq = p.last
+        update pgque.blocked_key b set bk_batch = v_batch, bk_handed_seq = p.last,
+                                       bk_epoch = p_epoch
           from picked p
          where b.bk_sub = p_sub.sub_id and b.bk_key = p.bk_key;
         if not found then
@@ -326,6 +357,32 @@ begin
 end
 $$;
 
+-- pgque._kill_head(queue, sub, marker, reason): the marker's head goes to the
+-- dead letters with reason, its retry count the retries it had (its failures
+-- less one), and its key moves on: what is held behind it is due now.
+create or replace function pgque._kill_head(p_queue pgque.queue, p_sub pgque.subscription,
+                                            p_marker pgque.blocked_key, p_reason text)
+returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_head pgque.held_event := pgque._head_of(p_marker);
+begin
+    insert into pgque.dead_letter (dl_queue, dl_consumer, dl_sub, dl_reason, ev_id, ev_time,
+                                   ev_txid, ev_retry, ev_type, ev_data, ev_extra1)
+    values (p_queue.queue_id, p_sub.sub_consumer, p_sub.sub_id, p_reason, v_head.ev_id,
+            v_head.ev_time, v_head.ev_txid,
+            v_head.ev_retry + greatest(p_marker.bk_attempts - 1, 0), v_head.ev_type,
+            v_head.ev_data, p_marker.bk_key);
+    p_marker.bk_done_seq := v_head.he_seq;
+    p_marker.bk_attempts := 0;
+    p_marker.bk_retry_at := now();
+    perform pgque._save_marker(p_marker);
+    return v_head.ev_id;
+end
+$$;
+
 -- pgque._save_marker(marker): writes a marker back with its piece closed,
 -- or deletes it when its key has nothing left held.
 create or replace function pgque._save_marker(p_marker pgque.blocked_key)
@@ -345,7 +402,8 @@ begin
        set bk_done_seq = p_marker.bk_done_seq, bk_attempts = p_marker.bk_attempts,
            bk_retry_at = p_marker.bk_retry_at, bk_since = p_marker.bk_since,
            bk_first_error = p_marker.bk_first_error, bk_last_error = p_marker.bk_last_error,
-           bk_last_failure = p_marker.bk_last_failure, bk_batch = null, bk_handed_seq = null
+           bk_last_failure = p_marker.bk_last_failure, bk_batch = null, bk_handed_seq = null,
+           bk_epoch = null
      where b.bk_sub = p_marker.bk_sub and b.bk_key = p_marker.bk_key;
 end
 $$;
@@ -496,15 +554,18 @@ begin
                     where e.ev_id = any(p_ev_ids) and e.ev_extra1 is not null
                     group by e.ev_extra1
                     order by 1 loop
-        continue when exists (select from pgque.blocked_key b
-                               where b.bk_sub = p_sub.sub_id and b.bk_key = v_first.key
-                                 and b.bk_from_batch = p_batch_id
-                                 and b.bk_from_ev <= v_first.ev_id);
         if exists (select from pgque.blocked_key b
                     where b.bk_sub = p_sub.sub_id and b.bk_key = v_first.key) then
-            raise exception using errcode = 'PQ010',
-                message = format('nack: event %s was held, not handed out of batch %s',
-                                 v_first.ev_id, p_batch_id);
+            -- Blocked already: by a nack of this piece before (a repeated or a
+            -- second nack), or by a dead letter replayed as the key's next event
+            -- while the piece was out. What is not set aside yet joins the queue.
+            v_dead := v_dead + pgque._merge_held(
+                p_queue, p_group, p_sub, v_first.key, p_batch_id,
+                array(select e from unnest(v_events) e
+                       where e.ev_extra1 = v_first.key and e.ev_id = any(p_ev_ids)
+                       order by e.ev_id),
+                p_ev_ids, p_reasons, p_retry_after, p_retry_afters, p_dead_ids);
+            continue;
         end if;
         insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
                                       ev_retry, ev_type, ev_data, he_part)
@@ -527,6 +588,84 @@ begin
             v_first.ev_id = any(coalesce(p_dead_ids, '{}')));
     end loop;
     return v_dead;
+end
+$$;
+
+-- pgque._merge_held(queue, group, sub, key, batch_id, events, ev_ids, reasons,
+-- retry_after, retry_afters, dead_ids): the failed events of blocked key key
+-- that a piece of the log (batch batch_id) handed out, not set aside yet, join
+-- its queue of held events where they belong: after what the slot read before
+-- them, before what it read after (the queue is copied anew, in that order:
+-- rows are never updated). When one of them comes before the head, it is the
+-- head now, and its failure counts (_fail_head). Returns how many went to the
+-- dead letters.
+create or replace function pgque._merge_held(
+    p_queue pgque.queue, p_group pgque.consumer_group, p_sub pgque.subscription, p_key text,
+    p_batch_id bigint, p_events pgque.event_template[], p_ev_ids bigint[], p_reasons text[],
+    p_retry_after interval, p_retry_afters interval[], p_dead_ids bigint[])
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_marker pgque.blocked_key;
+    v_head pgque.held_event;
+    v_new pgque.event_template[];
+    v_start bigint;
+    v_first pgque.held_event;
+begin
+    select * into v_marker from pgque.blocked_key b
+     where b.bk_sub = p_sub.sub_id and b.bk_key = p_key
+       for update;
+    v_new := array(select e from unnest(p_events) e
+                    where not exists (select from pgque.held_event x
+                                       where x.he_sub = p_sub.sub_id
+                                         and x.he_batch = p_batch_id and x.ev_id = e.ev_id)
+                    order by e.ev_id);
+    if cardinality(v_new) = 0 then
+        return 0;  -- set aside already: a nack repeated
+    end if;
+    v_head := pgque._head_of(v_marker);
+    v_start := nextval('pgque.held_seq');
+    -- Pending rows keep their order; a new one goes before the first pending row
+    -- the slot read after it (of a later batch, or later in this batch).
+    with pending as (
+        select h.*, row_number() over (order by h.he_seq) as pos
+          from pgque.held_event h
+         where h.he_sub = p_sub.sub_id and h.he_key = p_key
+           and h.he_seq > v_marker.bk_done_seq
+    ), merged as (
+        select p.he_batch, p.ev_id, p.ev_time, p.ev_txid, p.ev_retry, p.ev_type, p.ev_data,
+               p.pos as anchor, 1 as kind
+          from pending p
+        union all
+        select p_batch_id, e.ev_id, e.ev_time, e.ev_txid, e.ev_retry, e.ev_type, e.ev_data,
+               coalesce((select min(p.pos) from pending p
+                          where p.he_batch > p_batch_id
+                             or (p.he_batch = p_batch_id and p.ev_id > e.ev_id)),
+                        (select count(*) + 1 from pending)), 0
+          from unnest(v_new) e
+    )
+    insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
+                                  ev_retry, ev_type, ev_data, he_part)
+    select p_sub.sub_id, p_key, nextval('pgque.held_seq'), m.he_batch, m.ev_id, m.ev_time,
+           m.ev_txid, m.ev_retry, m.ev_type, m.ev_data, pgque._write_part('held')
+      from (select * from merged order by anchor, kind, ev_id) m;
+    update pgque.blocked_key b set bk_done_seq = v_start
+     where b.bk_sub = p_sub.sub_id and b.bk_key = p_key;
+    v_marker.bk_done_seq := v_start;
+    v_first := pgque._head_of(v_marker);
+    if v_first.ev_id is distinct from v_head.ev_id then
+        -- A failed event the slot read before the head: the head now.
+        update pgque.blocked_key b set bk_attempts = 0
+         where b.bk_sub = p_sub.sub_id and b.bk_key = p_key;
+        return pgque._fail_head(
+            p_queue, p_group, p_sub, p_key, v_first.he_seq,
+            pgque._reason_of(p_ev_ids, p_reasons, v_first.ev_id),
+            pgque._delay_of(p_ev_ids, p_retry_afters, p_retry_after, v_first.ev_id),
+            v_first.ev_id = any(coalesce(p_dead_ids, '{}')));
+    end if;
+    return 0;
 end
 $$;
 
@@ -705,8 +844,10 @@ $$;
 -- pgque._blocked_marker(queue, consumer, key, action): for the ledger's verbs:
 -- the group, the slot subscription of key (by the routing) under its receive
 -- lock, and the key's marker, locked; the caller may use the group (PQ014)
--- and the key is blocked (PQ027), its head not handed out now (PQ028: a
--- worker handles it; act after its ack). action names the verb for messages.
+-- and the key is blocked (PQ027), its head not handed out to the slot's owner
+-- now (PQ028: a worker handles it; act after its ack). A piece handed out to
+-- a session that no longer owns the slot is void: the next owner gets a new
+-- one. action names the verb for messages.
 create or replace function pgque._blocked_marker(
     p_queue text, p_consumer text, p_key text, p_action text,
     out queue pgque.queue, out grp pgque.consumer_group, out sub pgque.subscription,
@@ -733,10 +874,20 @@ begin
                              pgque._name_for_message(p_consumer), queue.queue_name);
     end if;
     if marker.bk_batch is not null then
-        raise exception using errcode = 'PQ028',
-            message = format('cannot %s: the head of key %L is handed out now (batch %s); '
-                             'try again once it is acked', p_action,
-                             pgque._name_for_message(p_key), marker.bk_batch);
+        if exists (select from pgque._key_sessions(sub.sub_lock_key) k
+                    where k.granted and k.mode = 'ExclusiveLock'
+                      and pgque._may_consume(k.role, queue, grp.cg_owner, grp.cg_grantees)) then
+            raise exception using errcode = 'PQ028',
+                message = format('cannot %s: the head of key %L is handed out now (batch %s); '
+                                 'try again once it is acked', p_action,
+                                 pgque._name_for_message(p_key), marker.bk_batch);
+        end if;
+        -- Its owner is gone: the piece is void, the next owner gets a new one.
+        update pgque.blocked_key b set bk_batch = null, bk_handed_seq = null, bk_epoch = null
+         where b.bk_sub = sub.sub_id and b.bk_batch = marker.bk_batch;
+        marker.bk_batch := null;
+        marker.bk_handed_seq := null;
+        marker.bk_epoch := null;
     end if;
 end
 $$;
@@ -785,21 +936,10 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v record;
-    v_head pgque.held_event;
 begin
     select * into v from pgque._blocked_marker(p_queue, p_consumer, p_key, 'skip the head');
-    v_head := pgque._head_of(v.marker);
-    insert into pgque.dead_letter (dl_queue, dl_consumer, dl_sub, dl_reason, ev_id, ev_time,
-                                   ev_txid, ev_retry, ev_type, ev_data, ev_extra1)
-    values ((v.queue).queue_id, (v.sub).sub_consumer, (v.sub).sub_id,
-            coalesce(p_reason, (v.marker).bk_last_error), v_head.ev_id, v_head.ev_time,
-            v_head.ev_txid, v_head.ev_retry + greatest((v.marker).bk_attempts - 1, 0),
-            v_head.ev_type, v_head.ev_data, p_key);
-    v.marker.bk_done_seq := v_head.he_seq;
-    v.marker.bk_attempts := 0;
-    v.marker.bk_retry_at := now();
-    perform pgque._save_marker(v.marker);
-    return v_head.ev_id;
+    return pgque._kill_head(v.queue, v.sub, v.marker,
+                            coalesce(p_reason, (v.marker).bk_last_error));
 end
 $$;
 

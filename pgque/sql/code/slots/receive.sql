@@ -106,7 +106,8 @@ begin
     end if;
     -- Held events first, unless the piece of the log handed out is not acked.
     if v_held and not pgque._log_piece_open(v.cur) then
-        return query select * from pgque._receive_held(v.sub, p_max_events, v_epoch, p_slot);
+        return query select * from pgque._receive_held(p_queue, p_group, v.sub, p_max_events,
+                                                        v_epoch, p_slot);
         if found then
             return;
         end if;
@@ -254,7 +255,8 @@ begin
         return;
     end if;
     if v_held then
-        return query select * from pgque._receive_held(v.sub, p_max_events, v_epoch, p_slot);
+        return query select * from pgque._receive_held(v.queue, v.grp, v.sub, p_max_events,
+                                                        v_epoch, p_slot);
         if found then
             return;
         end if;
