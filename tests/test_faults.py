@@ -371,7 +371,8 @@ def test_failing_handler(scenario: Scenario, conclude: Callable[[FaultRun], None
 
 
 @pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
-@pytest.mark.parametrize("transactional", [False, True], ids=["plain", "transactional"])
+@pytest.mark.parametrize("transactional", [long_variant(False, id="plain-long"),
+                                           pytest.param(True, id="transactional")])
 def test_pause_policy_under_kills_and_terminations(
         scenario: Scenario, conclude: Callable[[FaultRun], None], transactional: bool) -> None:
     """The pause policy, with events failing once or twice and a key that always

@@ -515,7 +515,8 @@ def test_pause_timeout_dead_letters_head_and_key_goes_on_in_order(
     send(conn, ("a", 1), ("a", 2), ("a", 3))
     batch, _ = w.receive()
     w.ack(batch, (("a", 1), ("a", 2), ("a", 3)), retry_after="1 hour")
-    conn.execute("select pg_sleep(1.2)")
+    # The second passes: the head blocked its key since longer ago.
+    conn.execute("update pgque.blocked_key set bk_since = bk_since - interval '2 seconds'")
     make_due(conn)
     out = drain(w)
     assert dead(conn) == [("a", 1)]
@@ -819,7 +820,7 @@ def test_ledger_verbs_work_once_the_worker_holding_the_head_is_gone(
     _held, events = w.receive()
     assert events == [("a", 1, 1)]
     w.close()  # the handler of a1 crashed the worker: no ack
-    conn.execute("select pg_sleep(1.1)")
+    conn.execute("update pgque.blocked_key set bk_since = bk_since - interval '2 seconds'")
     assert sqlstate_of(lambda: conn.execute(f"select pgque.{verb}('q', 'g', 'a')")) is None
 
 

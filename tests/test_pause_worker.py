@@ -30,7 +30,7 @@ def test_every_key_in_order_with_transient_failures(
     client.create_queue("q", ticker_max_lag=0, ticker_max_count=50)
     client.subscribe_slots("q", "g", slots=4, policy="pause")
     conn.execute("create table handled (key text, n int, at bigserial)")
-    events = [(f"tenant-{i % 12}", i) for i in range(600)]
+    events = [(f"tenant-{i % 12}", i) for i in range(360)]
     client.send_batch("q", [("e", {"n": n}, key) for key, n in events])
     attempts: dict[int, int] = defaultdict(int)
     order: dict[str, list[int]] = defaultdict(list)  # every start, failed or not
