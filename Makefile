@@ -38,12 +38,18 @@ twins: venv
 # when the machine has PostgreSQL of another major, on those too. The two runs
 # go side by side (each starts its own cluster): the suite mostly waits on
 # workers and timeouts, so this halves the wall time on two cores. The second
-# run's output follows the first's. The fault-injection suite (kills, freezes,
-# network cuts of worker processes: the client's behaviour, not the server's)
-# runs on the first server only, to keep `make test` within 12 minutes on two
-# cores; `make test-faults` runs it on both, long variants included.
+# run's output follows the first's. What tests the client side rather than the
+# server runs on the first server only, to keep `make test` within 12 minutes on
+# two cores: the fault-injection suite (kills, freezes, network cuts of worker
+# processes; `make test-faults` runs it on both, long variants included), the
+# command line and the demo (their SQL is the Client's, which the rest of the
+# suite runs on both), the pytest plugin (it starts servers of its own) and
+# the modules that need no server.
 SYSTEM_LOG := .pytest-system.log
-SYSTEM_ONLY_ARGS := --ignore=tests/test_faults.py
+SYSTEM_ONLY_ARGS := --ignore=tests/test_faults.py --ignore=tests/test_cli.py \
+	--ignore=tests/test_cli_worker.py --ignore=tests/test_demo.py \
+	--ignore=tests/test_testing.py --ignore=tests/test_twins.py \
+	--ignore=tests/test_acompat.py --ignore=tests/test_bench_report.py
 
 # The suite starts a few hundred Python processes (the CLI, workers, the demo):
 # each would compile pgque from source again where PYTHONDONTWRITEBYTECODE is set.

@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, slot_keys, sqlstate_of
+from helpers import scalar, slot_keys, sqlstate_of, wait_for
 
 import pgque
 
@@ -819,7 +819,11 @@ def test_ledger_verbs_work_once_the_worker_holding_the_head_is_gone(
     w.ack(batch, (("a", 1),))
     _held, events = w.receive()
     assert events == [("a", 1, 1)]
+    pid = w.conn.info.backend_pid
     w.close()  # the handler of a1 crashed the worker: no ack
+    # Its backend ends (and lets go of the slot's lock) a moment after the close.
+    wait_for(lambda: not scalar(conn, "select count(*) from pg_stat_activity where pid = %s",
+                                (pid,)), what="the worker's backend to end", dsn=dsn)
     conn.execute("update pgque.blocked_key set bk_since = bk_since - interval '2 seconds'")
     assert sqlstate_of(lambda: conn.execute(f"select pgque.{verb}('q', 'g', 'a')")) is None
 
