@@ -373,14 +373,16 @@ def test_failing_handler(scenario: Scenario, conclude: Callable[[FaultRun], None
 @pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 @pytest.mark.parametrize("transactional", [long_variant(False, id="plain-long"),
                                            pytest.param(True, id="transactional")])
-def test_pause_policy_under_kills_and_terminations(
-        scenario: Scenario, conclude: Callable[[FaultRun], None], transactional: bool) -> None:
+def test_pause_policy_under_kills_terminations_and_a_restart(
+        scenario: Scenario, conclude: Callable[[FaultRun], None],
+        restartable_server: pgtest.PgServer, transactional: bool) -> None:
     """The pause policy, with events failing once or twice and a key that always
     fails: a worker is SIGKILLed mid-handler (between a failure and the ack that
     holds its key, or while a piece of held events is out), another has every
-    session terminated. Beyond the usual checks: after a failure nothing later
-    of its key starts before it succeeded or was dead-lettered, and each
-    always-failing event is dead-lettered once after max_retries + 1 attempts."""
+    session terminated, then the server crashes (immediate stop) and starts
+    again. Beyond the usual checks: after a failure nothing later of its key
+    starts before it succeeded or was dead-lettered, and each always-failing
+    event is dead-lettered once after max_retries + 1 attempts."""
     run = scenario(Workload(failure_policy="pause", transactional=transactional,
                             fail_once=0.12, fail_twice=0.06, doomed_every=20))
     run.start(each=lambda i: {"victim": True})
@@ -388,6 +390,8 @@ def test_pause_policy_under_kills_and_terminations(
     run.spawn(victim=True)
     run.wait_spread()
     run.terminate(run.live_workers()[0])
+    run.wait_spread()
+    run.restart(restartable_server, "immediate")
     run.wait_spread()
     cool_down(run)
     conclude(run)

@@ -125,10 +125,11 @@ $$;
 -- keys whose head is due, oldest due first, each key's events in order, at
 -- most max_events in all (null: every one). No rows when there is none. The
 -- head of a key comes with its attempts as its retry count. A piece whose
--- owner lost the slot before its ack (another epoch now) counts as a failure
--- of each of its heads, so that a head that kills its worker every time is
--- bounded like one that fails (max_attempts, pause_timeout); a head due past
--- pause_timeout goes to the dead letters without another try. The caller
+-- owner lost the slot before its ack (another epoch now) is made anew, its
+-- loss noted as the heads' last error but not counted as an attempt (a crash
+-- or a restart is not the handler's failure); a head due past pause_timeout
+-- goes to the dead letters without another try, which also bounds a head
+-- that kills its worker every time. The caller
 -- holds the receive lock and checked that the slot's piece of the log is not
 -- open.
 create or replace function pgque._receive_held(
@@ -147,22 +148,20 @@ begin
      where b.bk_sub = p_sub.sub_id and b.bk_retry_at <= now() and b.bk_batch is not null
      limit 1;
     if v_batch is not null and v_then is distinct from p_epoch then
-        for v_marker in select * from pgque.blocked_key b
-                         where b.bk_sub = p_sub.sub_id and b.bk_batch = v_batch
-                         order by b.bk_key for update loop
-            update pgque.blocked_key b set bk_batch = null, bk_handed_seq = null, bk_epoch = null
-             where b.bk_sub = v_marker.bk_sub and b.bk_key = v_marker.bk_key;
-            perform pgque._fail_head(p_queue, p_group, p_sub, v_marker.bk_key,
-                                     (pgque._head_of(v_marker)).he_seq,
-                                     'lost: the session that had it ended before its ack',
-                                     interval '0');
-        end loop;
+        -- Lost with its owner: not the handler's failure (a crash, a restart),
+        -- so no attempt is counted; the piece is made anew, and its heads that
+        -- blocked their keys for pause_timeout go to the dead letters below.
+        update pgque.blocked_key b
+           set bk_batch = null, bk_handed_seq = null, bk_epoch = null,
+               bk_last_error = 'lost: the session that had it ended before its ack',
+               bk_last_failure = now()
+         where b.bk_sub = p_sub.sub_id and b.bk_batch = v_batch;
         v_batch := null;
     end if;
     if v_batch is null then
         for v_marker in select * from pgque.blocked_key b
                          where b.bk_sub = p_sub.sub_id and b.bk_retry_at <= now()
-                           and b.bk_attempts > 0
+                           and (b.bk_attempts > 0 or b.bk_last_error like 'lost: %')
                            and now() >= b.bk_since + p_group.cg_pause_timeout
                          order by b.bk_key for update loop
             perform pgque._kill_head(p_queue, p_sub, v_marker,
