@@ -738,8 +738,15 @@ def test_concurrent_churn_loses_and_duplicates_nothing(dsn: str) -> None:
             for _ in range(3):
                 admin.tick("q")
                 admin.maintenance()
-        while step():
-            pass
+        # The first call after the last install may still fail, once (the code it
+        # had prepared was replaced: "cache lookup failed"), as the docs allow.
+        try:
+            while step():
+                pass
+        except (psycopg.Error, pgque.PgqueError) as exc:
+            errors.append(f"worker: {type(exc).__name__}: {exc}")
+            while step():
+                pass
     by_slot: dict[int, list[int]] = {k: [] for k in range(slots)}
     with psycopg.connect(dsn) as c:
         for ev, key in sent:

@@ -370,7 +370,8 @@ def test_failing_handler(scenario: Scenario, conclude: Callable[[FaultRun], None
 # -- 8. the pause policy ---------------------------------------------------------------
 
 
-@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
+@pytest.mark.parametrize("worker_flavour", [long_variant("sync", id="sync-long"), "async"],
+                         indirect=True)
 @pytest.mark.parametrize("transactional", [long_variant(False, id="plain-long"),
                                            pytest.param(True, id="transactional")])
 def test_pause_policy_under_kills_terminations_and_a_restart(
