@@ -287,14 +287,9 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_marker pgque.blocked_key;
-    v_head pgque.held_event;
-    v_dead integer := 0;
 begin
     select * into v_marker from pgque.blocked_key b
      where b.bk_sub = p_sub.sub_id and b.bk_key = p_key;
-    select * into v_head from pgque.held_event h
-     where h.he_sub = p_sub.sub_id and h.he_key = p_key and h.he_seq = p_head_seq
-     limit 1;
     if (select min(h.he_seq) from pgque.held_event h
          where h.he_sub = p_sub.sub_id and h.he_key = p_key
            and h.he_seq > v_marker.bk_done_seq) = p_head_seq and v_marker.bk_attempts > 0 then
@@ -311,18 +306,11 @@ begin
                                   v_marker.bk_since + p_group.cg_pause_timeout);
     if p_dead_now or v_marker.bk_attempts >= p_group.cg_max_attempts
        or now() >= v_marker.bk_since + p_group.cg_pause_timeout then
-        insert into pgque.dead_letter (dl_queue, dl_consumer, dl_sub, dl_reason, ev_id, ev_time,
-                                       ev_txid, ev_retry, ev_type, ev_data, ev_extra1)
-        values (p_queue.queue_id, p_sub.sub_consumer, p_sub.sub_id, p_reason, v_head.ev_id,
-                v_head.ev_time, v_head.ev_txid, v_head.ev_retry + v_marker.bk_attempts - 1,
-                v_head.ev_type, v_head.ev_data, p_key);
-        v_dead := 1;
-        v_marker.bk_done_seq := p_head_seq;
-        v_marker.bk_attempts := 0;
-        v_marker.bk_retry_at := now();
+        perform pgque._kill_head(p_queue, p_sub, v_marker, p_reason);
+        return 1;
     end if;
     perform pgque._save_marker(v_marker);
-    return v_dead;
+    return 0;
 end
 $$;
 
