@@ -25,8 +25,10 @@ from pgque.errors import (
     HeldPieceNack,
     InvalidArgument,
     InvalidConfig,
+    InvalidDelay,
     InvalidDSN,
     InvalidGrant,
+    InvalidIdempotencyKey,
     InvalidName,
     InvalidSlot,
     InvalidSlotCount,
@@ -60,7 +62,16 @@ from pgque.info import (
 from pgque.retry import Backoff, NonRetryable
 from pgque.schema import install, install_script, uninstall
 from pgque.ticker import Ticker
-from pgque.types import Batch, BlockedKey, DeadLetter, Event, FailurePolicy, Fence, Message
+from pgque.types import (
+    Batch,
+    BlockedKey,
+    DeadLetter,
+    Event,
+    FailurePolicy,
+    Fence,
+    Message,
+    SentId,
+)
 from pgque.worker import Worker
 from pgque.worker_async import AsyncWorker
 
@@ -95,7 +106,9 @@ __all__ = [
     "InvalidArgument",
     "InvalidConfig",
     "InvalidDSN",
+    "InvalidDelay",
     "InvalidGrant",
+    "InvalidIdempotencyKey",
     "InvalidName",
     "InvalidSlot",
     "InvalidSlotCount",
@@ -113,6 +126,7 @@ __all__ = [
     "QueueInfo",
     "QueueNotFound",
     "SchemaNotOwned",
+    "SentId",
     "SessionUnstable",
     "SlotCountMismatch",
     "SlotNotOwned",

@@ -8,14 +8,14 @@ into records, the connection-type check (DSN redaction is :mod:`pgque._dsn`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import msgspec
 import psycopg
 
 from pgque.codec import encode_payload
-from pgque.errors import SessionUnstable
+from pgque.errors import InvalidArgument, InvalidDelay, SessionUnstable
 from pgque.info import GroupStatus, SlotOwner
 from pgque.types import Batch, BlockedKey, DeadLetter, Event, Fence, Message
 
@@ -103,6 +103,63 @@ def event_columns(events: Iterable[EventLike]) -> tuple[list[str], list[str], li
     return types, payloads, keys
 
 
+class SendOptions(msgspec.Struct):
+    """The options of a batch's events, one list each, for ``pgque.send_batch_with``
+    (a list of Nones is sent as null)."""
+
+    deliver_ats: list[datetime | None]
+    deliver_afters: list[timedelta | None]
+    idempotency_keys: list[str | None]
+
+    def columns(self) -> tuple[list[datetime | None] | None, list[timedelta | None] | None,
+                               list[str | None] | None]:
+        """The three lists, each None when it holds nothing."""
+        return (self.deliver_ats if any(d is not None for d in self.deliver_ats) else None,
+                self.deliver_afters if any(d is not None for d in self.deliver_afters) else None,
+                self.idempotency_keys if any(k is not None for k in self.idempotency_keys)
+                else None)
+
+
+def check_deliver_at(deliver_at: datetime | None) -> datetime | None:
+    """``deliver_at`` as given, once it is known to be timezone-aware: a naive
+    datetime would be read in the server session's time zone."""
+    if deliver_at is not None and deliver_at.utcoffset() is None:
+        raise InvalidDelay(f"deliver_at {deliver_at.isoformat()} has no time zone; "
+                           "give an aware datetime (e.g. datetime.now(timezone.utc))")
+    return deliver_at
+
+
+def delay(deliver_after: float | timedelta | None) -> timedelta | None:
+    """``deliver_after`` as a timedelta (seconds may be given as a number)."""
+    if deliver_after is None or isinstance(deliver_after, timedelta):
+        return deliver_after
+    return timedelta(seconds=deliver_after)
+
+
+def send_options(events: Sequence[EventLike], deliver_at: datetime | None,
+                 deliver_after: float | timedelta | None) -> SendOptions | None:
+    """The options of ``send_batch``'s events (an event's own, else the call's
+    ``deliver_at``/``deliver_after``), or None when none has any: the plain send_batch."""
+    call_at, call_after = check_deliver_at(deliver_at), delay(deliver_after)
+    if call_at is not None and call_after is not None:
+        raise InvalidArgument("send_batch takes deliver_at or deliver_after, not both")
+    options = SendOptions([], [], [])
+    for event in events:
+        own = isinstance(event, Event) and (
+            event.deliver_at is not None or event.deliver_after is not None)
+        if isinstance(event, Event) and own:
+            options.deliver_ats.append(check_deliver_at(event.deliver_at))
+            options.deliver_afters.append(delay(event.deliver_after))
+        else:
+            options.deliver_ats.append(call_at)
+            options.deliver_afters.append(call_after)
+        options.idempotency_keys.append(event.idempotency_key if isinstance(event, Event)
+                                        else None)
+    if options.columns() == (None, None, None):
+        return None
+    return options
+
+
 def message_ids(messages: Message[Any] | int | Iterable[Message[Any] | int]) -> list[int]:
     if isinstance(messages, (Message, int)):
         messages = [messages]
@@ -145,17 +202,21 @@ def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],
                     slots: int | None = None) -> Batch[Any] | None:
     """Build a Batch from pgque.batch_event rows, as plain tuples in the type's
     column order (batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data,
-    ev_extra1, epoch, slot); None when there are no rows. Tuples and positional arguments,
-    not named rows and keywords: this runs once per event received, and the
-    names cost about a third of the client's time per event."""
+    ev_extra1, epoch, slot, delayed_id); None when there are no rows. Tuples and
+    positional arguments, not named rows and keywords: this runs once per event
+    received, and the names cost about a third of the client's time per event."""
     if not rows:
         return None
     first = rows[0]
     # Only a slot's batch has an epoch; a schema older than 0.2 has no column for it.
     epoch = first[7] if len(first) > 7 else None
     fence = None if slot is None or epoch is None else Fence(queue, consumer, slot, epoch)
-    messages = [Message(r[1], r[4], r[5], r[6], r[3], r[2], payload_type, fence)
-                for r in rows if r[1] is not None]
+    if len(first) > 9:  # a schema older than 0.7 has no delayed_id
+        messages = [Message(r[1], r[4], r[5], r[6], r[3], r[2], payload_type, fence, r[9])
+                    for r in rows if r[1] is not None]
+    else:
+        messages = [Message(r[1], r[4], r[5], r[6], r[3], r[2], payload_type, fence)
+                    for r in rows if r[1] is not None]
     return Batch(queue=queue, consumer=consumer, batch_id=first[0], messages=messages,
                  slot=slot, slots=slots, fence=fence)
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, overload
 
 import msgspec
@@ -40,14 +40,17 @@ from pgque._shared import (
     batch_from_rows,
     blocked_keys_from_rows,
     check_connection,
+    check_deliver_at,
     config_json,
     dead_letters_from_rows,
+    delay,
     event_columns,
     failure_delays,
     group_status_from_row,
     message_ids,
     nacked,
     seconds,
+    send_options,
     sends_here,
     session_changed,
 )
@@ -63,7 +66,7 @@ from pgque.info import (
     TickerInfo,
     from_row,
 )
-from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message
+from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message, SentId
 
 __all__ = ["Client", "connect", "open_connection", "redact"]
 
@@ -339,8 +342,24 @@ class Client:
     # -- producing -------------------------------------------------------
 
     def send(self, queue: str, type: str, payload: Any = None,
-             partition_key: str | None = None, *, conn: Conn | None = None) -> int:
-        """Append one event and return its id.
+             partition_key: str | None = None, *, deliver_at: datetime | None = None,
+             deliver_after: float | timedelta | None = None,
+             idempotency_key: str | None = None,
+             conn: Conn | None = None) -> SentId:
+        """Append one event and return its id (a :class:`~pgque.SentId`, an int).
+
+        ``deliver_at`` (an aware datetime) or ``deliver_after`` (seconds or a
+        timedelta, by the database's clock) delays the event: it is stored now,
+        durable once the transaction commits, and enters the log, in its key's
+        order, when it falls due, as if sent then; it is never handed out
+        before. A due time not in the future sends at once; more than 30 days
+        ahead raises :class:`~pgque.InvalidDelay`.
+
+        With ``idempotency_key`` (1 to 512 bytes), a key already sent to this
+        queue within its ``idempotency_window`` (24 hours unless configured)
+        writes nothing: the id returned is the first send's, with
+        ``duplicate`` True. Concurrent sends of one key make one event; a
+        rolled-back send leaves no key behind.
 
         With ``conn``, the event is written in that connection's current
         transaction and exists only if it commits. Without it, when called from
@@ -351,27 +370,51 @@ class Client:
         own, through the producer pool when there is one.
         """
         data = encode_payload(payload)
+        if deliver_at is None and deliver_after is None and idempotency_key is None:
+            with self._producer(conn) as target:
+                return SentId(self._value("select pgque.send(%s, %s, %s::text, %s)",
+                                          (queue, type, data, partition_key), target))
+        check_deliver_at(deliver_at)
         with self._producer(conn) as target:
-            return int(self._value("select pgque.send(%s, %s, %s::text, %s)",
-                                   (queue, type, data, partition_key), target))
+            rows = self._rows(
+                "select event_id, duplicate, deliver_at from pgque.send_with("
+                "%s, %s, %s::text, %s, %s, %s, %s)",
+                (queue, type, data, partition_key, deliver_at, delay(deliver_after),
+                 idempotency_key), target)
+        return SentId.of(*rows[0])
 
     def send_batch(self, queue: str, events: Iterable[EventLike], *,
-                   conn: Conn | None = None) -> list[int]:
+                   deliver_at: datetime | None = None,
+                   deliver_after: float | timedelta | None = None,
+                   conn: Conn | None = None) -> list[SentId]:
         """Append several events in one round trip; returns their ids in order.
 
         Each event is a :class:`~pgque.Event` or a ``(type, payload[, partition_key])``
-        tuple. Nothing is written if any of them is invalid. Transactions as
-        for :meth:`send`.
+        tuple. An Event may carry its own delay and idempotency key;
+        ``deliver_at``/``deliver_after`` here delay the events that have no
+        delay of their own. A batch may repeat an idempotency key: its first
+        event is sent, the later ones are duplicates of it (see :meth:`send`).
+        Nothing is written if any of them is invalid. Transactions as for
+        :meth:`send`.
         """
+        events = list(events)
         types, payloads, keys = event_columns(events)
         if not types:
             return []
+        options = send_options(events, deliver_at, deliver_after)
         with self._producer(conn) as target:
-            # Binary (%b) arrays: psycopg encodes them several times faster than text.
-            ids = self._value(
-                "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
-                (queue, types, payloads, keys), target)
-        return [int(i) for i in ids]
+            if options is None:
+                # Binary (%b) arrays: psycopg encodes them several times faster than text.
+                ids = self._value(
+                    "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
+                    (queue, types, payloads, keys), target)
+                return [SentId(i) for i in ids]
+            rows = self._rows(
+                "select event_id, duplicate, deliver_at from pgque.send_batch_with("
+                "%s, %b::text[], %b::text[], %b::text[], %s::timestamptz[], %s::interval[],"
+                " %s::text[])",
+                (queue, types, payloads, keys, *options.columns()), target)
+        return [SentId.of(*row) for row in rows]
 
     # -- ticks and maintenance -------------------------------------------
 

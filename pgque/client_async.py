@@ -22,7 +22,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, overload
 
 import msgspec
@@ -41,14 +41,17 @@ from pgque._shared import (
     batch_from_rows,
     blocked_keys_from_rows,
     check_connection,
+    check_deliver_at,
     config_json,
     dead_letters_from_rows,
+    delay,
     event_columns,
     failure_delays,
     group_status_from_row,
     message_ids,
     nacked,
     seconds,
+    send_options,
     sends_here,
     session_changed,
 )
@@ -64,7 +67,7 @@ from pgque.info import (
     TickerInfo,
     from_row,
 )
-from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message
+from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message, SentId
 
 __all__ = ["AsyncClient", "connect_async", "open_connection_async", "redact"]
 
@@ -340,8 +343,24 @@ class AsyncClient:
     # -- producing -------------------------------------------------------
 
     async def send(self, queue: str, type: str, payload: Any = None,
-                   partition_key: str | None = None, *, conn: AsyncConn | None = None) -> int:
-        """Append one event and return its id.
+                   partition_key: str | None = None, *, deliver_at: datetime | None = None,
+                   deliver_after: float | timedelta | None = None,
+                   idempotency_key: str | None = None,
+                   conn: AsyncConn | None = None) -> SentId:
+        """Append one event and return its id (a :class:`~pgque.SentId`, an int).
+
+        ``deliver_at`` (an aware datetime) or ``deliver_after`` (seconds or a
+        timedelta, by the database's clock) delays the event: it is stored now,
+        durable once the transaction commits, and enters the log, in its key's
+        order, when it falls due, as if sent then; it is never handed out
+        before. A due time not in the future sends at once; more than 30 days
+        ahead raises :class:`~pgque.InvalidDelay`.
+
+        With ``idempotency_key`` (1 to 512 bytes), a key already sent to this
+        queue within its ``idempotency_window`` (24 hours unless configured)
+        writes nothing: the id returned is the first send's, with
+        ``duplicate`` True. Concurrent sends of one key make one event; a
+        rolled-back send leaves no key behind.
 
         With ``conn``, the event is written in that connection's current
         transaction and exists only if it commits. Without it, when called from
@@ -352,27 +371,51 @@ class AsyncClient:
         own, through the producer pool when there is one.
         """
         data = encode_payload(payload)
+        if deliver_at is None and deliver_after is None and idempotency_key is None:
+            async with self._producer(conn) as target:
+                return SentId(await self._value("select pgque.send(%s, %s, %s::text, %s)",
+                                                (queue, type, data, partition_key), target))
+        check_deliver_at(deliver_at)
         async with self._producer(conn) as target:
-            return int(await self._value("select pgque.send(%s, %s, %s::text, %s)",
-                                         (queue, type, data, partition_key), target))
+            rows = await self._rows(
+                "select event_id, duplicate, deliver_at from pgque.send_with("
+                "%s, %s, %s::text, %s, %s, %s, %s)",
+                (queue, type, data, partition_key, deliver_at, delay(deliver_after),
+                 idempotency_key), target)
+        return SentId.of(*rows[0])
 
     async def send_batch(self, queue: str, events: Iterable[EventLike], *,
-                         conn: AsyncConn | None = None) -> list[int]:
+                         deliver_at: datetime | None = None,
+                         deliver_after: float | timedelta | None = None,
+                         conn: AsyncConn | None = None) -> list[SentId]:
         """Append several events in one round trip; returns their ids in order.
 
         Each event is a :class:`~pgque.Event` or a ``(type, payload[, partition_key])``
-        tuple. Nothing is written if any of them is invalid. Transactions as
-        for :meth:`send`.
+        tuple. An Event may carry its own delay and idempotency key;
+        ``deliver_at``/``deliver_after`` here delay the events that have no
+        delay of their own. A batch may repeat an idempotency key: its first
+        event is sent, the later ones are duplicates of it (see :meth:`send`).
+        Nothing is written if any of them is invalid. Transactions as for
+        :meth:`send`.
         """
+        events = list(events)
         types, payloads, keys = event_columns(events)
         if not types:
             return []
+        options = send_options(events, deliver_at, deliver_after)
         async with self._producer(conn) as target:
-            # Binary (%b) arrays: psycopg encodes them several times faster than text.
-            ids = await self._value(
-                "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
-                (queue, types, payloads, keys), target)
-        return [int(i) for i in ids]
+            if options is None:
+                # Binary (%b) arrays: psycopg encodes them several times faster than text.
+                ids = await self._value(
+                    "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
+                    (queue, types, payloads, keys), target)
+                return [SentId(i) for i in ids]
+            rows = await self._rows(
+                "select event_id, duplicate, deliver_at from pgque.send_batch_with("
+                "%s, %b::text[], %b::text[], %b::text[], %s::timestamptz[], %s::interval[],"
+                " %s::text[])",
+                (queue, types, payloads, keys, *options.columns()), target)
+        return [SentId.of(*row) for row in rows]
 
     # -- ticks and maintenance -------------------------------------------
 
@@ -791,15 +834,14 @@ class AsyncClient:
         session must own every slot (SlotNotOwned, and nothing is received)."""
         check, params = self._checked(queue)
         wanted = list(owned)
-        # The columns by name, in pgque.batch_event's order (receive_slots leads
-        # them by the slot): the same rows from a 0.3 database.
+        # The slot, then pgque.batch_event's columns but the slot, as far as the
+        # database has them (delayed_id since 0.7).
         rows = await self._rows(
-            "select batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data, ev_extra1, epoch,"
-            f" slot from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
+            f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
             (*params, consumer, slots, wanted, max_events), binary=True)
         by_slot: dict[int, list[Any]] = {}
-        for row in rows:  # pgque.batch_event, its slot last
-            by_slot.setdefault(row[8], []).append(row)
+        for row in rows:  # as pgque.batch_event: its slot after the epoch
+            by_slot.setdefault(row[0], []).append((*row[1:9], row[0], *row[9:]))
         batches = []
         for slot, slot_rows in by_slot.items():
             batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots)

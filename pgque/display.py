@@ -176,13 +176,16 @@ def session_name(pid: int | None, name: str | None, nobody: str) -> Text:
 
 def queues_table(queues: Sequence[QueueInfo], title: str | None = None) -> Table:
     """Queues, as ``queue list`` and ``status`` show them: STALLED when events
-    wait for a tick that nobody has made for ``stalled after``."""
+    wait for a tick that nobody has made for ``stalled after``; the delayed
+    events not in the log yet and when the next one is due; the idempotency
+    keys remembered."""
     return table(
         title,
-        ["queue", "consumers", "last tick", "tick age", "since tick", "tables", "rotation",
-         "max retries", "stalled after", "state"],
+        ["queue", "consumers", "last tick", "tick age", "since tick", "delayed", "next due",
+         "idem keys", "tables", "rotation", "max retries", "stalled after", "state"],
         ([q.queue_name, q.consumers, q.last_tick_id, q.last_tick_age,
-          q.events_since_last_tick, f"{q.current_table}/{q.event_tables}",
+          q.events_since_last_tick, q.delayed_events, q.next_delivery, q.idempotency_keys,
+          f"{q.current_table}/{q.event_tables}",
           q.rotation_period, q.max_retries, q.stalled_after, state(q.stalled)]
          for q in queues))
 

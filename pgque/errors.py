@@ -64,7 +64,9 @@ __all__ = [
     "InvalidArgument",
     "InvalidConfig",
     "InvalidDSN",
+    "InvalidDelay",
     "InvalidGrant",
+    "InvalidIdempotencyKey",
     "InvalidName",
     "InvalidSlot",
     "InvalidSlotCount",
@@ -296,6 +298,16 @@ class HeldPieceNack(PgqueError, sqlstate="PQ029"):
 
 class CronUnavailable(PgqueError, sqlstate="PQ030"):
     """pg_cron is not installed in this database (PQ030)."""
+
+
+class InvalidDelay(PgqueError, ValueError, sqlstate="PQ031"):
+    """A delayed send's due time is more than 30 days ahead or not finite, its
+    ``deliver_after`` is negative, or its ``deliver_at`` has no time zone (PQ031).
+    A due time in the past is no error: the event is sent at once."""
+
+
+class InvalidIdempotencyKey(PgqueError, ValueError, sqlstate="PQ032"):
+    """An idempotency key is empty or longer than 512 bytes (PQ032)."""
 
 
 class HandlerEndedTransaction(PgqueError):

@@ -30,8 +30,10 @@ def from_row(record: type[R], row: dict[str, Any]) -> R:
 
 class QueueInfo(msgspec.Struct, frozen=True):
     """A queue: its settings, its newest tick and how much was sent since, its
-    subscriptions (those the caller may use, unless it is an admin), and whether
-    it is stalled: events wait for a tick that nobody makes."""
+    subscriptions (those the caller may use, unless it is an admin), whether
+    it is stalled (events wait for a tick that nobody makes), its delayed events
+    not in the log yet (how many, and the next one's due time) and how many
+    idempotency keys it remembers."""
 
     queue_name: str
     queue_id: int
@@ -51,6 +53,10 @@ class QueueInfo(msgspec.Struct, frozen=True):
     consumers: int
     stalled_after: timedelta
     stalled: bool
+    delayed_events: int
+    next_delivery: datetime | None
+    idempotency_window: timedelta
+    idempotency_keys: int
 
 
 class ConsumerInfo(msgspec.Struct, frozen=True):

@@ -11,17 +11,51 @@ import msgspec
 
 from pgque.codec import decode_payload
 
-__all__ = ["Batch", "DeadLetter", "Event", "Fence", "Message"]
+__all__ = ["Batch", "DeadLetter", "Event", "Fence", "Message", "SentId"]
 
 T = TypeVar("T")
 
 
 class Event(msgspec.Struct, frozen=True):
-    """An event to send: its type, its payload and, optionally, its partition key."""
+    """An event to send: its type, its payload and, optionally, its partition
+    key, a delay (``deliver_at`` a time, or ``deliver_after`` seconds or a
+    timedelta by the database's clock) and an idempotency key; see
+    :meth:`~pgque.Client.send`."""
 
     type: str
     payload: Any = None
     partition_key: str | None = None
+    deliver_at: datetime | None = None
+    deliver_after: float | timedelta | None = None
+    idempotency_key: str | None = None
+
+
+class SentId(int):
+    """The id a send returns: an ``int``, the event's id in the log (a delayed
+    event's too: it enters the log with it), that also says what the send did.
+
+    ``duplicate`` is True when the send's idempotency key had been sent within
+    the queue's window: nothing was written, and the id is the first send's.
+    ``deliver_at`` is the time a delayed event enters the log, else None.
+    """
+
+    duplicate: bool = False
+    deliver_at: datetime | None = None
+
+    @classmethod
+    def of(cls, event_id: int, duplicate: bool, deliver_at: datetime | None) -> SentId:
+        """The id ``event_id`` with what its send did."""
+        sent = cls(event_id)
+        if duplicate:
+            sent.duplicate = True
+        if deliver_at is not None:
+            sent.deliver_at = deliver_at
+        return sent
+
+    def __repr__(self) -> str:
+        notes = (", duplicate" if self.duplicate else "") + (
+            f", deliver_at={self.deliver_at.isoformat()}" if self.deliver_at else "")
+        return f"SentId({int(self)}{notes})"
 
 
 class Fence(msgspec.Struct, frozen=True):
@@ -46,9 +80,11 @@ class Message(Generic[T]):
     the type reaches the handler as a :class:`~pgque.PayloadError` that it
     can nack, instead of failing the whole batch. ``data`` is the raw JSON.
     ``fence`` is the batch's :class:`Fence` for a slot's event, else None.
+    ``delayed_id`` is, for an event sent delayed, the id its send returned: it
+    entered the log with a new id (``id``) when it fell due; else None.
     """
 
-    __slots__ = ("_decoded", "_payload_type", "created_at", "data", "fence", "id",
+    __slots__ = ("_decoded", "_payload_type", "created_at", "data", "delayed_id", "fence", "id",
                  "partition_key", "retry_count", "type")
 
     def __init__(
@@ -61,6 +97,7 @@ class Message(Generic[T]):
         created_at: datetime,
         payload_type: type[T] | None = None,
         fence: Fence | None = None,
+        delayed_id: int | None = None,
     ) -> None:
         self.id = id
         self.type = type
@@ -70,6 +107,7 @@ class Message(Generic[T]):
         self.created_at = created_at
         self._payload_type = payload_type
         self.fence = fence
+        self.delayed_id = delayed_id
         self._decoded: tuple[T] | None = None
 
     @property

@@ -237,7 +237,11 @@ CATALOG_QUERIES = {
           from pg_proc p where p.pronamespace = 'pgque'::regnamespace order by 1""",
     "relations": """
         select c.relname, c.relkind, c.reloptions::text, c.relacl::text,
-               a.attnum, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               -- A column's place among the live ones: the numbers of columns
+               -- dropped before it (an event table made before 0.2) are history.
+               (select count(*) from pg_attribute b where b.attrelid = c.oid and b.attnum > 0
+                   and not b.attisdropped and b.attnum <= a.attnum),
+               a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
                pg_get_expr(d.adbin, d.adrelid)
           from pg_class c
           left join pg_attribute a on a.attrelid = c.oid and a.attnum > 0 and not a.attisdropped
@@ -345,6 +349,18 @@ def install_0_5(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(BASELINE_0_5.read_bytes())
         assert scalar(conn, "select pgque.version()") == "0.5.0"
+
+
+# The install script of pgque 0.6.0 as it landed (0234eb9), frozen: migrations 1
+# to 8, the pause policy.
+BASELINE_0_6 = Path(__file__).resolve().parent / "data" / "pgque-0.6.0-0234eb9.sql"
+
+
+def install_0_6(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.6.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_6.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.6.0"
 
 
 @contextmanager

@@ -207,7 +207,10 @@ def test_events_carry_only_the_columns_pgque_uses(client: pgque.Client) -> None:
         assert "ev_extra1" in names, table
         assert not {"ev_extra2", "ev_extra3", "ev_extra4"} & set(names), table
     assert columns["pgque.batch_event"] == ["batch_id", "ev_id", "ev_time", "ev_retry", "ev_type",
-                                            "ev_data", "ev_extra1", "epoch", "slot"]
+                                            "ev_data", "ev_extra1", "epoch", "slot", "delayed_id"]
+    # A delayed event's new id in the log, and the id its send returned.
+    for table in ("pgque.event_template", "pgque.event_1", "pgque.event_1_0"):
+        assert columns[table][-1] == "ev_delayed_id", table
     assert not hasattr(pgque.Message(1, "t", None, None, 0, datetime.now()), "extra")
 
 

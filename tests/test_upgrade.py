@@ -24,6 +24,7 @@ from helpers import (
     BASELINE_0_3,
     BASELINE_0_4,
     BASELINE_0_5,
+    BASELINE_0_6,
     BASELINES_0_1,
     catalog,
     drain,
@@ -32,6 +33,7 @@ from helpers import (
     install_0_3,
     install_0_4,
     install_0_5,
+    install_0_6,
     run_cli,
     scalar,
     scratch_database,
@@ -49,6 +51,7 @@ MIGRATIONS_0_2 = range(1, 6)
 MIGRATIONS_0_3 = 6  # the last migration 0.3.0 had
 MIGRATIONS_0_4 = 6  # and 0.4.0
 MIGRATIONS_0_5 = 7  # and 0.5.0
+MIGRATIONS_0_6 = 8  # and 0.6.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -443,12 +446,31 @@ def test_upgrade_from_0_5_0_loses_nothing_and_equals_a_fresh_install(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_upgrade_from_0_6_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.6.0 filled as 0.2.0 was: migration 9 adds the delayed events,
+    the idempotency keys and the queues' idempotency window, every event, cursor,
+    epoch and dead letter is kept, and the result is a fresh install."""
+    install_0_6(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.6.0"
+        assert migration_record(conn) == [
+            (m.number, "0.6.0" if m.number <= MIGRATIONS_0_6 else pgque.__version__)
+            for m in migrations()]
+        assert {row[0] for row in conn.execute(
+            "select pgque.queue_config(queue_name)->>'idempotency_window' from pgque.queue")} \
+            == {"86400.000000"}
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())
 
 
 RELEASES = {
+    "0.6.0": [BASELINE_0_6],
     "0.5.0": [BASELINE_0_5],
     "0.4.0": [BASELINE_0_4],
     "0.3.0": [BASELINE_0_3],
@@ -877,7 +899,11 @@ UPGRADE_CATALOG = {
                  where a.attrelid = t.typrelid and a.attnum > 0 and not a.attisdropped)
           from pg_type t where t.typnamespace = 'pgque'::regnamespace order by 1""",
     "attributes": """
-        select c.relname, a.attnum, a.attname, a.attstattarget, a.attstorage,
+        select c.relname,
+               -- its place among the live columns (see helpers.CATALOG_QUERIES)
+               (select count(*) from pg_attribute b where b.attrelid = c.oid and b.attnum > 0
+                   and not b.attisdropped and b.attnum <= a.attnum) as place,
+               a.attname, a.attstattarget, a.attstorage,
                a.attidentity, a.attgenerated, a.attislocal, a.attinhcount, a.attcollation
           from pg_attribute a join pg_class c on c.oid = a.attrelid
          where c.relnamespace = 'pgque'::regnamespace and a.attnum > 0 and not a.attisdropped

@@ -38,7 +38,9 @@ do $grants$
 declare
     v_writer text[] := array[
         'send(text,text,text,text)', 'send(text,text,jsonb,text)',
-        'send_batch(text,text[],text[],text[])', 'version()',
+        'send_batch(text,text[],text[],text[])',
+        'send_with(text,text,text,text,timestamptz,interval,text)',
+        'send_batch_with(text,text[],text[],text[],timestamptz[],interval[],text[])', 'version()',
         'pin_session(text)', 'session_checked(text,integer,text)'];
     v_reader text[] := array[
         'subscribe(text,text)', 'unsubscribe(text,text)', 'receive(text,text,integer)',

@@ -93,7 +93,19 @@ create table if not exists pgque.held_event_1 partition of pgque.held_event for 
 -- A piece of the log handed out again sets aside only what it did not the first time.
 create index if not exists held_event_read on pgque.held_event (he_sub, he_batch, ev_id);
 
-alter table pgque.rotation drop constraint if exists rotation_rt_name_check;
-alter table pgque.rotation add constraint rotation_rt_name_check
-    check (rt_name in ('cursor', 'tick', 'nack', 'retry', 'held'));
+-- The rotation's names gain 'held', unless they have it already: a run again
+-- (a lost pgque.migration, see 0001) after a later migration added more
+-- names must not narrow them.
+do $names$
+begin
+    if not exists (select from pg_catalog.pg_constraint
+                    where conname = 'rotation_rt_name_check'
+                      and conrelid = 'pgque.rotation'::pg_catalog.regclass
+                      and pg_catalog.pg_get_constraintdef(oid) like '%''held''%') then
+        alter table pgque.rotation drop constraint if exists rotation_rt_name_check;
+        alter table pgque.rotation add constraint rotation_rt_name_check
+            check (rt_name in ('cursor', 'tick', 'nack', 'retry', 'held'));
+    end if;
+end
+$names$;
 insert into pgque.rotation (rt_name) values ('held') on conflict do nothing;

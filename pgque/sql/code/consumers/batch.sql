@@ -10,8 +10,9 @@
 -- the batch it belongs to, then the event. ev_extra1 is its partition key
 -- (the name is PgQ's). epoch is the slot owner's fencing epoch for a slot's
 -- batch (see slots/fence.sql), slot the slot; both null for a plain
--- consumer's. A batch with nothing left to hand out is one row of nulls but
--- batch_id (and slot, epoch).
+-- consumer's. delayed_id is the id its delayed send returned, for an event
+-- that waited as a delayed event (log/delay.sql). A batch with nothing left
+-- to hand out is one row of nulls but batch_id (and slot, epoch).
 create type pgque.batch_event as (
     batch_id  bigint,
     ev_id     bigint,
@@ -21,7 +22,8 @@ create type pgque.batch_event as (
     ev_data   text,
     ev_extra1 text,
     epoch     bigint,
-    slot      integer
+    slot      integer,
+    delayed_id bigint
 );
 
 -- pgque._next_tick(queue, cur): the tick that closes the next batch of a
@@ -193,10 +195,11 @@ begin
 
     if v_count = 0 then
         return query select p_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
-                            null::text, null::text, null::text, null::bigint, p_slot;
+                            null::text, null::text, null::text, null::bigint, p_slot,
+                            null::bigint;
     else
         return query select p_cur.cur_batch, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-                            e.ev_extra1, null::bigint, p_slot
+                            e.ev_extra1, null::bigint, p_slot, e.ev_delayed_id
                        from unnest(v_events) e;
     end if;
 end

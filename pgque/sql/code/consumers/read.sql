@@ -147,7 +147,8 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format('select array(select row(x.ev_id, x.ev_time, x.ev_txid, x.ev_owner, x.ev_retry,'
-                  '                       x.ev_type, x.ev_data, x.ev_extra1)::pgque.event_template'
+                  '                       x.ev_type, x.ev_data, x.ev_extra1,'
+                  '                       x.ev_delayed_id)::pgque.event_template'
                   ' from (select e.*%s'
                   '         from (select e.* from pgque.%I e where %s'
                   '               union all'

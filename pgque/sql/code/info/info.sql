@@ -140,8 +140,10 @@ $$;
 -- pgque._queue_info: one row per queue with its settings, its newest tick,
 -- how many events were sent since that tick (by sequence position: sends
 -- that rolled back count too), its subscriptions (all of them: get_queue_info
--- counts a non-admin's only) and whether it is stalled by its own threshold
--- (_queue_stalled, which looks for committed events instead).
+-- counts a non-admin's only), whether it is stalled by its own threshold
+-- (_queue_stalled, which looks for committed events instead), its delayed
+-- events not in the log yet (how many, the next due) and the idempotency keys
+-- it remembers (those two count rows: status, not a hot path).
 create or replace view pgque._queue_info as
 select q.queue_name,
        q.queue_id,
@@ -161,8 +163,13 @@ select q.queue_name,
        (select count(*) from pgque.subscription s where s.sub_queue = q.queue_id) as consumers,
        pgque._stalled_after(q) as stalled_after,
        pgque._queue_stalled(q.queue_id, t.tick_id, now() - t.tick_time,
-                            pgque._stalled_after(q)) as stalled
+                            pgque._stalled_after(q)) as stalled,
+       d.waiting as delayed_events,
+       d.next_due as next_delivery,
+       q.queue_idempotency_window as idempotency_window,
+       pgque._idempotency_keys(q) as idempotency_keys
   from pgque.queue q
+  cross join lateral pgque._delayed_waiting(q.queue_id) d
   left join lateral (select * from pgque.tick t where t.tick_queue = q.queue_id
                       order by t.tick_id desc limit 1) t on true
   cross join lateral (

@@ -54,8 +54,8 @@ $$;
 
 -- pgque._configure(queue, config, creating): the queue row with the settings
 -- of config applied. Known keys: ticker_max_count, ticker_max_lag,
--- ticker_idle_period, rotation_period, max_retries, and (only when creating)
--- event_tables. Unknown keys and bad values raise PQ007.
+-- ticker_idle_period, rotation_period, max_retries, idempotency_window, and
+-- (only when creating) event_tables. Unknown keys and bad values raise PQ007.
 create or replace function pgque._configure(p_queue pgque.queue, p_config jsonb, p_creating boolean)
 returns pgque.queue
 language plpgsql stable
@@ -80,6 +80,14 @@ begin
             p_queue.queue_rotation_period := pgque._interval(v_key, v_value);
         when 'max_retries' then
             p_queue.queue_max_retries := pgque._integer(v_key, v_value, 0, 1000000);
+        when 'idempotency_window' then
+            p_queue.queue_idempotency_window := pgque._interval(v_key, v_value);
+            if p_queue.queue_idempotency_window <= interval '0'
+               or p_queue.queue_idempotency_window > interval '30 days' then
+                raise exception using errcode = 'PQ007',
+                    message = format('idempotency_window must be more than 0 and at most 30 days, not %s',
+                                     pgque._name_for_message(v_value::text));
+            end if;
         when 'event_tables' then
             if not p_creating then
                 raise exception using errcode = 'PQ007',
@@ -90,7 +98,7 @@ begin
             raise exception using errcode = 'PQ007',
                 message = format('unknown queue setting %L', pgque._name_for_message(v_key)),
                 hint = 'Known settings: ticker_max_count, ticker_max_lag, ticker_idle_period, '
-                       'rotation_period, max_retries, event_tables.';
+                       'rotation_period, max_retries, idempotency_window, event_tables.';
         end case;
     end loop;
     return p_queue;
@@ -110,7 +118,8 @@ as $$
            queue_ticker_max_count = p_queue.queue_ticker_max_count,
            queue_ticker_max_lag = p_queue.queue_ticker_max_lag,
            queue_ticker_idle_period = p_queue.queue_ticker_idle_period,
-           queue_max_retries = p_queue.queue_max_retries
+           queue_max_retries = p_queue.queue_max_retries,
+           queue_idempotency_window = p_queue.queue_idempotency_window
      where queue_id = p_queue.queue_id
 $$;
 
@@ -246,6 +255,7 @@ begin
         'ticker_idle_period', extract(epoch from v_queue.queue_ticker_idle_period),
         'rotation_period', extract(epoch from v_queue.queue_rotation_period),
         'max_retries', v_queue.queue_max_retries,
+        'idempotency_window', extract(epoch from v_queue.queue_idempotency_window),
         'event_tables', v_queue.queue_ntables);
 end
 $$;

@@ -180,3 +180,128 @@ begin
     return v_ids;
 end
 $$;
+
+-- What a send with options did with one event: its id (the id it has, or will
+-- have, in the log), whether it was a duplicate of an earlier send of its
+-- idempotency key (nothing written, the earlier event's id), and the time it
+-- enters the log when delayed (else null).
+create type pgque.sent_event as (
+    event_id   bigint,
+    duplicate  boolean,
+    deliver_at timestamptz
+);
+
+-- pgque._send_events(queue, types, payloads, partition_keys, deliver_ats,
+-- deliver_afters, idempotency_keys): send_batch with a due time and an
+-- idempotency key per event (each array null, or holding nulls, for none),
+-- in the caller's transaction. Returns one row per event, in array order.
+-- Ids follow the array order. An event due now or earlier enters the log at
+-- once; a later one waits in pgque.delayed_event (delay.sql). An event whose
+-- idempotency key was sent within the queue's window, or earlier in the
+-- arrays, is not written (idempotency.sql). Nothing is written if any element
+-- is invalid: 22023 for arrays of other lengths or both kinds of delay, PQ005,
+-- PQ012, PQ031 (delay), PQ032 (idempotency key), PQ001, PQ015 as for send.
+create or replace function pgque._send_events(
+    p_queue text, p_types text[], p_payloads text[], p_partition_keys text[],
+    p_deliver_ats timestamptz[], p_deliver_afters interval[], p_idempotency_keys text[])
+returns setof pgque.sent_event
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_count integer := coalesce(cardinality(p_types), 0);
+    v_now timestamptz := clock_timestamp();
+    v_dues timestamptz[];
+    v_ids bigint[];
+    v_duplicates boolean[];
+    v_keys text[];
+begin
+    if v_queue.queue_senders is not null then
+        perform pgque._require_queue(v_queue, 'send');
+    end if;
+    if coalesce(cardinality(p_payloads), 0) <> v_count
+       or coalesce(cardinality(p_partition_keys), v_count) <> v_count
+       or coalesce(cardinality(p_idempotency_keys), v_count) <> v_count then
+        raise exception using errcode = '22023',
+            message = 'types, payloads, partition keys and idempotency keys must have the same length';
+    end if;
+    v_dues := pgque._due_times(v_count, p_deliver_ats, p_deliver_afters, v_now);
+    if v_count = 0 then
+        return;
+    end if;
+    perform pgque._check_payloads(p_payloads);
+    perform pgque._check_keys(p_partition_keys);
+    perform pgque._check_idempotency_keys(p_idempotency_keys);
+    v_keys := coalesce(p_partition_keys, array_fill(null::text, array[v_count]));
+    v_dues := coalesce(v_dues, array_fill(null::timestamptz, array[v_count]));
+    -- The ids first, in array order (as send_batch), whether or not each
+    -- event turns out to be sent: a duplicate's id is a gap in the sequence.
+    v_ids := array(select nextval(v_queue.queue_event_seq)
+                     from generate_series(1, v_count) order by 1);
+    v_duplicates := array_fill(false, array[v_count]);
+    if exists (select from unnest(p_idempotency_keys) k where k is not null) then
+        select c.ids, c.duplicates, c.dues into v_ids, v_duplicates, v_dues
+          from pgque._claim_idempotency_keys(v_queue, p_idempotency_keys, v_ids, v_dues,
+                                             v_now) c;
+    end if;
+    execute format('insert into pgque.%I (ev_id, %s)'
+                   ' select e.id, e.type, e.data, e.key'
+                   '   from unnest($1, $2, $3, $4, $5, $6) as e(id, type, data, key, due, dup)'
+                   '  where e.due is null and not e.dup',
+                   pgque._event_table(v_queue.queue_id, v_queue.queue_cur_table),
+                   pgque._sent_columns())
+      using v_ids, p_types, p_payloads, v_keys, v_dues, v_duplicates;
+    if exists (select from unnest(v_dues, v_duplicates) d(due, dup) where d.due is not null and not d.dup) then
+        perform pgque._delayed_insert(v_queue, array_agg(e.id), array_agg(e.due),
+                                      array_agg(e.type), array_agg(e.data), array_agg(e.key))
+           from unnest(v_ids, p_types, p_payloads, v_keys, v_dues, v_duplicates)
+                as e(id, type, data, key, due, dup)
+          where e.due is not null and not e.dup;
+    end if;
+    return query select i.id, i.dup, i.due
+                   from unnest(v_ids, v_duplicates, v_dues) with ordinality as i(id, dup, due, n)
+                  order by i.n;
+end
+$$;
+
+-- pgque.send_with(queue, type, payload, partition_key, deliver_at,
+-- deliver_after, idempotency_key): send with options, returning what it did
+-- (pgque.sent_event). deliver_at (a time) or deliver_after (an interval from
+-- now, by the database's clock) delays the event: it enters the log when it
+-- falls due, as if sent then, and is never handed out earlier; a time not in
+-- the future sends at once; more than 30 days ahead raises PQ031. With
+-- idempotency_key (1 to 512 bytes, else PQ032), a send of a key already sent
+-- within the queue's idempotency window writes nothing and returns the first
+-- event's id, with duplicate true. Other errors as for send.
+create or replace function pgque.send_with(
+    p_queue text, p_type text, p_payload text, p_partition_key text default null,
+    p_deliver_at timestamptz default null, p_deliver_after interval default null,
+    p_idempotency_key text default null)
+returns pgque.sent_event
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select s.* from pgque._send_events(p_queue, array[p_type], array[p_payload],
+                                       array[p_partition_key], array[p_deliver_at],
+                                       array[p_deliver_after], array[p_idempotency_key]) s
+$$;
+
+-- pgque.send_batch_with(queue, types, payloads, partition_keys, deliver_ats,
+-- deliver_afters, idempotency_keys): send_batch with options per event (any
+-- array null for none), one pgque.sent_event per event in array order. A
+-- batch may repeat a key: its first event is sent, the later ones are
+-- duplicates of it. Nothing is written if any element is invalid.
+create or replace function pgque.send_batch_with(
+    p_queue text, p_types text[], p_payloads text[], p_partition_keys text[] default null,
+    p_deliver_ats timestamptz[] default null, p_deliver_afters interval[] default null,
+    p_idempotency_keys text[] default null)
+returns setof pgque.sent_event
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    select s.* from pgque._send_events(p_queue, p_types, p_payloads, p_partition_keys,
+                                       p_deliver_ats, p_deliver_afters, p_idempotency_keys) s
+$$;

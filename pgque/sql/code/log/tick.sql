@@ -36,14 +36,16 @@ as $$ select pgque._tick_channel((pgque._queue_row(p_queue)).queue_id) $$;
 -- returns its id. Takes the queue's tick lock first, waiting for a tick in
 -- progress elsewhere; raises PQ001 when the queue was dropped meanwhile, and
 -- PQ008 outside READ COMMITTED, where the snapshot would be the
--- transaction's and could predate the previous tick.
+-- transaction's and could predate the previous tick. Then moves into the log
+-- the delayed events the tick passes (delay.sql), for the tick after.
 create or replace function pgque._make_tick(p_queue pgque.queue)
 returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_tick_id bigint;
+    v_prev pgque.tick;
+    v_tick pgque.tick;
     v_event_seq bigint;
 begin
     if current_setting('transaction_isolation') <> 'read committed' then
@@ -56,17 +58,26 @@ begin
         raise exception using errcode = 'PQ001', message = format('queue %L does not exist',
                                                           pgque._name_for_message(p_queue.queue_name));
     end if;
+    v_prev := pgque._last_tick(p_queue.queue_id);
     -- The sequence position, read before the snapshot is taken: the insert
     -- below is a new statement, hence a new snapshot, after the lock too.
     v_event_seq := coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
-    insert into pgque.tick (tick_queue, tick_id, tick_snapshot, tick_event_seq, tick_part)
-    values (p_queue.queue_id, nextval('pgque.tick_id_seq'), pg_current_snapshot(), v_event_seq,
+    -- Its time is the clock's, never before the last tick's: the delayed
+    -- events due by then are moved below (delay.sql).
+    insert into pgque.tick (tick_queue, tick_id, tick_time, tick_snapshot, tick_event_seq,
+                            tick_part)
+    values (p_queue.queue_id, nextval('pgque.tick_id_seq'),
+            greatest(clock_timestamp(), v_prev.tick_time), pg_current_snapshot(), v_event_seq,
             pgque._write_part('tick'))
-    returning tick_id into v_tick_id;
+    returning * into v_tick;
+    -- The delayed events this tick passes, into the log for the next tick.
+    if exists (select from pgque.delayed_event d where d.de_queue = p_queue.queue_id) then
+        perform pgque._move_delayed(p_queue, v_prev, v_tick);
+    end if;
     -- Wake the queue's consumers. The notification carries nothing: it only
     -- says "look now", and the consumers' poll covers for a lost one.
     perform pg_notify(pgque._tick_channel(p_queue.queue_id), '');
-    return v_tick_id;
+    return v_tick.tick_id;
 end
 $$;
 
@@ -126,7 +137,8 @@ $$;
 -- some pending for longer than ticker_max_lag, or none for ticker_idle_period;
 -- with pending_only, whether any event is pending at all. Pending is
 -- counted by sequence position since the last tick; when that says none, an
--- index probe checks for committed events the last tick did not cover.
+-- index probe checks for committed events the last tick did not cover, and
+-- two more for a delayed event due and not moved (_delayed_due).
 create or replace function pgque._tick_due(p_queue pgque.queue, p_last pgque.tick,
                                            p_pending_only boolean default false)
 returns boolean
@@ -140,6 +152,10 @@ declare
 begin
     if v_pending <= 0 and p_last.tick_id is not null
        and pgque._uncovered_events(p_queue.queue_id, p_last.tick_snapshot) then
+        v_pending := 1;
+    end if;
+    -- A delayed event due and not moved yet: the next tick moves it.
+    if v_pending <= 0 and pgque._delayed_due(p_queue.queue_id, p_last) then
         v_pending := 1;
     end if;
     if p_pending_only then

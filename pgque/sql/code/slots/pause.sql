@@ -102,9 +102,9 @@ begin
     end if;
     v_part := pgque._write_part('held');
     insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
-                                  ev_retry, ev_type, ev_data, he_part)
+                                  ev_retry, ev_type, ev_data, ev_delayed_id, he_part)
     select p_sub_id, h.ev_extra1, nextval('pgque.held_seq'), p_batch_id, h.ev_id, h.ev_time,
-           h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
+           h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, h.ev_delayed_id, v_part
       from (select e.* from unnest(p_events) e
              where e.ev_extra1 = any (v_keys)
                and pgque._is_held(p_sub_id, p_batch_id, e.ev_extra1, e.ev_id)
@@ -196,7 +196,7 @@ begin
     return query
         select v_batch, h.ev_id, h.ev_time,
                h.ev_retry + case when h.he_seq = f.first then b.bk_attempts else 0 end,
-               h.ev_type, h.ev_data, h.he_key, p_epoch, p_slot
+               h.ev_type, h.ev_data, h.he_key, p_epoch, p_slot, h.ev_delayed_id
           from pgque.blocked_key b
           join pgque.held_event h
             on h.he_sub = b.bk_sub and h.he_key = b.bk_key
@@ -555,9 +555,9 @@ begin
             continue;
         end if;
         insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
-                                      ev_retry, ev_type, ev_data, he_part)
+                                      ev_retry, ev_type, ev_data, ev_delayed_id, he_part)
         select p_sub.sub_id, h.ev_extra1, nextval('pgque.held_seq'), p_batch_id, h.ev_id,
-               h.ev_time, h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
+               h.ev_time, h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, h.ev_delayed_id, v_part
           from (select e.* from unnest(v_events) e
                  where e.ev_extra1 = v_first.key and e.ev_id = any(p_ev_ids)
                  order by e.ev_id) h;
@@ -623,10 +623,11 @@ begin
            and h.he_seq > v_marker.bk_done_seq
     ), merged as (
         select p.he_batch, p.ev_id, p.ev_time, p.ev_txid, p.ev_retry, p.ev_type, p.ev_data,
-               p.pos as anchor, 1 as kind
+               p.ev_delayed_id, p.pos as anchor, 1 as kind
           from pending p
         union all
         select p_batch_id, e.ev_id, e.ev_time, e.ev_txid, e.ev_retry, e.ev_type, e.ev_data,
+               e.ev_delayed_id,
                coalesce((select min(p.pos) from pending p
                           where p.he_batch > p_batch_id
                              or (p.he_batch = p_batch_id and p.ev_id > e.ev_id)),
@@ -634,9 +635,9 @@ begin
           from unnest(v_new) e
     )
     insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
-                                  ev_retry, ev_type, ev_data, he_part)
+                                  ev_retry, ev_type, ev_data, ev_delayed_id, he_part)
     select p_sub.sub_id, p_key, nextval('pgque.held_seq'), m.he_batch, m.ev_id, m.ev_time,
-           m.ev_txid, m.ev_retry, m.ev_type, m.ev_data, pgque._write_part('held')
+           m.ev_txid, m.ev_retry, m.ev_type, m.ev_data, m.ev_delayed_id, pgque._write_part('held')
       from (select * from merged order by anchor, kind, ev_id) m;
     update pgque.blocked_key b set bk_done_seq = v_start
      where b.bk_sub = p_sub.sub_id and b.bk_key = p_key;
@@ -998,9 +999,9 @@ begin
         -- What was pending follows it, copied with new numbers; the old rows
         -- fall below bk_done_seq, done.
         insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
-                                      ev_retry, ev_type, ev_data, he_part)
+                                      ev_retry, ev_type, ev_data, ev_delayed_id, he_part)
         select h.he_sub, h.he_key, nextval('pgque.held_seq'), h.he_batch, h.ev_id, h.ev_time,
-               h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, v_part
+               h.ev_txid, h.ev_retry, h.ev_type, h.ev_data, h.ev_delayed_id, v_part
           from (select x.* from pgque.held_event x
                  where x.he_sub = p_sub.sub_id and x.he_key = p_dead.ev_extra1
                    and x.he_seq > v_marker.bk_done_seq and x.he_seq < v_seq

@@ -113,7 +113,7 @@ begin
         end if;
     end if;
     return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
-                        r.ev_extra1, v_epoch, r.slot
+                        r.ev_extra1, v_epoch, r.slot, r.delayed_id
                    from pgque._receive(p_queue, v.sub, v.cur, p_max_events, p_slot,
                                        p_group.cg_slots, v_ahead, v_ahead_next) r;
 end
@@ -262,7 +262,7 @@ begin
         end if;
     end if;
     return query select r.batch_id, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,
-                        r.ev_extra1, v_epoch, r.slot
+                        r.ev_extra1, v_epoch, r.slot, r.delayed_id
                    from pgque._receive(v.queue, v.sub, v_cur, p_max_events, p_slot,
                                        (v.grp).cg_slots) r;
 end

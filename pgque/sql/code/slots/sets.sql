@@ -244,7 +244,8 @@ create or replace function pgque.receive_slots(
     p_queue text, p_consumer text, p_slots integer, p_slot_list integer[],
     p_max_events integer default null)
 returns table (slot integer, batch_id bigint, ev_id bigint, ev_time timestamptz,
-               ev_retry integer, ev_type text, ev_data text, ev_extra1 text, epoch bigint)
+               ev_retry integer, ev_type text, ev_data text, ev_extra1 text, epoch bigint,
+               delayed_id bigint)
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
@@ -333,14 +334,14 @@ begin
     end if;
     return query
         select s.k, s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-               e.ev_extra1, s.epoch
+               e.ev_extra1, s.epoch, e.ev_delayed_id
           from unnest(v_events) with ordinality as e
           join unnest(v_open, v_batch_ids, v_handed, v_epochs) as s(k, batch_id, handed, epoch)
             on s.k = v_routes[e.ordinality]
          where e.ev_id <= s.handed
         union all
         select x.slot, x.batch_id, x.ev_id, x.ev_time, x.ev_retry, x.ev_type, x.ev_data,
-               x.ev_extra1, x.epoch
+               x.ev_extra1, x.epoch, x.delayed_id
           from unnest(v_rest) x
          order by 1, 3;
 end

@@ -168,9 +168,10 @@ $$;
 -- A queue whose maintenance is already running elsewhere (or that is being
 -- dropped) is skipped, and so, without taking any lock, is a queue where no
 -- step has work (_maint_due). Every call then rotates the cursor log, the
--- ticks, the nack records and the retry queue of all queues when they are due
--- (steps rotate_cursors, rotate_ticks, rotate_nacks and rotate_retries,
--- queue_name null). A pass over all queues also writes the
+-- ticks, the nack records, the retry queue, the held events, the delayed
+-- events and the idempotency keys of all queues when they are due (steps
+-- rotate_cursors, rotate_ticks, rotate_nacks, rotate_retries, rotate_held,
+-- rotate_delayed and rotate_idempotency, queue_name null). A pass over all queues also writes the
 -- event writer when it is due (step event_writer, queue_name null).
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
@@ -279,6 +280,16 @@ begin
     v_amount := pgque._rotate_held();
     if v_amount is not null then
         queue_name := null; step := 'rotate_held'; amount := v_amount;
+        return next;
+    end if;
+    v_amount := pgque._rotate_delayed();
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_delayed'; amount := v_amount;
+        return next;
+    end if;
+    v_amount := pgque._rotate_idempotency();
+    if v_amount is not null then
+        queue_name := null; step := 'rotate_idempotency'; amount := v_amount;
         return next;
     end if;
 end

@@ -630,9 +630,9 @@ begin
         -- Locked: no receive or ack writes there now, and this statement's
         -- snapshot sees all they committed.
         insert into pgque.held_event (he_sub, he_key, he_seq, he_batch, ev_id, ev_time, ev_txid,
-                                      ev_retry, ev_type, ev_data, he_part)
+                                      ev_retry, ev_type, ev_data, ev_delayed_id, he_part)
         select h.he_sub, h.he_key, h.he_seq, h.he_batch, h.ev_id, h.ev_time, h.ev_txid,
-               h.ev_retry, h.ev_type, h.ev_data, v_rotation.rt_part
+               h.ev_retry, h.ev_type, h.ev_data, h.ev_delayed_id, v_rotation.rt_part
           from pgque.held_event h
           join pgque.blocked_key b on b.bk_sub = h.he_sub and b.bk_key = h.he_key
          where h.he_part = v_other and h.he_seq > b.bk_done_seq;
@@ -645,5 +645,123 @@ begin
         v_done := v_done + 1;
     end if;
     return nullif(v_done, 0);
+end
+$$;
+
+-- pgque._rotate_delayed(): the rotation of the delayed events (log/delay.sql).
+-- A delayed row is needed until its queue's newest tick has moved it into the
+-- log; the rows of a dropped queue are not needed. Once per rt_period (rt_time
+-- is the last look, or switch), when the table holds anything, it counts the
+-- rows needed and not in the partition not written: when those not needed
+-- (there, and in the one written, which the next look empties) are at least
+-- as many as those needed there, it copies those into the partition written,
+-- under this transaction's id (so the next tick of their queue sees them as
+-- new, and moves those due then), empties the other with TRUNCATE and
+-- switches to it. Each row copied is so paid for by one emptied, and the rows
+-- kept that are not needed are fewer than those needed plus a period's sends.
+-- When the partition not written is empty already, the switch alone. Returns
+-- how many partitions it emptied plus one if it switched; null when it did
+-- nothing of either, or its lock was busy.
+create or replace function pgque._rotate_delayed()
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rotation pgque.rotation;
+    v_other smallint;
+    v_counts record;
+    v_done integer := 0;
+begin
+    select * into v_rotation from pgque.rotation where rt_name = 'delayed';
+    if now() - v_rotation.rt_time < v_rotation.rt_period
+       or not exists (select from pgque.delayed_event) then
+        return null;  -- the cheap look, without a lock: nothing to do
+    end if;
+    if pgque._lock_rotation('delayed') is distinct from v_rotation.rt_part then
+        return null;  -- another rotation runs, or ran since the look
+    end if;
+    v_other := (v_rotation.rt_part + 1) % v_rotation.rt_parts;
+    -- Needed or not, as of each queue's newest tick (its snapshot aside:
+    -- a count to decide by, not the copy).
+    with last as (select t.* from pgque.queue q cross join lateral pgque._last_tick(q.queue_id) t)
+    select count(*) filter (where d.de_part = v_other and l.tick_queue is not null
+                              and (l.tick_time is null or d.de_due > l.tick_time)) as needed,
+           count(*) filter (where d.de_part = v_other
+                              and (l.tick_queue is null or d.de_due <= l.tick_time)) as done_other,
+           count(*) filter (where d.de_part = v_rotation.rt_part
+                              and (l.tick_queue is null or d.de_due <= l.tick_time)) as done_written,
+           count(*) filter (where d.de_part = v_other) as other
+      into v_counts
+      from pgque.delayed_event d left join last l on l.tick_queue = d.de_queue;
+    if v_counts.other > 0 and v_counts.done_other + v_counts.done_written >= v_counts.needed then
+        if not pgque._lock_partition('delayed_event', v_other) then
+            return null;
+        end if;
+        -- Locked: no tick moves rows from there now, no sender writes there,
+        -- and this statement's snapshot sees all they committed.
+        insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_type, ev_data,
+                                         ev_extra1, de_part)
+        select d.de_queue, d.de_due, d.ev_id, d.ev_time, d.ev_type, d.ev_data, d.ev_extra1,
+               v_rotation.rt_part
+          from pgque.delayed_event d
+          join pgque.queue q on q.queue_id = d.de_queue
+         cross join lateral pgque._last_tick(q.queue_id) l
+         where d.de_part = v_other
+           and not coalesce(d.de_due <= l.tick_time
+                            and pg_visible_in_snapshot(d.ev_txid, l.tick_snapshot), false);
+        execute format('truncate pgque.%I', 'delayed_event_' || v_other);
+        v_done := 1;
+    end if;
+    if v_done = 1 or v_counts.other = 0 then
+        perform pgque._switch_rotation('delayed', v_other);
+        return v_done + 1;
+    end if;
+    -- Not worth it yet: look again a period from now.
+    update pgque.rotation set rt_time = now() where rt_name = 'delayed';
+    return null;
+end
+$$;
+
+-- pgque._rotate_idempotency(): the rotation of the idempotency keys
+-- (log/idempotency.sql). Every key in the partition not written was recorded
+-- before the last switch (rt_time); once the longest idempotency window of any
+-- queue has passed since, all of them have expired: it empties that partition
+-- with TRUNCATE, and switches the writes to it, under the table in SHARE mode,
+-- which it has only while no sender is in flight (it tries, never queues).
+-- A key is so remembered for one to two windows. Returns how many partitions
+-- it emptied plus one if it switched; null when it did nothing of either.
+create or replace function pgque._rotate_idempotency()
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rotation pgque.rotation;
+    v_other smallint;
+    v_done integer := 0;
+begin
+    select * into v_rotation from pgque.rotation where rt_name = 'idempotency';
+    if now() - v_rotation.rt_time < coalesce((select max(q.queue_idempotency_window)
+                                                 from pgque.queue q), interval '24 hours')
+       or not exists (select from pgque.idempotency_key) then
+        return null;  -- the cheap look, without a lock: nothing to do
+    end if;
+    if pgque._lock_rotation('idempotency') is distinct from v_rotation.rt_part then
+        return null;  -- another rotation runs, or a REPEATABLE READ sender holds the row
+    end if;
+    v_other := (v_rotation.rt_part + 1) % v_rotation.rt_parts;
+    if exists (select from pgque.idempotency_key k where k.ik_part = v_other) then
+        if not pgque._lock_partition('idempotency_key', v_other) then
+            return null;
+        end if;
+        execute format('truncate pgque.%I', 'idempotency_key_' || v_other);
+        v_done := 1;
+    end if;
+    if not pgque._try_lock('lock table only pgque.idempotency_key in share mode nowait', 5) then
+        return nullif(v_done, 0);  -- senders in flight: the switch at a later pass
+    end if;
+    perform pgque._switch_rotation('idempotency', v_other);
+    return v_done + 1;
 end
 $$;

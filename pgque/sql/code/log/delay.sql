@@ -1,0 +1,183 @@
+-- pgque: delayed events, moved into the log by the tick that passes their time.
+--
+-- A delayed send writes its event into pgque.delayed_event instead of the
+-- log, under an id from the queue's event sequence that it returns. Ticks move them: each tick k of a
+-- queue, made at time T(k) (its tick_time) with snapshot S(k), moves the
+-- delayed events of the queue that S(k) sees and that are due by T(k), except
+-- those the tick before already moved: those that S(k-1) saw and that were
+-- due by T(k-1). By induction every event is moved once, by the first tick
+-- that both sees it and has passed its time, and nothing marks a row moved:
+-- the ticks are the record. The move runs in the tick's own transaction,
+-- after the tick row, so the tick holds every event committed before it, and
+-- the moved events get new ids from the queue's sequence, after every id
+-- taken before: a delayed event enters its key's order when it falls due, as
+-- if sent then (a batch, which may span several ticks, is read in id order).
+-- Its ev_time is the tick's time, when it became ready; ev_delayed_id keeps
+-- the id its send returned.
+--
+-- T(k) is the clock when the tick row is written, never less than T(k-1), so
+-- no event enters the log before its time; ticks of a queue are serialized
+-- (tick.sql), so T and S only grow. The ticker ticks a queue as soon as one of
+-- its delayed events is due and not moved (_delayed_due), so an event falls
+-- due within a ticker poll of its time, and is handed out at the tick after.
+--
+-- The rows stay until their partition is emptied (rotation.sql,
+-- _rotate_delayed), which copies the rows not moved yet into the other one
+-- under a new transaction id: the next tick sees the copies as sent after it
+-- and moves those due then, never twice.
+
+-- pgque._max_delay(): how far ahead an event may be sent, at most.
+create or replace function pgque._max_delay()
+returns interval
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select interval '30 days' $$;
+
+-- pgque._due_times(count, deliver_ats, deliver_afters, now): the due time of
+-- each of count events being sent at now, from its deliver_at or now plus its
+-- deliver_after (either array may be null, or hold nulls: no delay); null for
+-- an event to enter the log at once: no delay, or a due time not after now.
+-- Raises 22023 when an event has both or an array's length is not count, and
+-- PQ031 for a negative or infinite delay, or a due time more than _max_delay
+-- ahead.
+create or replace function pgque._due_times(p_count integer, p_deliver_ats timestamptz[],
+                                            p_deliver_afters interval[], p_now timestamptz)
+returns timestamptz[]
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_due timestamptz[];
+    v_bad record;
+begin
+    if p_deliver_ats is null and p_deliver_afters is null then
+        return null;
+    end if;
+    if coalesce(cardinality(p_deliver_ats), p_count) <> p_count
+       or coalesce(cardinality(p_deliver_afters), p_count) <> p_count then
+        raise exception using errcode = '22023',
+            message = 'deliver_at and deliver_after must have one element per event';
+    end if;
+    select i, a.at, f.after into v_bad
+      from generate_series(1, p_count) i
+      left join unnest(p_deliver_ats) with ordinality a(at, ai) on a.ai = i
+      left join unnest(p_deliver_afters) with ordinality f(after, fi) on f.fi = i
+     where (a.at is not null and f.after is not null)
+        or not isfinite(a.at)
+        or f.after < interval '0'
+        or coalesce(a.at, p_now + f.after) > p_now + pgque._max_delay()
+     order by i
+     limit 1;
+    if found then
+        if v_bad.at is not null and v_bad.after is not null then
+            raise exception using errcode = '22023',
+                message = format('event %s has both deliver_at and deliver_after', v_bad.i);
+        elsif not isfinite(v_bad.at) then
+            raise exception using errcode = 'PQ031',
+                message = format('event %s: deliver_at %s is not a finite time', v_bad.i, v_bad.at);
+        elsif v_bad.after < interval '0' then
+            raise exception using errcode = 'PQ031',
+                message = format('event %s: deliver_after %s is negative', v_bad.i, v_bad.after);
+        else
+            raise exception using errcode = 'PQ031',
+                message = format('event %s: its due time %s is more than %s ahead',
+                                 v_bad.i, coalesce(v_bad.at::text, (p_now + v_bad.after)::text),
+                                 pgque._max_delay()),
+                hint = 'Delays go from 0 to 30 days; a due time in the past delivers at once.';
+        end if;
+    end if;
+    select array_agg(case when d > p_now then d end order by i) into v_due
+      from (select i, coalesce(p_deliver_ats[i], p_now + p_deliver_afters[i]) as d
+              from generate_series(1, p_count) i) x;
+    return v_due;
+end
+$$;
+
+-- pgque._delayed_insert(queue, ids, dues, types, payloads, keys): writes the
+-- events given as arrays into pgque.delayed_event, each with its id and due
+-- time, in the caller's transaction.
+create or replace function pgque._delayed_insert(p_queue pgque.queue, p_ids bigint[],
+                                                 p_dues timestamptz[], p_types text[],
+                                                 p_payloads text[], p_keys text[])
+returns void
+language sql
+set search_path = pg_catalog, pg_temp
+as $$
+    insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_type, ev_data,
+                                     ev_extra1, de_part)
+    select p_queue.queue_id, d.due, d.id, now(), d.type, d.data, d.key,
+           (select r.rt_part from pgque.rotation r where r.rt_name = 'delayed')
+      from unnest(p_ids, p_dues, p_types, p_payloads, p_keys) as d(id, due, type, data, key)
+$$;
+
+-- pgque._delayed_due(queue, last): whether a delayed event of the queue is
+-- due now and not moved by the tick last: one due since last's time, or one
+-- due now that a transaction last did not see has sent. Reads only: the
+-- ticker asks every poll (_tick_due).
+create or replace function pgque._delayed_due(p_queue_id integer, p_last pgque.tick)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pgque.delayed_event d
+                    where d.de_queue = p_queue_id
+                      and d.de_due <= clock_timestamp()
+                      and (p_last.tick_time is null or d.de_due > p_last.tick_time))
+        or exists (select from pgque.delayed_event d
+                    where (d.ev_txid >= pg_snapshot_xmax(p_last.tick_snapshot)
+                           or d.ev_txid = any(array(select pg_snapshot_xip(p_last.tick_snapshot))))
+                      and d.de_queue = p_queue_id
+                      and d.de_due <= clock_timestamp())
+$$;
+
+-- pgque._move_delayed(queue, prev, tick): moves into the queue's current
+-- event table the delayed events tick moves (see the top of this file): those
+-- its snapshot sees, due by its time, and not moved by prev, the queue's tick
+-- before (null: none). Returns how many. Runs in tick's transaction, after
+-- tick was written.
+create or replace function pgque._move_delayed(p_queue pgque.queue, p_prev pgque.tick,
+                                               p_tick pgque.tick)
+returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_count bigint;
+begin
+    -- New ids, from the insert's default in this order: the log's order.
+    execute format(
+        'insert into pgque.%I (ev_time, ev_type, ev_data, ev_extra1, ev_delayed_id)'
+        ' select $2, d.ev_type, d.ev_data, d.ev_extra1, d.ev_id'
+        '   from (select d.* from pgque.delayed_event d'
+        '          where d.de_queue = $1 and d.de_due <= $2'
+        '            and ($3 is null or d.de_due > $3)'
+        '         union all'
+        '         select d.* from pgque.delayed_event d'
+        '          where (d.ev_txid >= $4 or d.ev_txid = any($5))'
+        '            and d.de_queue = $1 and d.de_due <= $3) d'
+        '  where pg_visible_in_snapshot(d.ev_txid, $6)'
+        '  order by d.ev_id',
+        pgque._event_table(p_queue.queue_id, p_queue.queue_cur_table))
+      using p_queue.queue_id, p_tick.tick_time, p_prev.tick_time,
+            pg_snapshot_xmax(p_prev.tick_snapshot),
+            array(select pg_snapshot_xip(p_prev.tick_snapshot)), p_tick.tick_snapshot;
+    get diagnostics v_count = row_count;
+    return v_count;
+end
+$$;
+
+-- pgque._delayed_waiting(queue_id): the queue's delayed events not moved into
+-- the log yet, as of its newest tick: how many, and the earliest due time.
+-- Reads every such row: for status, not for a hot path.
+create or replace function pgque._delayed_waiting(p_queue_id integer,
+                                                  out waiting bigint, out next_due timestamptz)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with last as (select * from pgque._last_tick(p_queue_id))
+    select count(*), min(d.de_due)
+      from pgque.delayed_event d, last l
+     where d.de_queue = p_queue_id
+       and not coalesce(d.de_due <= l.tick_time
+                        and pg_visible_in_snapshot(d.ev_txid, l.tick_snapshot), false)
+$$;

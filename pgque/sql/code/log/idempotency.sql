@@ -1,0 +1,167 @@
+-- pgque: idempotency keys: a send that happens once however often it is retried.
+--
+-- A send with an idempotency key records the key with the id of the event it
+-- sends, in pgque.idempotency_key, in the sender's transaction: a rolled-back
+-- send leaves no key. For the queue's idempotency window (queue setting
+-- idempotency_window, 24 hours by default) a send of the same key writes
+-- nothing and returns that id, as a duplicate. Two senders of one key at once
+-- meet on the table's primary key: the second waits for the first to commit
+-- or roll back, then takes the first's id or sends its own.
+--
+-- The table rotates (rotation.sql, _rotate_idempotency): written one
+-- partition at a time, the one not written is emptied once every key in it is
+-- older than the longest window, then the writes switch to it. The primary
+-- key is per partition, so a switch must not come between two senders of a
+-- key: each sender takes the table in ROW EXCLUSIVE mode before it reads which
+-- partition to write, and holds it to its commit, and a switch takes the
+-- table in SHARE mode, which waits for no sender (it tries without queueing)
+-- and is granted only when none is in flight. A REPEATABLE READ or
+-- SERIALIZABLE sender, whose snapshot may predate a switch, share-locks the
+-- rotation row, which fails with 40001 when a switch committed since.
+
+-- pgque._check_idempotency_keys(keys): raises PQ032 unless every non-null key
+-- is 1 to 512 bytes long.
+create or replace function pgque._check_idempotency_keys(p_keys text[])
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_bad integer;
+begin
+    select i into v_bad
+      from unnest(p_keys) with ordinality as k(key, i)
+     where octet_length(k.key) = 0 or octet_length(k.key) > 512
+     order by i
+     limit 1;
+    if v_bad is not null then
+        raise exception using errcode = 'PQ032',
+            message = format('idempotency key %s is %s', v_bad,
+                             case when octet_length(p_keys[v_bad]) = 0 then 'empty'
+                                  else 'longer than 512 bytes' end);
+    end if;
+end
+$$;
+
+-- pgque._idempotency_part(): the partition of pgque.idempotency_key to write
+-- now, after taking the table in ROW EXCLUSIVE mode until the transaction ends
+-- (see the top of this file): two statements, so that in READ COMMITTED the
+-- read sees a switch that the lock waited for.
+create or replace function pgque._idempotency_part()
+returns smallint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    lock table only pgque.idempotency_key in row exclusive mode;
+    if current_setting('transaction_isolation') <> 'read committed' then
+        -- 40001 when a switch committed after this transaction's snapshot.
+        return (select r.rt_part from pgque.rotation r where r.rt_name = 'idempotency'
+                   for share);
+    end if;
+    return (select r.rt_part from pgque.rotation r where r.rt_name = 'idempotency');
+end
+$$;
+
+-- pgque._idempotent_record(queue, key, now): the event id and due time the
+-- key's unexpired record names (its window not passed at now), in either
+-- partition; no row when there is none.
+create or replace function pgque._idempotent_record(p_queue pgque.queue, p_key text,
+                                                    p_now timestamptz,
+                                                    out event_id bigint, out due timestamptz)
+returns setof record
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select k.ik_event, k.ik_due
+      from pgque.idempotency_key k
+     where k.ik_queue = p_queue.queue_id and k.ik_key = p_key
+       and k.ik_time > p_now - p_queue.queue_idempotency_window
+     order by k.ik_time desc
+     limit 1
+$$;
+
+-- pgque._claim_idempotency_keys(queue, keys, ids, dues, now): records the
+-- idempotency keys of events being sent at now, given as arrays (keys[i] null:
+-- event i has none), each with the id and due time its event would have, and
+-- returns the arrays as they are to be sent: the event of a key recorded in
+-- its window already, by an earlier send or an earlier element of keys, takes
+-- the recorded id and due time and is a duplicate. Keys are claimed in key
+-- order, so two senders of the same keys never wait for each other in a cycle.
+create or replace function pgque._claim_idempotency_keys(
+    p_queue pgque.queue, p_keys text[], p_ids bigint[], p_dues timestamptz[], p_now timestamptz,
+    out ids bigint[], out duplicates boolean[], out dues timestamptz[])
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_part smallint := pgque._idempotency_part();
+    v_key text;
+    v_first integer;
+    v_positions integer[];
+    v_record record;
+    v_claimed boolean;
+    v_found boolean;
+    i integer;
+begin
+    ids := p_ids;
+    dues := p_dues;
+    duplicates := array_fill(false, array[cardinality(p_ids)]);
+    for v_key, v_first, v_positions in
+        select k.key, min(k.i), array_agg(k.i order by k.i)
+          from unnest(p_keys) with ordinality as k(key, i)
+         where k.key is not null
+         group by k.key
+         order by k.key collate "C"
+    loop
+        v_claimed := false;
+        v_found := false;
+        for v_attempt in 1 .. 3 loop
+            select * into v_record from pgque._idempotent_record(p_queue, v_key, p_now);
+            v_found := found;
+            exit when v_found;
+            -- Not recorded (or expired): claim it. A sender of the key still
+            -- in flight makes this wait; once it commits, the conflict says so.
+            -- An expired record in this partition is replaced in place.
+            insert into pgque.idempotency_key as k (ik_queue, ik_key, ik_event, ik_time, ik_due,
+                                                    ik_part)
+            values (p_queue.queue_id, v_key, p_ids[v_first], p_now, p_dues[v_first], v_part)
+            on conflict (ik_queue, ik_key, ik_part) do update
+               set ik_event = excluded.ik_event, ik_time = excluded.ik_time,
+                   ik_due = excluded.ik_due
+             where k.ik_time <= p_now - p_queue.queue_idempotency_window
+            returning true into v_claimed;
+            v_claimed := coalesce(v_claimed, false);
+            exit when v_claimed;
+            -- Lost to a sender that committed meanwhile: its record, next round.
+        end loop;
+        if not v_found and not v_claimed then
+            raise exception using errcode = '40001',
+                message = format('idempotency key %L kept changing while it was sent',
+                                 pgque._name_for_message(v_key)),
+                hint = 'Retry the transaction.';
+        end if;
+        if v_claimed then
+            v_positions := v_positions[2:];  -- the first sends, the others repeat it
+        end if;
+        foreach i in array v_positions loop
+            ids[i] := case when v_found then v_record.event_id else p_ids[v_first] end;
+            dues[i] := case when v_found then v_record.due else p_dues[v_first] end;
+            duplicates[i] := true;
+        end loop;
+    end loop;
+end
+$$;
+
+-- pgque._idempotency_keys(queue_id): how many keys the queue remembers now
+-- (within its window). Reads every such row: for status, not a hot path.
+create or replace function pgque._idempotency_keys(p_queue pgque.queue)
+returns bigint
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select count(distinct k.ik_key)
+      from pgque.idempotency_key k
+     where k.ik_queue = p_queue.queue_id
+       and k.ik_time > clock_timestamp() - p_queue.queue_idempotency_window
+$$;
