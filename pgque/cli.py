@@ -374,14 +374,22 @@ def _read_json_lines(stream: Iterable[bytes]) -> list[bytes]:
 @click.option("--key", help="Partition key (events of one key are delivered in order).")
 @click.option("--ids", "print_ids", is_flag=True,
               help="With stdin: print every event id, one a line, instead of a count.")
+@click.option("--deliver-after", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="Delay the events: they enter the log this many seconds from now "
+                   "(the database's clock), at most 30 days.")
+@click.option("--idempotency-key",
+              help="With PAYLOAD: send only if this key was not sent to the queue within "
+                   "its idempotency window; else print the first event's id.")
 @db_options
 @pass_state
 def send(state: State, queue_name: str, event_type: str, payload: str | None, key: str | None,
-         print_ids: bool) -> None:
+         print_ids: bool, deliver_after: float | None, idempotency_key: str | None) -> None:
     """Send an event of TYPE with the JSON PAYLOAD; prints its id.
 
     Without PAYLOAD, reads JSON lines from stdin (one event each, blank lines
     skipped), checks them all, then sends them in one transaction: all or none.
+    A delayed event's id is printed with the time it enters the log; a send of
+    an idempotency key already sent says so on stderr.
     """
     if payload is not None:
         try:
@@ -389,8 +397,17 @@ def send(state: State, queue_name: str, event_type: str, payload: str | None, ke
         except msgspec.DecodeError as exc:
             raise click.BadParameter(f"not valid JSON ({exc})", param_hint="'PAYLOAD'") from exc
         client = state.client()
-        click.echo(client.send(queue_name, event_type, payload.encode(), key))
+        sent = client.send(queue_name, event_type, payload.encode(), key,
+                           deliver_after=deliver_after, idempotency_key=idempotency_key)
+        click.echo(int(sent))
+        if sent.duplicate:
+            click.echo(f"duplicate: key {idempotency_key!r} was sent already; nothing written",
+                       err=True)
+        if sent.deliver_at is not None:
+            click.echo(f"delayed: enters the log at {sent.deliver_at.isoformat()}", err=True)
         return
+    if idempotency_key is not None:
+        raise click.UsageError("--idempotency-key needs PAYLOAD (one event)")
     if sys.stdin.isatty():
         click.echo("reading JSON lines from stdin (Ctrl-D to end)", err=True)
     lines = _read_json_lines(sys.stdin.buffer)
@@ -399,7 +416,8 @@ def send(state: State, queue_name: str, event_type: str, payload: str | None, ke
     with client.conn.transaction():
         for start in range(0, len(lines), SEND_CHUNK):
             chunk = lines[start:start + SEND_CHUNK]
-            ids += client.send_batch(queue_name, [(event_type, line, key) for line in chunk])
+            ids += client.send_batch(queue_name, [(event_type, line, key) for line in chunk],
+                                     deliver_after=deliver_after)
     if print_ids:
         for event_id in ids:
             click.echo(event_id)

@@ -833,15 +833,14 @@ class Client:
         session must own every slot (SlotNotOwned, and nothing is received)."""
         check, params = self._checked(queue)
         wanted = list(owned)
-        # The columns by name, in pgque.batch_event's order (receive_slots leads
-        # them by the slot): the same rows from a 0.3 database.
+        # The slot, then pgque.batch_event's columns but the slot, as far as the
+        # database has them (delayed_id since 0.7).
         rows = self._rows(
-            "select batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data, ev_extra1, epoch,"
-            f" slot from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
+            f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
             (*params, consumer, slots, wanted, max_events), binary=True)
         by_slot: dict[int, list[Any]] = {}
-        for row in rows:  # pgque.batch_event, its slot last
-            by_slot.setdefault(row[8], []).append(row)
+        for row in rows:  # as pgque.batch_event: its slot after the epoch
+            by_slot.setdefault(row[0], []).append((*row[1:9], row[0], *row[9:]))
         batches = []
         for slot, slot_rows in by_slot.items():
             batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots)

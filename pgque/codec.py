@@ -26,7 +26,15 @@ __all__ = ["decode_payload", "encode_payload"]
 
 T = TypeVar("T")
 
-_encoder = msgspec.json.Encoder()
+def _encode_other(value: Any) -> Any:
+    """What msgspec cannot encode itself: an int subclass (a SentId a send
+    returned, put in another event's payload) is encoded as its int."""
+    if isinstance(value, int):
+        return int(value)
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_encode_other)
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 

@@ -272,11 +272,14 @@ def event_json(message: Message[Any]) -> str:
     """An event as one line of JSON."""
     return dumps({"id": message.id, "time": message.created_at, "type": message.type,
                   "key": message.partition_key, "retry_count": message.retry_count,
-                  "payload": payload(message.data)}, indent=None)
+                  "delayed_id": message.delayed_id, "payload": payload(message.data)},
+                 indent=None)
 
 
 def event_line(message: Message[Any]) -> Text:
-    """An event as one line for people: id, time, type, key and the payload's JSON."""
+    """An event as one line for people: id, time, type, key, ``delayed=<id>`` for
+    an event that came from a delay (the id its send returned), and the payload's
+    JSON."""
     compact = dumps(payload(message.data), indent=None)
     return Text.assemble(
         (str(message.id), "bold"), " ",
@@ -284,6 +287,7 @@ def event_line(message: Message[Any]) -> Text:
         " ", ("-", "dim") if message.type is None else (escape(message.type), "cyan"), " ",
         (f"key={escape(message.partition_key)}" if message.partition_key is not None
          else "key=-", "yellow"),
+        ("" if message.delayed_id is None else (f" delayed={message.delayed_id}", "magenta")),
         " ", compact)
 
 

@@ -52,6 +52,9 @@ class SentId(int):
             sent.deliver_at = deliver_at
         return sent
 
+    def __str__(self) -> str:
+        return int.__repr__(self)  # printed and formatted as the int it is
+
     def __repr__(self) -> str:
         notes = (", duplicate" if self.duplicate else "") + (
             f", deliver_at={self.deliver_at.isoformat()}" if self.deliver_at else "")

@@ -386,6 +386,32 @@ def test_tail_rich_line_shows_id_type_key_and_payload(client: pgque.Client, dsn:
     assert "FileCreated" in line and "key=t-1" in line and '{"path":"/a [b].txt"}' in line
 
 
+def test_tail_marks_an_event_that_came_from_a_delay(client: pgque.Client, dsn: str) -> None:
+    """`pgque send --deliver-after` delays it (the time on stderr); tail shows it,
+    once it entered the log, with delayed=<the id send printed>, as JSON too."""
+    client.create_queue("q")
+    with cli_process("tail", "q", "--limit", "2", "--dsn", dsn) as proc:
+        wait_for(lambda: tail_consumers(client), timeout=30, what="the tail's consumer")
+        sent = run_cli("send", "q", "Reminder", '{"n": 1}', "--key", "k", "--deliver-after",
+                       "0.5", "--dsn", dsn)
+        assert sent.returncode == 0, sent.stderr
+        delayed_id = int(sent.stdout)
+        assert "delayed: enters the log at" in sent.stderr
+        plain = client.send("q", "Plain", {"n": 2}, partition_key="k")
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    first, second = out.splitlines()
+    assert first.startswith(f"{plain} ") and "delayed=" not in first
+    assert f"delayed={delayed_id}" in second and "Reminder" in second
+    again = run_cli("send", "q", "Reminder", '{"n": 1}', "--idempotency-key", "r-1",
+                    "--dsn", dsn)
+    dup = run_cli("send", "q", "Reminder", '{"n": 1}', "--idempotency-key", "r-1",
+                  "--dsn", dsn)
+    assert again.returncode == dup.returncode == 0
+    assert dup.stdout == again.stdout and "duplicate" in dup.stderr
+    assert "duplicate" not in again.stderr
+
+
 def test_tail_from_now_skips_events_not_yet_ticked(client: pgque.Client, dsn: str) -> None:
     client.create_queue("q")
     # Without --from-now, an event sent since the last tick is shown.

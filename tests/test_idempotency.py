@@ -204,3 +204,18 @@ def test_bad_keys_and_windows_raise_and_write_nothing(client: pgque.Client,
     assert client.queue_config("q")["idempotency_window"] == 86400
     assert (key_rows(conn), scalar(conn, "select count(*) from pgque.event_1")) == before
     assert not client.send("q", "e", 1, idempotency_key="k" * 512).duplicate
+
+
+def test_a_sent_id_prints_formats_and_encodes_as_its_int() -> None:
+    """A SentId is used where an id was: printed, formatted, in JSON, in a payload."""
+    import json
+
+    from pgque.codec import encode_payload
+
+    sent = pgque.SentId.of(42, True, None)
+    assert (str(sent), f"{sent}", f"{sent:>4}", f"{sent:d}") == ("42", "42", "  42", "42")
+    assert json.dumps({"id": sent}) == '{"id": 42}'
+    assert encode_payload({"ref": sent}) == '{"ref":42}'
+    assert sent == 42 and hash(sent) == hash(42) and sent.duplicate
+    assert repr(sent) == "SentId(42, duplicate)"
+    assert not pgque.SentId(7).duplicate and pgque.SentId(7).deliver_at is None
