@@ -5,13 +5,14 @@ the log.
 A run is a sequence of steps: sends (each with or without a partition key, a
 delay and an idempotency key, committed or lost with its producer's
 connection), delayed events made due (their time set to the database clock's
-now, as the clock reaching them would), ticks, and a consumer's receives, some
-of which crash before the ack. The model is the log's promise: an event sent
-at once enters at its commit; a delayed one at the first tick that has passed
-its time, after everything committed before that tick; a key sent before
-(committed) makes a send a duplicate that writes nothing. One consumer reads
-the whole log, so what it gets first must be the model's order exactly, which
-orders each key's events as a consequence.
+now, as the clock reaching them would), ticks, a consumer's receives, some of
+which crash before the ack, and maintenance passes (the delayed events'
+rotation due at each, copying the rows still waiting). The model is the log's
+promise: an event sent at once enters at its commit; a delayed one at the
+first tick that has passed its time, after everything committed before that
+tick; a key sent before (committed) makes a send a duplicate that writes
+nothing. One consumer reads the whole log, so what it gets first must be the
+model's order exactly, which orders each key's events as a consequence.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ IDEMPOTENCY_KEYS = [None, None, "x", "y", "z"]
 def send_runs(draw: st.DrawFn) -> list[tuple[Any, ...]]:
     steps: list[tuple[Any, ...]] = []
     for _ in range(draw(st.integers(1, 14))):
-        kind = draw(st.sampled_from(["send", "send", "send", "due", "tick", "consume"]))
+        kind = draw(st.sampled_from(["send", "send", "send", "due", "tick", "consume",
+                                     "maintenance"]))
         if kind == "send":
             steps.append(("send", draw(st.sampled_from(KEYS)), draw(st.booleans()),
                           draw(st.sampled_from(IDEMPOTENCY_KEYS)),
@@ -42,7 +44,7 @@ def send_runs(draw: st.DrawFn) -> list[tuple[Any, ...]]:
         elif kind == "consume":
             steps.append(("consume", draw(st.booleans())))
         else:
-            steps.append(("tick",))
+            steps.append((kind,))
     return steps
 
 
@@ -78,6 +80,7 @@ def test_every_committed_event_is_delivered_once_in_the_order_it_entered_the_log
         client = pgque.Client(conn)
         client.create_queue("q")
         client.subscribe("q", "c")
+        conn.execute("update pgque.rotation set rt_period = '0' where rt_name = 'delayed'")
         model = Model()
         ids: dict[int, int] = {}  # the model's n: the id its send returned
         delayed: set[int] = set()  # the n sent delayed
@@ -141,6 +144,8 @@ def test_every_committed_event_is_delivered_once_in_the_order_it_entered_the_log
             elif step[0] == "tick":
                 client.tick("q")
                 model.ticked()
+            elif step[0] == "maintenance":
+                client.maintenance()  # the delayed events' rotation, due at every pass
             else:
                 consume(step[1])
         # Time passes for everything; two ticks: one moves them, one hands them out.

@@ -43,7 +43,7 @@ $window$;
 
 -- The delayed events: an event sent to enter the log at de_due, with the id
 -- its send returned (ev_id, from the queue's event sequence) and the
--- transaction that sent it (ev_txid, rewritten when the rotation copies the
+-- transaction that sent it (ev_txid, kept when the rotation copies the
 -- row). Never updated or deleted: a row is moved once the queue's newest tick
 -- has passed its due time and sees its transaction (delay.sql), and the
 -- partition it is in is emptied later. No foreign key to pgque.queue: the

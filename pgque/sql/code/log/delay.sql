@@ -23,8 +23,8 @@
 --
 -- The rows stay until their partition is emptied (rotation.sql,
 -- _rotate_delayed), which copies the rows not moved yet into the other one
--- under a new transaction id: the next tick sees the copies as sent after it
--- and moves those due then, never twice.
+-- as they are, transaction id included, while it holds their queues' tick
+-- locks: the next tick judges the copies as the last one did the rows.
 
 -- pgque._max_delay(): how far ahead an event may be sent, at most.
 create or replace function pgque._max_delay()

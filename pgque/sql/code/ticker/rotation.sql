@@ -654,10 +654,9 @@ $$;
 -- is the last look, or switch), when the table holds anything, it counts the
 -- rows needed and not in the partition not written: when those not needed
 -- (there, and in the one written, which the next look empties) are at least
--- as many as those needed there, it copies those into the partition written,
--- under this transaction's id (so the next tick of their queue sees them as
--- new, and moves those due then), empties the other with TRUNCATE and
--- switches to it. Each row copied is so paid for by one emptied, and the rows
+-- as many as those needed there, it copies those into the partition written
+-- as they are (under their queues' tick locks, so no tick judges them in
+-- between), empties the other with TRUNCATE and switches to it. Each row copied is so paid for by one emptied, and the rows
 -- kept that are not needed are fewer than those needed plus a period's sends.
 -- When the partition not written is empty already, the switch alone. Returns
 -- how many partitions it emptied plus one if it switched; null when it did
@@ -671,6 +670,7 @@ declare
     v_rotation pgque.rotation;
     v_other smallint;
     v_counts record;
+    v_queue integer;
     v_done integer := 0;
 begin
     select * into v_rotation from pgque.rotation where rt_name = 'delayed';
@@ -695,15 +695,28 @@ begin
       into v_counts
       from pgque.delayed_event d left join last l on l.tick_queue = d.de_queue;
     if v_counts.other > 0 and v_counts.done_other + v_counts.done_written >= v_counts.needed then
+        -- The tick locks of the queues with rows there, without waiting: no
+        -- tick runs while the rows are copied, so each queue's newest tick
+        -- stays the one that judged them, and the copies keep their
+        -- transaction ids (a tick reads them as it read the originals).
+        -- Before the partition's lock, in the ticks' own order.
+        for v_queue in select q.queue_id from pgque.queue q
+                        where exists (select from pgque.delayed_event d
+                                       where d.de_part = v_other and d.de_queue = q.queue_id)
+                        order by q.queue_id loop
+            if not pgque._lock_queue(v_queue, 'tick', false) then
+                return null;  -- a tick runs: the next pass
+            end if;
+        end loop;
         if not pgque._lock_partition('delayed_event', v_other) then
             return null;
         end if;
         -- Locked: no tick moves rows from there now, no sender writes there,
         -- and this statement's snapshot sees all they committed.
-        insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_type, ev_data,
-                                         ev_extra1, de_part)
-        select d.de_queue, d.de_due, d.ev_id, d.ev_time, d.ev_type, d.ev_data, d.ev_extra1,
-               v_rotation.rt_part
+        insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_txid, ev_type,
+                                         ev_data, ev_extra1, de_part)
+        select d.de_queue, d.de_due, d.ev_id, d.ev_time, d.ev_txid, d.ev_type, d.ev_data,
+               d.ev_extra1, v_rotation.rt_part
           from pgque.delayed_event d
           join pgque.queue q on q.queue_id = d.de_queue
          cross join lateral pgque._last_tick(q.queue_id) l
