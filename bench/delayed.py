@@ -133,6 +133,9 @@ def _cost(ctx: SuiteContext) -> list[Measurement]:
         ]
         return [_grouped(m, "cost") for m in measure(cases, ctx.repeats)]
     finally:
+        # Gone, with its delayed events and keys (a 24 h window), before the parts
+        # that count what the tables hold.
+        sender.conn.execute("select pgque.drop_queue('cost', true)")
         sender.conn.close()
 
 
@@ -187,6 +190,7 @@ def _lateness(ctx: SuiteContext) -> tuple[list[Measurement], dict[str, Any]]:
                 client.ack(batch)
         finally:
             ticker.stop()
+            client.drop_queue("lateness", force=True)
     measurements = []
     for name, values in (("entered", entered), ("handed_out", handed)):
         for p in (0.5, 0.9, 0.99, 1.0):
@@ -261,7 +265,8 @@ def _bloat(ctx: SuiteContext) -> tuple[list[Measurement], dict[str, Any]]:
             duplicates = 0
             for first in range(0, count, BLOAT_BATCH):
                 n = min(BLOAT_BATCH, count - first)
-                keys = [f"key-{first + i - 5_000}" if (first + i) % 10 == 0 and first >= 5_000
+                # Every tenth repeats the key sent 4,999 sends before (itself not a repeat).
+                keys = [f"key-{first + i - 4_999}" if (first + i) % 10 == 0 and first >= 5_000
                         else f"key-{first + i}" for i in range(n)]
                 sent = client.send_batch("bloat", [pgque.Event("e", None, f"k-{i % 10_000}",
                                                                idempotency_key=k)

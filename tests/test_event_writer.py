@@ -25,7 +25,7 @@ import pgque
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-WRITE = "select pgque._write_event(%s, %s, 'e', '{}', null)"
+WRITE = "select pgque._write_event(%s, %s, 'e', '{}', null, null)"
 
 
 def writer_source(conn: psycopg.Connection[Any]) -> str:
@@ -108,8 +108,8 @@ def test_a_writer_that_lags_makes_sends_slower_not_wrong(conn: psycopg.Connectio
     the same table, and the writer is due."""
     queue_id = scalar(conn, "select pgque.create_queue('q')")
     conn.execute("create or replace function pgque._write_event(p_queue_id integer,"
-                 " p_table integer, p_type text, p_data text, p_key text) returns bigint"
-                 " language sql as 'select null::bigint'")
+                 " p_table integer, p_type text, p_data text, p_key text, p_id bigint)"
+                 " returns bigint language sql as 'select null::bigint'")
     assert scalar(conn, "select pgque._event_writer_due()")
     send_to_every_table(conn, "q", queue_id, 3)
     event_id = scalar(conn, "select pgque.send('q', 't', '{\"a\": 1}', 'k')")
@@ -170,7 +170,7 @@ def test_concurrent_creates_and_drops_never_wait_and_maintenance_catches_up(
 
 def test_no_role_but_the_owner_may_call_the_writer(conn: psycopg.Connection[Any]) -> None:
     conn.execute("select pgque.create_queue('q')")
-    signature = "pgque._write_event(integer, integer, text, text, text)"
+    signature = "pgque._write_event(integer, integer, text, text, text, bigint)"
     for role in ("public", "pgque_writer", "pgque_reader", "pgque_admin"):
         assert not scalar(conn, "select has_function_privilege(%s, %s, 'execute')",
                           (role, signature)), role
@@ -206,8 +206,8 @@ def test_an_install_writes_the_writer_for_the_queues_there_are(
     current template for the existing queues, whatever was there before."""
     queue_id = scalar(conn, "select pgque.create_queue('q')")
     conn.execute("create or replace function pgque._write_event(p_queue_id integer,"
-                 " p_table integer, p_type text, p_data text, p_key text) returns bigint"
-                 " language sql as 'select null::bigint'")
+                 " p_table integer, p_type text, p_data text, p_key text, p_id bigint)"
+                 " returns bigint language sql as 'select null::bigint'")
     assert scalar(conn, "select pgque._event_writer_due()")
     pgque.install(conn)
     assert not scalar(conn, "select pgque._event_writer_due()")
@@ -281,11 +281,12 @@ def test_create_and_send_in_one_transaction_then_roll_back(conn: psycopg.Connect
         for n in range(7):
             conn.execute("update pgque.queue set queue_cur_table = %s where queue_id = %s",
                          (n, queue_id))
-            event_id = scalar(conn, "select pgque._write_event(%s, %s, 'e', '{}', null)",
+            event_id = scalar(conn, "select pgque._write_event(%s, %s, 'e', '{}', null, null)",
                               (queue_id, n))
             assert _events(conn, queue_id)[event_id][0] == f"pgque.event_{queue_id}_{n}"
             assert scalar(conn, "select pgque.send('gone', 'e', '{}')") is not None
-    assert scalar(conn, "select pgque._write_event(%s, 0, 'e', '{}', null)", (queue_id,)) is None
+    assert scalar(conn, "select pgque._write_event(%s, 0, 'e', '{}', null, null)",
+                  (queue_id,)) is None
     assert not scalar(conn, "select pgque._event_writer_due()")
     assert scalar(conn, "select pgque.send('kept', 'e', '{}')") is not None
 
@@ -407,9 +408,9 @@ def test_a_writer_role_can_neither_call_nor_pin_away_the_writer(
     queue_id = scalar(conn, "select pgque.create_queue('q')")
     with psycopg.connect(role_conninfo, autocommit=True) as r:
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
-            r.execute("select pgque._write_event(%s, 0, 'e', '{}', null)", (queue_id,))
+            r.execute("select pgque._write_event(%s, 0, 'e', '{}', null, null)", (queue_id,))
         r.execute(f"create function {role}.pin() returns bigint language sql begin atomic"
-                  " select pgque._write_event(1, 0, 'e', '{}', null); end")
+                  " select pgque._write_event(1, 0, 'e', '{}', null, null); end")
         conn.execute("select pgque.create_queue('other')")
         conn.execute("select pgque.drop_queue('other')")
         conn.execute("select pgque.grant_queue('q', 'pgque_admin', 'send')")

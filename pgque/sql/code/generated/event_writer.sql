@@ -61,7 +61,12 @@ begin
                  '%s        %s into v_id;\n'
                  '%s        return v_id;\n'
                  '%s    end if;\n',
-                v_pad, n, v_pad, pgque._event_insert(p_queue_ids[i], n, 'p_type, p_data, p_key'),
+                v_pad, n, v_pad,
+                pgque._event_insert(p_queue_ids[i], n,
+                                    format('coalesce(p_id, nextval(%L::regclass))',
+                                           'pgque.' || pgque._event_table(p_queue_ids[i])
+                                           || '_id_seq'),
+                                    'p_type, p_data, p_key'),
                 v_pad, v_pad);
         end loop;
         v_code := v_code || format(E'%s    return null;\n%send if;\n', v_pad, v_pad);
@@ -136,11 +141,12 @@ as $$
 $$;
 
 -- pgque._sync_event_writer(wait): writes pgque._write_event(queue_id, table,
--- type, data, key) for the queues there are now unless it is up to date or,
--- without wait, another transaction holds the writer's lock (see the top of
--- this file); returns 1 if it wrote it, else 0. The writer inserts one
--- event into event table `table` of queue `queue_id` and returns its ev_id,
--- or returns null for a queue or table it does not hold. Executable by no
+-- type, data, key, id) for the queues there are now unless it is up to date
+-- or, without wait, another transaction holds the writer's lock (see the top
+-- of this file); returns 1 if it wrote it, else 0. The writer inserts one
+-- event into event table `table` of queue `queue_id`, with id as its ev_id
+-- (null: the next of the queue's sequence), and returns its ev_id, or returns
+-- null for a queue or table it does not hold. Executable by no
 -- one but the owner, like the writer.
 create or replace function pgque._sync_event_writer(p_wait boolean)
 returns integer
@@ -162,7 +168,8 @@ begin
         return 0;
     end if;
     perform pgque._write_generated(
-        '_write_event', 'p_queue_id integer, p_table integer, p_type text, p_data text, p_key text',
+        '_write_event',
+        'p_queue_id integer, p_table integer, p_type text, p_data text, p_key text, p_id bigint',
         'returns bigint language plpgsql set search_path = pg_catalog, pg_temp',
         v_signature, pgque._event_writer_source());
     return 1;

@@ -47,8 +47,11 @@ language plpgsql immutable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_due timestamptz[];
-    v_bad record;
+    v_dues timestamptz[] := '{}';
+    v_at timestamptz;
+    v_after interval;
+    v_due timestamptz;
+    v_latest timestamptz := p_now + pgque._max_delay();
 begin
     if p_deliver_ats is null and p_deliver_afters is null then
         return null;
@@ -58,38 +61,31 @@ begin
         raise exception using errcode = '22023',
             message = 'deliver_at and deliver_after must have one element per event';
     end if;
-    select i, a.at, f.after into v_bad
-      from generate_series(1, p_count) i
-      left join unnest(p_deliver_ats) with ordinality a(at, ai) on a.ai = i
-      left join unnest(p_deliver_afters) with ordinality f(after, fi) on f.fi = i
-     where (a.at is not null and f.after is not null)
-        or not isfinite(a.at)
-        or f.after < interval '0'
-        or coalesce(a.at, p_now + f.after) > p_now + pgque._max_delay()
-     order by i
-     limit 1;
-    if found then
-        if v_bad.at is not null and v_bad.after is not null then
+    -- A loop over plain values: an event or a few per call, where a query
+    -- over the arrays cost more than the send itself.
+    for i in 1 .. p_count loop
+        v_at := p_deliver_ats[i];
+        v_after := p_deliver_afters[i];
+        if v_at is not null and v_after is not null then
             raise exception using errcode = '22023',
-                message = format('event %s has both deliver_at and deliver_after', v_bad.i);
-        elsif not isfinite(v_bad.at) then
+                message = format('event %s has both deliver_at and deliver_after', i);
+        elsif not isfinite(v_at) then
             raise exception using errcode = 'PQ031',
-                message = format('event %s: deliver_at %s is not a finite time', v_bad.i, v_bad.at);
-        elsif v_bad.after < interval '0' then
+                message = format('event %s: deliver_at %s is not a finite time', i, v_at);
+        elsif v_after < interval '0' then
             raise exception using errcode = 'PQ031',
-                message = format('event %s: deliver_after %s is negative', v_bad.i, v_bad.after);
-        else
+                message = format('event %s: deliver_after %s is negative', i, v_after);
+        end if;
+        v_due := coalesce(v_at, p_now + v_after);
+        if v_due > v_latest then
             raise exception using errcode = 'PQ031',
                 message = format('event %s: its due time %s is more than %s ahead',
-                                 v_bad.i, coalesce(v_bad.at::text, (p_now + v_bad.after)::text),
-                                 pgque._max_delay()),
+                                 i, v_due, pgque._max_delay()),
                 hint = 'Delays go from 0 to 30 days; a due time in the past delivers at once.';
         end if;
-    end if;
-    select array_agg(case when d > p_now then d end order by i) into v_due
-      from (select i, coalesce(p_deliver_ats[i], p_now + p_deliver_afters[i]) as d
-              from generate_series(1, p_count) i) x;
-    return v_due;
+        v_dues := v_dues || case when v_due > p_now then v_due end;
+    end loop;
+    return v_dues;
 end
 $$;
 

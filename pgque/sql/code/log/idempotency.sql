@@ -63,31 +63,66 @@ begin
 end
 $$;
 
--- pgque._idempotent_record(queue, key, now): the event id and due time the
--- key's unexpired record names (its window not passed at now), in either
--- partition; no row when there is none.
-create or replace function pgque._idempotent_record(p_queue pgque.queue, p_key text,
-                                                    p_now timestamptz,
-                                                    out event_id bigint, out due timestamptz)
-returns setof record
-language sql stable
+-- pgque._claim_idempotency_key(queue, part, key, id, due, now): records key
+-- in partition part (from _idempotency_part) for an event sent at now with
+-- id and due time due, unless the key has an unexpired record; returns the
+-- record's event id and due time and duplicate true then, else id, due and
+-- false. A sender of the key in flight makes this wait for its end; an
+-- expired record in this partition is replaced in place. 40001 when the key
+-- keeps changing under it (three rounds).
+create or replace function pgque._claim_idempotency_key(
+    p_queue pgque.queue, p_part smallint, p_key text, p_id bigint, p_due timestamptz,
+    p_now timestamptz, out event_id bigint, out due timestamptz, out duplicate boolean)
+language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
-    select k.ik_event, k.ik_due
-      from pgque.idempotency_key k
-     where k.ik_queue = p_queue.queue_id and k.ik_key = p_key
-       and k.ik_time > p_now - p_queue.queue_idempotency_window
-     order by k.ik_time desc
-     limit 1
+declare
+    v_claimed boolean;
+begin
+    for v_attempt in 1 .. 3 loop
+        select k.ik_event, k.ik_due into event_id, due
+          from pgque.idempotency_key k
+         where k.ik_queue = p_queue.queue_id and k.ik_key = p_key
+           and k.ik_time > p_now - p_queue.queue_idempotency_window
+         order by k.ik_time desc
+         limit 1;
+        if found then
+            duplicate := true;
+            return;
+        end if;
+        -- Not recorded (or expired): claim it. A sender of the key still in
+        -- flight makes this wait; once it commits, the conflict says so.
+        insert into pgque.idempotency_key as k (ik_queue, ik_key, ik_event, ik_time, ik_due,
+                                                ik_part)
+        values (p_queue.queue_id, p_key, p_id, p_now, p_due, p_part)
+        on conflict (ik_queue, ik_key, ik_part) do update
+           set ik_event = excluded.ik_event, ik_time = excluded.ik_time,
+               ik_due = excluded.ik_due
+         where k.ik_time <= p_now - p_queue.queue_idempotency_window
+        returning true into v_claimed;
+        if v_claimed then
+            event_id := p_id;
+            due := p_due;
+            duplicate := false;
+            return;
+        end if;
+        -- Lost to a sender that committed meanwhile: its record, next round.
+    end loop;
+    raise exception using errcode = '40001',
+        message = format('idempotency key %L kept changing while it was sent',
+                         pgque._name_for_message(p_key)),
+        hint = 'Retry the transaction.';
+end
 $$;
 
--- pgque._claim_idempotency_keys(queue, keys, ids, dues, now): records the
--- idempotency keys of events being sent at now, given as arrays (keys[i] null:
--- event i has none), each with the id and due time its event would have, and
--- returns the arrays as they are to be sent: the event of a key recorded in
--- its window already, by an earlier send or an earlier element of keys, takes
--- the recorded id and due time and is a duplicate. Keys are claimed in key
--- order, so two senders of the same keys never wait for each other in a cycle.
+-- pgque._claim_idempotency_keys(queue, keys, ids, dues, now): the keys of
+-- events being sent at now, given as arrays (keys[i] null: event i has none),
+-- each with the id and due time its event would have, claimed as
+-- _claim_idempotency_key claims one; returns the arrays as they are to be
+-- sent: the event of a key recorded in its window already, by an earlier send
+-- or an earlier element of keys, takes the recorded id and due time and is a
+-- duplicate. Keys are claimed in key order, so two senders of the same keys
+-- never wait for each other in a cycle.
 create or replace function pgque._claim_idempotency_keys(
     p_queue pgque.queue, p_keys text[], p_ids bigint[], p_dues timestamptz[], p_now timestamptz,
     out ids bigint[], out duplicates boolean[], out dues timestamptz[])
@@ -99,9 +134,7 @@ declare
     v_key text;
     v_first integer;
     v_positions integer[];
-    v_record record;
-    v_claimed boolean;
-    v_found boolean;
+    v_claim record;
     i integer;
 begin
     ids := p_ids;
@@ -114,39 +147,14 @@ begin
          group by k.key
          order by k.key collate "C"
     loop
-        v_claimed := false;
-        v_found := false;
-        for v_attempt in 1 .. 3 loop
-            select * into v_record from pgque._idempotent_record(p_queue, v_key, p_now);
-            v_found := found;
-            exit when v_found;
-            -- Not recorded (or expired): claim it. A sender of the key still
-            -- in flight makes this wait; once it commits, the conflict says so.
-            -- An expired record in this partition is replaced in place.
-            insert into pgque.idempotency_key as k (ik_queue, ik_key, ik_event, ik_time, ik_due,
-                                                    ik_part)
-            values (p_queue.queue_id, v_key, p_ids[v_first], p_now, p_dues[v_first], v_part)
-            on conflict (ik_queue, ik_key, ik_part) do update
-               set ik_event = excluded.ik_event, ik_time = excluded.ik_time,
-                   ik_due = excluded.ik_due
-             where k.ik_time <= p_now - p_queue.queue_idempotency_window
-            returning true into v_claimed;
-            v_claimed := coalesce(v_claimed, false);
-            exit when v_claimed;
-            -- Lost to a sender that committed meanwhile: its record, next round.
-        end loop;
-        if not v_found and not v_claimed then
-            raise exception using errcode = '40001',
-                message = format('idempotency key %L kept changing while it was sent',
-                                 pgque._name_for_message(v_key)),
-                hint = 'Retry the transaction.';
-        end if;
-        if v_claimed then
+        v_claim := pgque._claim_idempotency_key(p_queue, v_part, v_key, p_ids[v_first],
+                                                p_dues[v_first], p_now);
+        if not v_claim.duplicate then
             v_positions := v_positions[2:];  -- the first sends, the others repeat it
         end if;
         foreach i in array v_positions loop
-            ids[i] := case when v_found then v_record.event_id else p_ids[v_first] end;
-            dues[i] := case when v_found then v_record.due else p_dues[v_first] end;
+            ids[i] := v_claim.event_id;
+            dues[i] := v_claim.due;
             duplicates[i] := true;
         end loop;
     end loop;

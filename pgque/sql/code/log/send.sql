@@ -52,20 +52,21 @@ begin
 end
 $$;
 
--- pgque._event_insert(queue_id, table, values): the INSERT of one event
--- into event table `table` of the queue, as SQL text: its type, payload and
--- partition key from the three expressions values, returning its ev_id. The
--- one spelling of a sent event's columns, for the event writer (static) and
--- send (dynamic, for a table the writer does not hold); send_batch adds
--- ev_id to them. values is pgque's own text, never a caller's.
+-- pgque._event_insert(queue_id, table, id, values): the INSERT of one event
+-- into event table `table` of the queue, as SQL text: its ev_id from the
+-- expression id, its type, payload and partition key from the three
+-- expressions values, returning its ev_id. The one spelling of a sent event's
+-- columns, for the event writer (static) and send (dynamic, for a table the
+-- writer does not hold); send_batch adds ev_id to them. id and values are
+-- pgque's own text, never a caller's.
 create or replace function pgque._event_insert(p_queue_id integer, p_table integer,
-                                               p_values text)
+                                               p_id text, p_values text)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select format('insert into pgque.%I (%s) values (%s) returning ev_id',
-                  pgque._event_table(p_queue_id, p_table), pgque._sent_columns(), p_values)
+    select format('insert into pgque.%I (ev_id, %s) values (%s, %s) returning ev_id',
+                  pgque._event_table(p_queue_id, p_table), pgque._sent_columns(), p_id, p_values)
 $$;
 
 -- pgque._sent_columns(): the columns a sent event gives, in the order of
@@ -116,11 +117,12 @@ begin
         perform pgque._check_keys(array[p_partition_key]);
     end if;
     v_id := pgque._write_event(v_queue.queue_id, v_queue.queue_cur_table, p_type, p_payload,
-                               p_partition_key);
+                               p_partition_key, null);
     if v_id is null then
         -- A table the writer does not know (generated/event_writer.sql): the same
         -- INSERT, planned here.
-        execute pgque._event_insert(v_queue.queue_id, v_queue.queue_cur_table, '$1, $2, $3')
+        execute pgque._event_insert(v_queue.queue_id, v_queue.queue_cur_table, 'default',
+                                    '$1, $2, $3')
            into v_id
           using p_type, p_payload, p_partition_key;
     end if;
@@ -273,19 +275,73 @@ $$;
 -- the future sends at once; more than 30 days ahead raises PQ031. With
 -- idempotency_key (1 to 512 bytes, else PQ032), a send of a key already sent
 -- within the queue's idempotency window writes nothing and returns the first
--- event's id, with duplicate true. Other errors as for send.
+-- event's id, with duplicate true. Other errors as for send, and 22023 for
+-- both delays. One event's path of _send_events, written out: no arrays, and
+-- every statement static (a delayed send, a key) or send's own (neither).
 create or replace function pgque.send_with(
     p_queue text, p_type text, p_payload text, p_partition_key text default null,
     p_deliver_at timestamptz default null, p_deliver_after interval default null,
     p_idempotency_key text default null)
 returns pgque.sent_event
-language sql
+language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
-    select s.* from pgque._send_events(p_queue, array[p_type], array[p_payload],
-                                       array[p_partition_key], array[p_deliver_at],
-                                       array[p_deliver_after], array[p_idempotency_key]) s
+declare
+    v_queue pgque.queue;
+    v_now timestamptz := clock_timestamp();
+    v_due timestamptz;
+    v_claim record;
+    v_id bigint;
+begin
+    select * into v_queue from pgque.queue where queue_name = p_queue;
+    if not found then
+        perform pgque._queue_row(p_queue);
+    end if;
+    if v_queue.queue_senders is not null then
+        perform pgque._require_queue(v_queue, 'send');
+    end if;
+    if p_deliver_at is not null or p_deliver_after is not null then
+        v_due := (pgque._due_times(1, array[p_deliver_at], array[p_deliver_after], v_now))[1];
+    end if;
+    begin
+        perform p_payload::json;
+    exception when invalid_text_representation then
+        raise exception using errcode = 'PQ005',
+            message = format('payload 1 is not valid JSON: %s', sqlerrm);
+    end;
+    if octet_length(p_partition_key) > 512 then
+        perform pgque._check_keys(array[p_partition_key]);
+    end if;
+    if p_idempotency_key is not null then
+        perform pgque._check_idempotency_keys(array[p_idempotency_key]);
+    elsif v_due is null then
+        return row(pgque.send(p_queue, p_type, p_payload, p_partition_key), false,
+                   null::timestamptz);
+    end if;
+    v_id := nextval(v_queue.queue_event_seq);
+    if p_idempotency_key is not null then
+        v_claim := pgque._claim_idempotency_key(v_queue, pgque._idempotency_part(),
+                                                p_idempotency_key, v_id, v_due, v_now);
+        if v_claim.duplicate then
+            return row(v_claim.event_id, true, v_claim.due);  -- v_id: a gap in the sequence
+        end if;
+    end if;
+    if v_due is not null then
+        -- _delayed_insert's row, static here: planned once a session.
+        insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_type, ev_data,
+                                         ev_extra1, de_part)
+        values (v_queue.queue_id, v_due, v_id, now(), p_type, p_payload, p_partition_key,
+                (select r.rt_part from pgque.rotation r where r.rt_name = 'delayed'));
+    elsif pgque._write_event(v_queue.queue_id, v_queue.queue_cur_table, p_type, p_payload,
+                             p_partition_key, v_id) is null then
+        -- A table the writer does not know (generated/event_writer.sql).
+        execute pgque._event_insert(v_queue.queue_id, v_queue.queue_cur_table, '$4',
+                                    '$1, $2, $3')
+          using p_type, p_payload, p_partition_key, v_id;
+    end if;
+    return row(v_id, false, v_due);
+end
 $$;
 
 -- pgque.send_batch_with(queue, types, payloads, partition_keys, deliver_ats,
