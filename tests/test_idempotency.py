@@ -100,6 +100,31 @@ def test_two_sessions_sending_one_key_at_once_make_one_event(
 
 
 @pytest.mark.usefixtures("queue")
+def test_a_batch_repeating_an_uncommitted_batchs_keys_waits_and_takes_its_ids(
+        client: pgque.Client, dsn: str) -> None:
+    """A's batch [k1, k2, k3] uncommitted; B's [k3, new, k1] waits for it; A
+    commits: B's k1 and k3 are A's events, only its new key sends, no error."""
+    result: list[list[pgque.SentId]] = []
+    with psycopg.connect(dsn) as a_conn, psycopg.connect(dsn, autocommit=True) as b_conn:
+        a, b = pgque.Client(a_conn), pgque.Client(b_conn)
+        a_ids = a.send_batch("q", [pgque.Event("e", k, idempotency_key=k)
+                                   for k in ("k1", "k2", "k3")])
+        thread = threading.Thread(target=lambda: result.append(b.send_batch(
+            "q", [pgque.Event("e", k, idempotency_key=k) for k in ("k3", "new", "k1")])))
+        thread.start()
+        b_pid = b_conn.info.backend_pid
+        wait_for(lambda: scalar(client.conn, "select wait_event_type = 'Lock' from"
+                                " pg_stat_activity where pid = %s", (b_pid,)) or None)
+        a_conn.commit()
+        thread.join(10)
+        assert not thread.is_alive()
+    (b_ids,) = result
+    assert [int(i) for i in b_ids] == [a_ids[2], b_ids[1], a_ids[0]]
+    assert [i.duplicate for i in b_ids] == [True, False, True]
+    assert log_payloads(client) == ["k1", "k2", "k3", "new"]
+
+
+@pytest.mark.usefixtures("queue")
 def test_a_rolled_back_send_leaves_no_key(client: pgque.Client, dsn: str,
                                           conn: psycopg.Connection[Any]) -> None:
     with psycopg.connect(dsn) as producer:
@@ -136,7 +161,16 @@ def test_after_its_window_a_key_sends_again(client: pgque.Client,
     assert not again.duplicate and again != first
     assert key_rows(conn) == 1
     assert client.queue_info("q")[0].idempotency_keys == 1
-    assert log_payloads(client) == ["one", "two"]
+    # In a batch too: an expired key (and its repeat in the batch) sends again.
+    batch_key = client.send("q", "e", "three", idempotency_key="b")
+    wait_for(lambda: window_passed(conn, scalar(
+        conn, "select ik_time from pgque.idempotency_key where ik_key = 'b'"), 0.3))
+    ids = client.send_batch("q", [pgque.Event("e", "four", idempotency_key="b"),
+                                  pgque.Event("e", "dup", idempotency_key="b")])
+    assert ids[0] != batch_key and [i.duplicate for i in ids] == [False, True]
+    assert ids[1] == ids[0]
+    assert key_rows(conn) == 2
+    assert log_payloads(client) == ["one", "two", "three", "four"]
 
 
 @pytest.mark.usefixtures("queue")

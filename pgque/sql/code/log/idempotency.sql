@@ -121,8 +121,11 @@ $$;
 -- _claim_idempotency_key claims one; returns the arrays as they are to be
 -- sent: the event of a key recorded in its window already, by an earlier send
 -- or an earlier element of keys, takes the recorded id and due time and is a
--- duplicate. Keys are claimed in key order, so two senders of the same keys
--- never wait for each other in a cycle.
+-- duplicate. Set-based for the usual case (one lookup of all the keys, one
+-- insert of the new ones, in key order, so two senders of the same keys
+-- never wait for each other in a cycle); a key that insert could not claim
+-- (a sender of it in flight, or its expired record in this partition) goes
+-- through _claim_idempotency_key, still in key order.
 create or replace function pgque._claim_idempotency_keys(
     p_queue pgque.queue, p_keys text[], p_ids bigint[], p_dues timestamptz[], p_now timestamptz,
     out ids bigint[], out duplicates boolean[], out dues timestamptz[])
@@ -131,33 +134,67 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_part smallint := pgque._idempotency_part();
-    v_key text;
-    v_first integer;
-    v_positions integer[];
+    v_keys text[];         -- the distinct keys, in key order ...
+    v_firsts integer[];    -- ... and the position of each one's first event
+    -- What each key resolved to (in no order): its event id, due time, and
+    -- whether that is an earlier send's.
+    v_done text[];
+    v_events bigint[];
+    v_due timestamptz[];
+    v_duplicate boolean[];
+    v_left record;
     v_claim record;
-    i integer;
 begin
-    ids := p_ids;
-    dues := p_dues;
-    duplicates := array_fill(false, array[cardinality(p_ids)]);
-    for v_key, v_first, v_positions in
-        select k.key, min(k.i), array_agg(k.i order by k.i)
-          from unnest(p_keys) with ordinality as k(key, i)
-         where k.key is not null
-         group by k.key
+    select array_agg(x.key order by x.key collate "C"), array_agg(x.first order by x.key collate "C")
+      into v_keys, v_firsts
+      from (select k.key, min(k.i)::integer as first
+              from unnest(p_keys) with ordinality as k(key, i)
+             where k.key is not null
+             group by k.key) x;
+    -- Recorded already, within the window.
+    select coalesce(array_agg(r.ik_key), '{}'), coalesce(array_agg(r.ik_event), '{}'),
+           coalesce(array_agg(r.ik_due), '{}'), coalesce(array_agg(true), '{}')
+      into v_done, v_events, v_due, v_duplicate
+      from (select distinct on (k.ik_key) k.ik_key, k.ik_event, k.ik_due
+              from pgque.idempotency_key k
+             where k.ik_queue = p_queue.queue_id and k.ik_key = any(v_keys)
+               and k.ik_time > p_now - p_queue.queue_idempotency_window
+             order by k.ik_key, k.ik_time desc) r;
+    -- New: claimed in one insert, in key order; a conflict (a sender of the
+    -- key in flight, or its expired record here) leaves the key to the loop.
+    with claimed as (
+        insert into pgque.idempotency_key (ik_queue, ik_key, ik_event, ik_time, ik_due, ik_part)
+        select p_queue.queue_id, k.key, p_ids[k.first], p_now, p_dues[k.first], v_part
+          from unnest(v_keys, v_firsts) as k(key, first)
+         where k.key <> all(v_done)
          order by k.key collate "C"
-    loop
-        v_claim := pgque._claim_idempotency_key(p_queue, v_part, v_key, p_ids[v_first],
-                                                p_dues[v_first], p_now);
-        if not v_claim.duplicate then
-            v_positions := v_positions[2:];  -- the first sends, the others repeat it
-        end if;
-        foreach i in array v_positions loop
-            ids[i] := v_claim.event_id;
-            dues[i] := v_claim.due;
-            duplicates[i] := true;
-        end loop;
+        on conflict (ik_queue, ik_key, ik_part) do nothing
+        returning ik_key, ik_event, ik_due)
+    select v_done || coalesce(array_agg(c.ik_key), '{}'),
+           v_events || coalesce(array_agg(c.ik_event), '{}'),
+           v_due || coalesce(array_agg(c.ik_due), '{}'),
+           v_duplicate || coalesce(array_agg(false), '{}')
+      into v_done, v_events, v_due, v_duplicate
+      from claimed c;
+    for v_left in select k.key, k.first from unnest(v_keys, v_firsts) as k(key, first)
+                   where k.key <> all(v_done) order by k.key collate "C" loop
+        v_claim := pgque._claim_idempotency_key(p_queue, v_part, v_left.key,
+                                                p_ids[v_left.first], p_dues[v_left.first], p_now);
+        v_done := v_done || v_left.key;
+        v_events := v_events || v_claim.event_id;
+        v_due := v_due || v_claim.due;
+        v_duplicate := v_duplicate || v_claim.duplicate;
     end loop;
+    -- Each event: its key's resolution; duplicate unless it is the first of a
+    -- key that this send recorded.
+    select array_agg(coalesce(r.event_id, p_ids[e.i]) order by e.i),
+           array_agg(coalesce(r.duplicate or e.i <> f.first, false) order by e.i),
+           array_agg(case when r.key is null then p_dues[e.i] else r.due end order by e.i)
+      into ids, duplicates, dues
+      from unnest(p_keys) with ordinality as e(key, i)
+      left join unnest(v_keys, v_firsts) as f(key, first) on f.key = e.key
+      left join unnest(v_done, v_events, v_due, v_duplicate) as r(key, event_id, due, duplicate)
+        on r.key = e.key;
 end
 $$;
 
