@@ -23,6 +23,10 @@ from helpers import drain, scalar, sqlstate_of
 
 import pgque
 
+# With the Client and with the AsyncClient (tests/async_twin.py): the options of
+# send and send_batch take the same path in both.
+pytestmark = pytest.mark.both_clients
+
 
 def received(client: pgque.Client, consumer: str = "c") -> list[tuple[int, str | None, Any]]:
     """(id its send returned, partition key, payload) of every event the consumer
