@@ -130,10 +130,15 @@ def check_deliver_at(deliver_at: datetime | None) -> datetime | None:
 
 
 def delay(deliver_after: float | timedelta | None) -> timedelta | None:
-    """``deliver_after`` as a timedelta (seconds may be given as a number)."""
+    """``deliver_after`` as a timedelta (seconds may be given as a number);
+    InvalidDelay for a number no timedelta holds (NaN, infinite, too large)."""
     if deliver_after is None or isinstance(deliver_after, timedelta):
         return deliver_after
-    return timedelta(seconds=deliver_after)
+    try:
+        return timedelta(seconds=deliver_after)
+    except (ValueError, OverflowError) as exc:
+        raise InvalidDelay(f"deliver_after {deliver_after!r} is not a delay from 0 to "
+                           "30 days") from exc
 
 
 def send_options(events: Sequence[EventLike], deliver_at: datetime | None,

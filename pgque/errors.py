@@ -175,7 +175,7 @@ class InvalidConfig(PgqueError, ValueError, sqlstate="PQ007"):
 
 
 class NotReadCommitted(PgqueError, sqlstate="PQ008"):
-    """Ticks must be made in a READ COMMITTED transaction (PQ008)."""
+    """Ticks and maintenance must run in a READ COMMITTED transaction (PQ008)."""
 
 
 class DeadLetterNotFound(PgqueError, sqlstate="PQ009"):

@@ -251,3 +251,89 @@ def test_status_shows_delayed_events_waiting(client: pgque.Client,
     client.tick("q")
     info = {q.queue_name: q for q in client.queue_info()}["q"]
     assert info.delayed_events == 1
+
+
+@pytest.mark.usefixtures("queue")
+def test_maintenance_outside_read_committed_is_refused(client: pgque.Client,
+                                                      conn: psycopg.Connection[Any],
+                                                      dsn: str) -> None:
+    """Its rotations copy what a snapshot shows, then TRUNCATE: in REPEATABLE READ
+    an older snapshot would copy less than was committed (a delayed event sent
+    meanwhile lost). PQ008, as for a tick; nothing rotated."""
+    conn.execute("update pgque.rotation set rt_period = '0' where rt_name = 'delayed'")
+    client.send("q", "e", 1, deliver_after=3600)
+    client.maintenance()  # the switch: the next pass would empty what it left
+    with psycopg.connect(dsn) as rr:
+        rr.execute("set transaction isolation level repeatable read")
+        with pytest.raises(psycopg.Error) as refused:
+            rr.execute("select * from pgque.maint()")
+        assert refused.value.sqlstate == "PQ008"
+    assert waiting(conn) == 1
+
+
+def test_delay_arrays_of_another_shape_are_refused(client: pgque.Client,
+                                                  conn: psycopg.Connection[Any]) -> None:
+    """A delay array read by index must be one-dimensional from 1: a two-dimensional
+    or [0:1] array is 22023, not a delay dropped or moved to another event."""
+    client.create_queue("q")
+    before = state(conn)
+    for deliver_afters in ("{{1 hour},{1 hour}}", '[0:1]={"1 hour","1 hour"}'):
+        with pytest.raises(psycopg.Error) as refused:
+            conn.execute("select * from pgque.send_batch_with('q', array['a', 'b'],"
+                         " array['{}', '{}'], null, null, %s::interval[])", (deliver_afters,))
+        assert refused.value.sqlstate == "22023"
+    with pytest.raises(psycopg.Error) as refused:
+        conn.execute("select * from pgque.send_batch_with('q', array['a', 'b'], array['{}', '{}'],"
+                     " null, '[0:1]={NULL,\"2100-01-01\"}'::timestamptz[])")
+    assert refused.value.sqlstate == "22023"
+    for huge in ("1000000 years", "31 days"):
+        with pytest.raises(psycopg.Error) as refused:
+            conn.execute("select pgque.send_with('q', 'e', '{}', p_deliver_after => %s::interval)",
+                         (huge,))
+        assert refused.value.sqlstate == "PQ031"
+    for bad in (float("nan"), float("inf"), 1e30):
+        with pytest.raises(pgque.InvalidDelay):
+            client.send("q", "e", 1, deliver_after=bad)
+    assert state(conn) == before
+
+
+@pytest.mark.usefixtures("queue")
+def test_a_retried_delayed_event_keeps_its_delayed_id(client: pgque.Client,
+                                                     conn: psycopg.Connection[Any]) -> None:
+    d = client.send("q", "e", "d", "k", deliver_after=3600)
+    make_due(conn, d)
+    client.tick("q")
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and [m.delayed_id for m in batch] == [d]
+    client.ack(batch, nack=list(batch))
+    client.maintenance()  # the retry, due at once, back into the log
+    client.tick("q")
+    again = client.receive("q", "c")
+    assert again is not None
+    assert [(m.delayed_id, m.retry_count) for m in again] == [(d, 1)]
+    client.ack(again)
+
+
+def test_an_idle_queue_does_not_read_another_queues_delayed_events(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """The ticker asks every queue every poll whether a delayed event is due: with
+    20,000 waiting in one queue, the other's answer is index probes, no scan."""
+    client.create_queue("busy")
+    client.create_queue("idle")
+    for _ in range(20):
+        client.send_batch("busy", [("e", None)] * 1_000, deliver_after=3600)
+    conn.execute("analyze pgque.delayed_event")
+    # The partition that holds them (the other, empty, is scanned: nothing to read).
+    scans = ("select seq_scan, idx_scan from pg_stat_user_tables where relname ="
+             " (select 'delayed_event_' || rt_part from pgque.rotation where rt_name = 'delayed')")
+    conn.execute("select pg_stat_force_next_flush()")
+    seq_before, idx_before = conn.execute(scans).fetchone()  # type: ignore[misc]
+    for _ in range(20):
+        assert not scalar(conn, "select pgque._delayed_due(q.queue_id,"
+                                " pgque._last_tick(q.queue_id))"
+                                " from pgque.queue q where queue_name = 'idle'")
+    conn.execute("select pg_stat_force_next_flush()")
+    seq_after, idx_after = conn.execute(scans).fetchone()  # type: ignore[misc]
+    assert seq_after == seq_before
+    assert idx_after > idx_before

@@ -253,3 +253,24 @@ def test_a_sent_id_prints_formats_and_encodes_as_its_int() -> None:
     assert sent == 42 and hash(sent) == hash(42) and sent.duplicate
     assert repr(sent) == "SentId(42, duplicate)"
     assert not pgque.SentId(7).duplicate and pgque.SentId(7).deliver_at is None
+
+
+@pytest.mark.usefixtures("queue")
+def test_a_switch_is_dated_by_the_clock_not_by_maintenances_start(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A key committed after a maintenance transaction began but before its switch
+    stays in the partition left: the switch's time must not be earlier than that
+    key, or the partition would be emptied before the key's window ends."""
+    client.set_queue_config("q", idempotency_window=0.5)
+    conn.execute("update pgque.rotation set rt_time = now() - interval '1 hour'"
+                 " where rt_name = 'idempotency'")
+    client.send("q", "e", "seed", idempotency_key="seed")
+    with psycopg.connect(dsn) as maint:
+        maint.execute("select now()")  # the transaction's start
+        client.send("q", "e", "late", idempotency_key="late")
+        assert "rotate_idempotency" in [r[1] for r in maint.execute(
+            "select * from pgque.maint()").fetchall()]
+        maint.commit()
+    assert scalar(conn, "select rt_time >= (select ik_time from pgque.idempotency_key"
+                        "                   where ik_key = 'late')"
+                        "  from pgque.rotation where rt_name = 'idempotency'")

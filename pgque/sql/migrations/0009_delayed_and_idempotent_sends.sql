@@ -11,7 +11,7 @@
 -- An event that waited as a delayed event enters the log with a new id, in
 -- the log's order; ev_delayed_id keeps the id its send returned (null for an
 -- event sent at once). The event tables of existing queues get it from their
--- parents; a pause policy's held events keep it too.
+-- parents; a pause policy's held events and the retries keep it too.
 alter table pgque.event_template add column if not exists ev_delayed_id bigint;
 do $events$
 declare
@@ -24,6 +24,7 @@ begin
 end
 $events$;
 alter table pgque.held_event add column if not exists ev_delayed_id bigint;
+alter table pgque.retry_queue add column if not exists ev_delayed_id bigint;
 
 -- How long a queue remembers an idempotency key.
 alter table pgque.queue
@@ -66,7 +67,7 @@ create table if not exists pgque.delayed_event_1 partition of pgque.delayed_even
 -- The tick's move reads the rows falling due since the last tick ...
 create index if not exists delayed_event_due on pgque.delayed_event (de_queue, de_due);
 -- ... and those sent by transactions the last tick did not see.
-create index if not exists delayed_event_txid on pgque.delayed_event (ev_txid);
+create index if not exists delayed_event_txid on pgque.delayed_event (de_queue, ev_txid);
 
 -- The idempotency keys: the first send of a key in a queue, with the event id
 -- it returned. Only INSERTed, except that a key sent again after its window

@@ -357,9 +357,10 @@ begin
         returning 1),
     retried as (
         insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
-                                       ev_retry, ev_type, ev_data, ev_extra1, rq_part)
+                                       ev_retry, ev_type, ev_data, ev_extra1, ev_delayed_id,
+                                       rq_part)
         select now() + e.delay, p_queue.queue_id, p_sub.sub_id, e.ev_id, e.ev_time,
-               e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, v_retry_part
+               e.ev_retry + 1, e.ev_type, e.ev_data, e.ev_extra1, e.ev_delayed_id, v_retry_part
           from nacked e
          where e.ev_retry < p_queue.queue_max_retries and not e.dead
         returning 1)

@@ -245,7 +245,8 @@ begin
     delete from pgque.dead_letter d where d.dl_id = v_dead.dl_id;
     execute 'with src as (select $1::bigint as ev_id, $2::timestamptz as ev_time,'
             '                    $3::integer as ev_owner, 0 as ev_retry, $4::text as ev_type,'
-            '                    $5::text as ev_data, $6::text as ev_extra1) '
+            '                    $5::text as ev_data, $6::text as ev_extra1,'
+            '                    null::bigint as ev_delayed_id) '
             || pgque._insert_events_sql(v_queue)
       using v_dead.ev_id, v_dead.ev_time, v_owner, v_dead.ev_type, v_dead.ev_data,
             v_dead.ev_extra1;

@@ -2,16 +2,18 @@
 
 -- pgque._insert_events_sql(queue): the statement that moves rows of a CTE
 -- named "src" into the queue's current event table, keeping ev_id, ev_time,
--- ev_retry, ev_type, ev_data and ev_extra1 (the partition key), with a new ev_txid (the moving
--- transaction's) and src.ev_owner as the only subscription that sees them.
+-- ev_retry, ev_type, ev_data, ev_extra1 (the partition key) and ev_delayed_id,
+-- with a new ev_txid (the moving transaction's) and src.ev_owner as the only
+-- subscription that sees them.
 create or replace function pgque._insert_events_sql(p_queue pgque.queue)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format(
-        'insert into pgque.%I (ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data, ev_extra1)'
-        ' select ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data, ev_extra1'
+        'insert into pgque.%I (ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data, ev_extra1,'
+        '                      ev_delayed_id)'
+        ' select ev_id, ev_time, ev_owner, ev_retry, ev_type, ev_data, ev_extra1, ev_delayed_id'
         '   from src order by ev_id',
         pgque._event_table(p_queue.queue_id, p_queue.queue_cur_table))
 $$;

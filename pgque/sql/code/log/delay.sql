@@ -56,10 +56,14 @@ begin
     if p_deliver_ats is null and p_deliver_afters is null then
         return null;
     end if;
+    -- Read by index below: one dimension, from 1, one element per event.
     if coalesce(cardinality(p_deliver_ats), p_count) <> p_count
-       or coalesce(cardinality(p_deliver_afters), p_count) <> p_count then
+       or coalesce(cardinality(p_deliver_afters), p_count) <> p_count
+       or array_ndims(p_deliver_ats) > 1 or array_lower(p_deliver_ats, 1) <> 1
+       or array_ndims(p_deliver_afters) > 1 or array_lower(p_deliver_afters, 1) <> 1 then
         raise exception using errcode = '22023',
-            message = 'deliver_at and deliver_after must have one element per event';
+            message = 'deliver_at and deliver_after must be one-dimensional arrays from 1, '
+                      'with one element per event';
     end if;
     -- A loop over plain values: an event or a few per call, where a query
     -- over the arrays cost more than the send itself.
@@ -76,11 +80,17 @@ begin
             raise exception using errcode = 'PQ031',
                 message = format('event %s: deliver_after %s is negative', i, v_after);
         end if;
-        v_due := coalesce(v_at, p_now + v_after);
+        -- Compared before it is added: now plus a million years overflows.
+        if v_after > pgque._max_delay() then
+            v_due := 'infinity';
+        else
+            v_due := coalesce(v_at, p_now + v_after);
+        end if;
         if v_due > v_latest then
             raise exception using errcode = 'PQ031',
                 message = format('event %s: its due time %s is more than %s ahead',
-                                 i, v_due, pgque._max_delay()),
+                                 i, coalesce(v_at::text, format('now + %s', v_after)),
+                                 pgque._max_delay()),
                 hint = 'Delays go from 0 to 30 days; a due time in the past delivers at once.';
         end if;
         v_dues := v_dues || case when v_due > p_now then v_due end;
@@ -109,21 +119,37 @@ $$;
 -- pgque._delayed_due(queue, last): whether a delayed event of the queue is
 -- due now and not moved by the tick last: one due since last's time, or one
 -- due now that a transaction last did not see has sent. Reads only: the
--- ticker asks every poll (_tick_due).
+-- ticker asks every poll (_tick_due), so each look is an index range of the
+-- queue's own rows (delayed_event_due, delayed_event_txid), planned for the
+-- values at hand: a generic plan, made for any queue, would scan the table
+-- when one queue holds most of its rows.
 create or replace function pgque._delayed_due(p_queue_id integer, p_last pgque.tick)
 returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set plan_cache_mode = force_custom_plan
 as $$
-    select exists (select from pgque.delayed_event d
+declare
+    v_now timestamptz := clock_timestamp();
+begin
+    if exists (select from pgque.delayed_event d
+                where d.de_queue = p_queue_id
+                  and d.de_due > coalesce(p_last.tick_time, '-infinity')
+                  and d.de_due <= v_now) then
+        return true;
+    end if;
+    if p_last.tick_id is null then
+        return false;
+    end if;
+    return exists (select from pgque.delayed_event d
                     where d.de_queue = p_queue_id
-                      and d.de_due <= clock_timestamp()
-                      and (p_last.tick_time is null or d.de_due > p_last.tick_time))
+                      and d.ev_txid >= pg_snapshot_xmax(p_last.tick_snapshot)
+                      and d.de_due <= v_now)
         or exists (select from pgque.delayed_event d
-                    where (d.ev_txid >= pg_snapshot_xmax(p_last.tick_snapshot)
-                           or d.ev_txid = any(array(select pg_snapshot_xip(p_last.tick_snapshot))))
-                      and d.de_queue = p_queue_id
-                      and d.de_due <= clock_timestamp())
+                    where d.de_queue = p_queue_id
+                      and d.ev_txid = any(array(select pg_snapshot_xip(p_last.tick_snapshot)))
+                      and d.de_due <= v_now);
+end
 $$;
 
 -- pgque._move_delayed(queue, prev, tick): moves into the queue's current
@@ -149,8 +175,11 @@ begin
         '            and ($3 is null or d.de_due > $3)'
         '         union all'
         '         select d.* from pgque.delayed_event d'
-        '          where (d.ev_txid >= $4 or d.ev_txid = any($5))'
-        '            and d.de_queue = $1 and d.de_due <= $3) d'
+        '          where d.de_queue = $1 and d.ev_txid >= $4 and d.de_due <= $3'
+        '         union all'
+        '         select d.* from pgque.delayed_event d'
+        '          where d.de_queue = $1 and d.ev_txid = any($5) and d.de_due <= $3'
+        '            and d.ev_txid < $4) d'
         '  where pg_visible_in_snapshot(d.ev_txid, $6)'
         '  order by d.ev_id',
         pgque._event_table(p_queue.queue_id, p_queue.queue_cur_table))

@@ -166,7 +166,7 @@ begin
         insert into pgque.idempotency_key (ik_queue, ik_key, ik_event, ik_time, ik_due, ik_part)
         select p_queue.queue_id, k.key, p_ids[k.first], p_now, p_dues[k.first], v_part
           from unnest(v_keys, v_firsts) as k(key, first)
-         where k.key <> all(v_done)
+         where not exists (select from unnest(v_done) d(key) where d.key = k.key)
          order by k.key collate "C"
         on conflict (ik_queue, ik_key, ik_part) do nothing
         returning ik_key, ik_event, ik_due)
@@ -177,7 +177,8 @@ begin
       into v_done, v_events, v_due, v_duplicate
       from claimed c;
     for v_left in select k.key, k.first from unnest(v_keys, v_firsts) as k(key, first)
-                   where k.key <> all(v_done) order by k.key collate "C" loop
+                   where not exists (select from unnest(v_done) d(key) where d.key = k.key)
+                   order by k.key collate "C" loop
         v_claim := pgque._claim_idempotency_key(p_queue, v_part, v_left.key,
                                                 p_ids[v_left.first], p_dues[v_left.first], p_now);
         v_done := v_done || v_left.key;

@@ -329,10 +329,11 @@ as $$
 begin
     if p_held.ev_retry < p_queue.queue_max_retries and not p_dead_now then
         insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
-                                       ev_retry, ev_type, ev_data, ev_extra1, rq_part)
+                                       ev_retry, ev_type, ev_data, ev_extra1, ev_delayed_id,
+                                       rq_part)
         values (now() + p_retry_after, p_queue.queue_id, p_sub.sub_id, p_held.ev_id,
                 p_held.ev_time, p_held.ev_retry + 1, p_held.ev_type, p_held.ev_data,
-                p_held.he_key, pgque._write_part('retry'));
+                p_held.he_key, p_held.ev_delayed_id, pgque._write_part('retry'));
         return 0;
     end if;
     insert into pgque.dead_letter (dl_queue, dl_consumer, dl_sub, dl_reason, ev_id, ev_time,
@@ -948,10 +949,10 @@ begin
     select * into v from pgque._blocked_marker(p_queue, p_consumer, p_key, 'resume the key');
     v_head := pgque._head_of(v.marker);
     insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time, ev_retry,
-                                   ev_type, ev_data, ev_extra1, rq_part)
+                                   ev_type, ev_data, ev_extra1, ev_delayed_id, rq_part)
     values (now(), (v.queue).queue_id, (v.sub).sub_id, v_head.ev_id, v_head.ev_time,
             v_head.ev_retry + (v.marker).bk_attempts, v_head.ev_type, v_head.ev_data, p_key,
-            pgque._write_part('retry'));
+            v_head.ev_delayed_id, pgque._write_part('retry'));
     v.marker.bk_done_seq := v_head.he_seq;
     v.marker.bk_attempts := 0;
     v.marker.bk_retry_at := now();

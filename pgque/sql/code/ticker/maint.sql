@@ -171,8 +171,9 @@ $$;
 -- ticks, the nack records, the retry queue, the held events, the delayed
 -- events and the idempotency keys of all queues when they are due (steps
 -- rotate_cursors, rotate_ticks, rotate_nacks, rotate_retries, rotate_held,
--- rotate_delayed and rotate_idempotency, queue_name null). A pass over all queues also writes the
--- event writer when it is due (step event_writer, queue_name null).
+-- rotate_delayed and rotate_idempotency, queue_name null). A pass over all
+-- queues also writes the event writer when it is due (step event_writer,
+-- queue_name null). PQ008 outside READ COMMITTED, as for a tick.
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
 language plpgsql
@@ -185,6 +186,12 @@ declare
     v_queue pgque.queue;
     v_amount bigint;
 begin
+    -- Its rotations copy what is still needed and then TRUNCATE: a snapshot
+    -- older than the statement would copy less than was committed.
+    if current_setting('transaction_isolation') <> 'read committed' then
+        raise exception using errcode = 'PQ008',
+            message = 'pgque maintenance must run in a READ COMMITTED transaction';
+    end if;
     if p_queue is not null then
         perform pgque._queue_row(p_queue);
     end if;

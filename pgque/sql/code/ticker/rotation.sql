@@ -159,7 +159,7 @@ language sql
 set search_path = pg_catalog, pg_temp
 as $$
     update pgque.rotation
-       set rt_part = p_part, rt_time = now(), rt_moving = p_moving,
+       set rt_part = p_part, rt_time = clock_timestamp(), rt_moving = p_moving,
            rt_switch = case p_name
                            when 'cursor' then nextval('pgque.cursor_switch_seq')
                            when 'nack' then coalesce(
@@ -574,9 +574,11 @@ begin
         -- Locked: no nack or mover writes there now, and this statement's
         -- snapshot sees all they committed.
         insert into pgque.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time,
-                                       ev_retry, ev_type, ev_data, ev_extra1, rq_id, rq_part)
+                                       ev_retry, ev_type, ev_data, ev_extra1, ev_delayed_id,
+                                       rq_id, rq_part)
         select r.ev_retry_after, r.ev_queue, r.ev_owner, r.ev_id, r.ev_time,
-               r.ev_retry, r.ev_type, r.ev_data, r.ev_extra1, r.rq_id, v_rotation.rt_part
+               r.ev_retry, r.ev_type, r.ev_data, r.ev_extra1, r.ev_delayed_id, r.rq_id,
+               v_rotation.rt_part
           from pgque._retry_waiting r
          where r.rq_part = v_other;
         execute format('truncate pgque.%I, pgque.%I',
