@@ -87,20 +87,26 @@ def config_json(config: dict[str, float | timedelta | str]) -> str:
     ).decode()
 
 
-def event_columns(events: Iterable[EventLike]) -> tuple[list[str], list[str], list[str | None]]:
-    """The types, encoded payloads and partition keys of ``send_batch``'s events."""
+def event_columns(events: Iterable[EventLike],
+                  ) -> tuple[list[str], list[str], list[str | None], bool]:
+    """The types, encoded payloads and partition keys of ``send_batch``'s events,
+    and whether any of them is an Event with a delay or an idempotency key."""
     types: list[str] = []
     payloads: list[str] = []
     keys: list[str | None] = []
+    options = False
     for event in events:
         if isinstance(event, Event):
             etype, payload, key = event.type, event.payload, event.partition_key
+            options = options or (event.deliver_at is not None
+                                  or event.deliver_after is not None
+                                  or event.idempotency_key is not None)
         else:
             etype, payload, key = (*event, None)[:3]
         types.append(etype)
         payloads.append(encode_payload(payload))
         keys.append(key)
-    return types, payloads, keys
+    return types, payloads, keys, options
 
 
 class SendOptions(msgspec.Struct):

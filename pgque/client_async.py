@@ -399,10 +399,13 @@ class AsyncClient:
         :meth:`send`.
         """
         events = list(events)
-        types, payloads, keys = event_columns(events)
+        types, payloads, keys, own_options = event_columns(events)
         if not types:
             return []
-        options = send_options(events, deliver_at, deliver_after)
+        # The options' columns only when there are any: the plain batch is the hot path.
+        options = (send_options(events, deliver_at, deliver_after)
+                   if own_options or deliver_at is not None or deliver_after is not None
+                   else None)
         async with self._producer(conn) as target:
             if options is None:
                 # Binary (%b) arrays: psycopg encodes them several times faster than text.
