@@ -40,8 +40,9 @@ def received(client: pgque.Client, consumer: str = "c") -> list[tuple[int, str |
 
 
 def make_due(conn: psycopg.Connection[Any], *ids: int) -> None:
-    """The delayed events ids fall due now (the clock reaching their time)."""
-    conn.execute("update pgque.delayed_event set de_due = clock_timestamp()"
+    """The delayed events ids fall due now (the clock reaching their time), all at
+    one time (so one tick moves them in send order)."""
+    conn.execute("update pgque.delayed_event set de_due = statement_timestamp()"
                  " where ev_id = any(%s)", (list(ids),))
 
 
@@ -337,3 +338,19 @@ def test_an_idle_queue_does_not_read_another_queues_delayed_events(
     seq_after, idx_after = conn.execute(scans).fetchone()  # type: ignore[misc]
     assert seq_after == seq_before
     assert idx_after > idx_before
+
+
+@pytest.mark.usefixtures("queue")
+def test_events_one_tick_moves_enter_by_due_time(client: pgque.Client,
+                                                conn: psycopg.Connection[Any]) -> None:
+    """Sent d1 then d2, d2 due first: as if each were sent when due, d2 comes first;
+    with one due time, send order."""
+    d1 = client.send("q", "e", "d1", "k", deliver_after=7200)
+    d2 = client.send("q", "e", "d2", "k", deliver_after=3600)
+    d3 = client.send("q", "e", "d3", "k", deliver_after=3600)
+    conn.execute("update pgque.delayed_event set de_due = clock_timestamp()"
+                 " - case ev_id when %s then interval '1 second' else interval '2 seconds' end",
+                 (d1,))
+    client.tick("q")
+    client.tick("q")
+    assert [i for i, _k, _p in received(client)] == [d2, d3, d1]

@@ -55,19 +55,22 @@ class Model:
 
     def __init__(self) -> None:
         self.entered: list[int] = []
-        self.waiting: list[tuple[int, bool]] = []
+        # Waiting, in send order: (n, when made due: a step number, or None).
+        self.waiting: list[tuple[int, int | None]] = []
         self.keys: dict[str, int] = {}
 
     def sent(self, n: int, delayed: bool) -> None:
         if delayed:
-            self.waiting.append((n, False))
+            self.waiting.append((n, None))
         else:
             self.entered.append(n)
 
     def ticked(self) -> None:
-        """The tick moves, after what is committed, the delayed events made due."""
-        self.entered += [n for n, due in self.waiting if due]
-        self.waiting = [(n, due) for n, due in self.waiting if not due]
+        """The tick moves, after what is committed, the delayed events made due,
+        by due time (then in send order)."""
+        due = [(when, i, n) for i, (n, when) in enumerate(self.waiting) if when is not None]
+        self.entered += [n for _when, _i, n in sorted(due)]
+        self.waiting = [(n, when) for n, when in self.waiting if when is None]
 
 
 @settings(max_examples=30, deadline=None,
@@ -87,6 +90,7 @@ def test_every_committed_event_is_delivered_once_in_the_order_it_entered_the_log
         delivered: list[int] = []  # n, in the order first received
         seen: set[int] = set()  # log ids received
         counter = 0
+        due_steps = 0  # orders the due times the steps give
 
         def consume(crash: bool) -> bool:
             with psycopg.connect(dsn, autocommit=True) as consumer_conn:
@@ -134,13 +138,14 @@ def test_every_committed_event_is_delivered_once_in_the_order_it_entered_the_log
                     model.keys[idempotency_key] = int(sent)
                 model.sent(counter, delayed_send)
             elif step[0] == "due":
-                pending = [i for i, (_n, due) in enumerate(model.waiting) if not due]
+                pending = [i for i, (_n, when) in enumerate(model.waiting) if when is None]
                 if pending:
                     i = pending[step[1] % len(pending)]
                     n, _ = model.waiting[i]
                     conn.execute("update pgque.delayed_event set de_due = clock_timestamp()"
                                  " where ev_id = %s", (ids[n],))
-                    model.waiting[i] = (n, True)
+                    due_steps += 1
+                    model.waiting[i] = (n, due_steps)  # later steps: later due times
             elif step[0] == "tick":
                 client.tick("q")
                 model.ticked()
@@ -148,10 +153,12 @@ def test_every_committed_event_is_delivered_once_in_the_order_it_entered_the_log
                 client.maintenance()  # the delayed events' rotation, due at every pass
             else:
                 consume(step[1])
-        # Time passes for everything; two ticks: one moves them, one hands them out.
-        conn.execute("update pgque.delayed_event set de_due = clock_timestamp()"
+        # Time passes for everything left (one due time: by send order); two
+        # ticks: one moves them, one hands them out.
+        conn.execute("update pgque.delayed_event set de_due = statement_timestamp()"
                      " where de_due > clock_timestamp()")
-        model.waiting = [(n, True) for n, _ in model.waiting]
+        model.waiting = [(n, when if when is not None else due_steps + 1)
+                         for n, when in model.waiting]
         client.tick("q")
         model.ticked()
         client.tick("q")

@@ -9,8 +9,8 @@
 -- that both sees it and has passed its time, and nothing marks a row moved:
 -- the ticks are the record. The move runs in the tick's own transaction,
 -- after the tick row, so the tick holds every event committed before it, and
--- the moved events get new ids from the queue's sequence, after every id
--- taken before: a delayed event enters its key's order when it falls due, as
+-- the moved events get new ids from the queue's sequence, in due-time order,
+-- after every id taken before: a delayed event enters its key's order when it falls due, as
 -- if sent then (a batch, which may span several ticks, is read in id order).
 -- Its ev_time is the tick's time, when it became ready; ev_delayed_id keeps
 -- the id its send returned.
@@ -166,7 +166,8 @@ as $$
 declare
     v_count bigint;
 begin
-    -- New ids, from the insert's default in this order: the log's order.
+    -- New ids, from the insert's default in this order (by due time: as if
+    -- each were sent when due; then as sent): the log's order.
     execute format(
         'insert into pgque.%I (ev_time, ev_type, ev_data, ev_extra1, ev_delayed_id)'
         ' select $2, d.ev_type, d.ev_data, d.ev_extra1, d.ev_id'
@@ -181,7 +182,7 @@ begin
         '          where d.de_queue = $1 and d.ev_txid = any($5) and d.de_due <= $3'
         '            and d.ev_txid < $4) d'
         '  where pg_visible_in_snapshot(d.ev_txid, $6)'
-        '  order by d.ev_id',
+        '  order by d.de_due, d.ev_id',
         pgque._event_table(p_queue.queue_id, p_queue.queue_cur_table))
       using p_queue.queue_id, p_tick.tick_time, p_prev.tick_time,
             pg_snapshot_xmax(p_prev.tick_snapshot),
