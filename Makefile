@@ -45,12 +45,13 @@ twins: venv
 # command line and the demo (their SQL is the Client's, which the rest of the
 # suite runs on both), the pytest plugin (it starts servers of its own) and
 # the modules that need no server.
-# (The worker command's tests run on the second server instead, to balance the two.)
+# (The worker command's and the services' lifecycle tests run on the second server
+# instead, to balance the two.)
 SYSTEM_LOG := .pytest-system.log
 SYSTEM_ONLY_ARGS := --ignore=tests/test_faults.py --ignore=tests/test_cli.py \
 	--ignore=tests/test_demo.py --ignore=tests/test_testing.py --ignore=tests/test_twins.py \
 	--ignore=tests/test_acompat.py --ignore=tests/test_bench_report.py
-FIRST_ONLY_ARGS := --ignore=tests/test_cli_worker.py
+FIRST_ONLY_ARGS := --ignore=tests/test_cli_worker.py --ignore=tests/test_lifecycle.py
 
 # The suite starts a few hundred Python processes (the CLI, workers, the demo):
 # each would compile pgque from source again where PYTHONDONTWRITEBYTECODE is set.
