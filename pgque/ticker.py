@@ -107,6 +107,9 @@ class Ticker(Service):
                                        idle_timeout=max(self.network_timeout * 5 / 6,
                                                         3 * self.standby_interval,
                                                         3 * self.idle_interval))
+            # Ticks and maintenance need READ COMMITTED (PQ008 otherwise), whatever
+            # the database's or the role's default.
+            settings["default_transaction_isolation"] = "read committed"
             client = Client(conn)
             with watch.call():
                 self.backend_pid = client.pin_session(settings)

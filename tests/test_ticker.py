@@ -270,3 +270,23 @@ def test_a_worker_whose_ticker_never_connected_does_not_run_on_silently(
     finally:
         blocker.close()
         conn.execute(f"drop role {role}")
+
+
+def test_a_ticker_ticks_where_the_default_isolation_is_repeatable_read(
+        client: pgque.Client, dsn: str) -> None:
+    """Ticks and maintenance need READ COMMITTED (PQ008 otherwise): a Ticker sets it
+    on its own session, whatever the database's default, and ticks."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    database = scalar(client.conn, "select current_database()")
+    client.conn.execute(f'alter database "{database}"'
+                        " set default_transaction_isolation = 'repeatable read'")
+    try:
+        with pgque.Ticker(dsn) as ticker:
+            event = client.send("q", "e", 1)
+            wait_for(lambda: ticker.ticks or None, timeout=10, what="a tick")
+            batch = wait_for(lambda: client.receive("q", "c"), timeout=10, what="the event")
+            assert [m.id for m in batch] == [event]
+            assert ticker.error is None
+    finally:
+        client.conn.execute(f'alter database "{database}" reset default_transaction_isolation')
