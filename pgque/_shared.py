@@ -109,23 +109,6 @@ def event_columns(events: Iterable[EventLike],
     return types, payloads, keys, options
 
 
-class SendOptions(msgspec.Struct):
-    """The options of a batch's events, one list each, for ``pgque.send_batch_with``
-    (a list of Nones is sent as null)."""
-
-    deliver_ats: list[datetime | None]
-    deliver_afters: list[timedelta | None]
-    idempotency_keys: list[str | None]
-
-    def columns(self) -> tuple[list[datetime | None] | None, list[timedelta | None] | None,
-                               list[str | None] | None]:
-        """The three lists, each None when it holds nothing."""
-        return (self.deliver_ats if any(d is not None for d in self.deliver_ats) else None,
-                self.deliver_afters if any(d is not None for d in self.deliver_afters) else None,
-                self.idempotency_keys if any(k is not None for k in self.idempotency_keys)
-                else None)
-
-
 def check_deliver_at(deliver_at: datetime | None) -> datetime | None:
     """``deliver_at`` as given, once it is known to be timezone-aware: a naive
     datetime would be read in the server session's time zone."""
@@ -147,28 +130,34 @@ def delay(deliver_after: float | timedelta | None) -> timedelta | None:
                            "30 days") from exc
 
 
+SendOptions = tuple[list[datetime | None] | None, list[timedelta | None] | None,
+                    list[str | None] | None]
+
+
 def send_options(events: Sequence[EventLike], deliver_at: datetime | None,
-                 deliver_after: float | timedelta | None) -> SendOptions | None:
-    """The options of ``send_batch``'s events (an event's own, else the call's
-    ``deliver_at``/``deliver_after``), or None when none has any: the plain send_batch."""
+                 deliver_after: float | timedelta | None) -> SendOptions:
+    """The deliver_at, deliver_after and idempotency key columns of ``send_batch``'s
+    events (an event's own delay, else the call's), each None when it holds nothing."""
     call_at, call_after = check_deliver_at(deliver_at), delay(deliver_after)
     if call_at is not None and call_after is not None:
         raise InvalidArgument("send_batch takes deliver_at or deliver_after, not both")
-    options = SendOptions([], [], [])
+    ats: list[datetime | None] = []
+    afters: list[timedelta | None] = []
+    keys: list[str | None] = []
     for event in events:
-        own = isinstance(event, Event) and (
-            event.deliver_at is not None or event.deliver_after is not None)
-        if isinstance(event, Event) and own:
-            options.deliver_ats.append(check_deliver_at(event.deliver_at))
-            options.deliver_afters.append(delay(event.deliver_after))
+        if isinstance(event, Event):
+            keys.append(event.idempotency_key)
+            if event.deliver_at is not None or event.deliver_after is not None:
+                ats.append(check_deliver_at(event.deliver_at))
+                afters.append(delay(event.deliver_after))
+                continue
         else:
-            options.deliver_ats.append(call_at)
-            options.deliver_afters.append(call_after)
-        options.idempotency_keys.append(event.idempotency_key if isinstance(event, Event)
-                                        else None)
-    if options.columns() == (None, None, None):
-        return None
-    return options
+            keys.append(None)
+        ats.append(call_at)
+        afters.append(call_after)
+    return (ats if any(a is not None for a in ats) else None,
+            afters if any(a is not None for a in afters) else None,
+            keys if any(k is not None for k in keys) else None)
 
 
 def message_ids(messages: Message[Any] | int | Iterable[Message[Any] | int]) -> list[int]:
@@ -210,25 +199,30 @@ def failure_delays(ids: Sequence[int], retry_after: RetryAfter
 
 def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],
                     payload_type: type[T] | None, slot: int | None = None,
-                    slots: int | None = None) -> Batch[Any] | None:
+                    slots: int | None = None, *, slot_first: bool = False) -> Batch[Any] | None:
     """Build a Batch from pgque.batch_event rows, as plain tuples in the type's
     column order (batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data,
-    ev_extra1, epoch, slot, delayed_id); None when there are no rows. Tuples and
-    positional arguments, not named rows and keywords: this runs once per event
-    received, and the names cost about a third of the client's time per event."""
+    ev_extra1, epoch, slot, delayed_id), or with ``slot_first`` in
+    receive_slots' (slot, batch_id, ..., epoch, delayed_id); None when there
+    are no rows. Tuples and positional arguments, not named rows and keywords:
+    this runs once per event received, and the names cost about a third of the
+    client's time per event."""
     if not rows:
         return None
     first = rows[0]
+    c = 1 if slot_first else 0  # where batch_id is; delayed_id is column 9 in both
     # Only a slot's batch has an epoch; a schema older than 0.2 has no column for it.
-    epoch = first[7] if len(first) > 7 else None
+    epoch = first[c + 7] if len(first) > c + 7 else None
     fence = None if slot is None or epoch is None else Fence(queue, consumer, slot, epoch)
     if len(first) > 9:  # a schema older than 0.7 has no delayed_id
-        messages = [Message(r[1], r[4], r[5], r[6], r[3], r[2], payload_type, fence, r[9])
-                    for r in rows if r[1] is not None]
+        messages = [Message(r[c + 1], r[c + 4], r[c + 5], r[c + 6], r[c + 3], r[c + 2],
+                            payload_type, fence, r[9])
+                    for r in rows if r[c + 1] is not None]
     else:
-        messages = [Message(r[1], r[4], r[5], r[6], r[3], r[2], payload_type, fence)
-                    for r in rows if r[1] is not None]
-    return Batch(queue=queue, consumer=consumer, batch_id=first[0], messages=messages,
+        messages = [Message(r[c + 1], r[c + 4], r[c + 5], r[c + 6], r[c + 3], r[c + 2],
+                            payload_type, fence)
+                    for r in rows if r[c + 1] is not None]
+    return Batch(queue=queue, consumer=consumer, batch_id=first[c], messages=messages,
                  slot=slot, slots=slots, fence=fence)
 
 

@@ -406,7 +406,7 @@ class Client:
                    if own_options or deliver_at is not None or deliver_after is not None
                    else None)
         with self._producer(conn) as target:
-            if options is None:
+            if options is None or options == (None, None, None):
                 # Binary (%b) arrays: psycopg encodes them several times faster than text.
                 ids = self._value(
                     "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
@@ -416,7 +416,7 @@ class Client:
                 "select event_id, duplicate, deliver_at from pgque.send_batch_with("
                 "%s, %b::text[], %b::text[], %b::text[], %s::timestamptz[], %s::interval[],"
                 " %s::text[])",
-                (queue, types, payloads, keys, *options.columns()), target)
+                (queue, types, payloads, keys, *options), target)
         return [SentId.of(*row) for row in rows]
 
     # -- ticks and maintenance -------------------------------------------
@@ -837,16 +837,17 @@ class Client:
         check, params = self._checked(queue)
         wanted = list(owned)
         # The slot, then pgque.batch_event's columns but the slot, as far as the
-        # database has them (delayed_id since 0.7).
+        # database has them (delayed_id since 0.7): read where they are.
         rows = self._rows(
             f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
             (*params, consumer, slots, wanted, max_events), binary=True)
         by_slot: dict[int, list[Any]] = {}
-        for row in rows:  # as pgque.batch_event: its slot after the epoch
-            by_slot.setdefault(row[0], []).append((*row[1:9], row[0], *row[9:]))
+        for row in rows:
+            by_slot.setdefault(row[0], []).append(row)
         batches = []
         for slot, slot_rows in by_slot.items():
-            batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots)
+            batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots,
+                                    slot_first=True)
             if batch is not None:
                 batches.append(batch)
         return batches

@@ -403,6 +403,11 @@ def test_tail_marks_an_event_that_came_from_a_delay(client: pgque.Client, dsn: s
     first, second = out.splitlines()
     assert first.startswith(f"{plain} ") and "delayed=" not in first
     assert f"delayed={delayed_id}" in second and "Reminder" in second
+    # pgque status: the delayed events waiting and the next due time.
+    ok(run_cli("send", "q", "Later", "{}", "--deliver-after", "3600", "--dsn", dsn))
+    status = json.loads(ok(run_cli("status", "--json", "--dsn", dsn)))
+    (queue,) = [q for q in status["queues"] if q["queue_name"] == "q"]
+    assert queue["delayed_events"] == 1 and queue["next_delivery"] is not None
     again = run_cli("send", "q", "Reminder", '{"n": 1}', "--idempotency-key", "r-1",
                     "--dsn", dsn)
     dup = run_cli("send", "q", "Reminder", '{"n": 1}', "--idempotency-key", "r-1",

@@ -252,6 +252,10 @@ def test_status_shows_delayed_events_waiting(client: pgque.Client,
     client.tick("q")
     info = {q.queue_name: q for q in client.queue_info()}["q"]
     assert info.delayed_events == 1
+    # Durable from the commit: the tables are WAL-logged, as the log's are.
+    persistence = conn.execute("select distinct relpersistence from pg_class"
+                               " where relname ~ '^(delayed_event|idempotency_key)'").fetchall()
+    assert persistence == [("p",)]
 
 
 @pytest.mark.usefixtures("queue")
@@ -330,9 +334,9 @@ def test_an_idle_queue_does_not_read_another_queues_delayed_events(
              " (select 'delayed_event_' || rt_part from pgque.rotation where rt_name = 'delayed')")
     conn.execute("select pg_stat_force_next_flush()")
     seq_before, idx_before = conn.execute(scans).fetchone()  # type: ignore[misc]
-    for _ in range(20):
+    for _ in range(20):  # past the plan cache's five custom plans: the generic one too
         assert not scalar(conn, "select pgque._delayed_due(q.queue_id,"
-                                " pgque._last_tick(q.queue_id))"
+                                " pgque._last_tick(q.queue_id), clock_timestamp())"
                                 " from pgque.queue q where queue_name = 'idle'")
     conn.execute("select pg_stat_force_next_flush()")
     seq_after, idx_after = conn.execute(scans).fetchone()  # type: ignore[misc]
@@ -354,3 +358,36 @@ def test_events_one_tick_moves_enter_by_due_time(client: pgque.Client,
     client.tick("q")
     client.tick("q")
     assert [i for i, _k, _p in received(client)] == [d2, d3, d1]
+
+
+def test_a_groups_slots_get_delayed_events_in_key_order_with_their_delayed_id(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """Through receive_partitioned and receive_slots (whose rows lead with the slot),
+    and through the pause policy's held events: a delayed event comes to its key's
+    slot after the key's events sent before it fell due, with delayed_id."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    client.set_failure_policy("q", "g", "pause")
+    for slot in range(2):
+        assert client.claim_slot("q", "g", slot)
+    keys = {int(scalar(conn, "select pgque.slot_of(%s, 2)", (k,))): k
+            for k in ("a", "b", "c", "d", "e", "f")}
+    k0, k1 = keys[0], keys[1]
+    d0 = client.send("q", "e", "d0", k0, deliver_after=3600)
+    d1 = client.send("q", "e", "d1", k1, deliver_after=3600)
+    client.send("q", "e", "b0", k0)
+    make_due(conn, d0, d1)
+    client.tick("q")  # b0's tick; moves d0 and d1
+    client.tick("q")
+    piece = client.receive_partitioned("q", "g", slot=0, slots=2)
+    assert piece is not None
+    assert [(m.payload, m.delayed_id) for m in piece] == [("b0", None), ("d0", d0)]
+    (other,) = client.receive_slots("q", "g", slots=2, owned=[1])
+    assert [(m.payload, m.delayed_id) for m in other] == [("d1", d1)]
+    # d0 fails under pause: held, and handed out again as itself.
+    client.ack(piece, nack=[piece.messages[1]])
+    client.ack(other)
+    again = client.receive_partitioned("q", "g", slot=0, slots=2)
+    assert again is not None
+    assert [(m.payload, m.delayed_id, m.retry_count) for m in again] == [("d0", d0, 1)]
+    client.ack(again)

@@ -48,6 +48,12 @@ def test_writer_sends_only(users: dict[str, pgque.Client]) -> None:
     writer = users["writer"]
     assert writer.send("q", "e", 1) > 0
     assert writer.send_batch("q", [("e", 2)])
+    # Delayed and idempotent sends (send_with, send_batch_with) too, and their
+    # tables are as closed to it as the log's.
+    assert writer.send("q", "e", 3, deliver_after=60, idempotency_key="w").deliver_at
+    assert writer.send_batch("q", [pgque.Event("e", 4, idempotency_key="w")])[0].duplicate
+    assert refused(lambda: writer.conn.execute("select * from pgque.delayed_event"))
+    assert refused(lambda: writer.conn.execute("select * from pgque.idempotency_key"))
     assert refused(lambda: writer.receive("q", "c"))
     assert refused(lambda: writer.subscribe("q", "w"))
     assert refused(lambda: writer.create_queue("w"))
@@ -64,6 +70,8 @@ def test_reader_consumes_only(users: dict[str, pgque.Client]) -> None:
     assert reader.subscribe("q", "r") is True
     assert reader.consumer_info("q")
     assert refused(lambda: reader.send("q", "e", 1))
+    assert refused(lambda: reader.send("q", "e", 1, deliver_after=60))
+    assert refused(lambda: reader.send_batch("q", [pgque.Event("e", 1, idempotency_key="r")]))
     assert refused(lambda: reader.create_queue("r"))
     assert refused(lambda: reader.maintenance())
     assert refused(lambda: reader.conn.execute("select * from pgque.event_1"))

@@ -99,56 +99,52 @@ begin
 end
 $$;
 
--- pgque._delayed_insert(queue, ids, dues, types, payloads, keys): writes the
--- events given as arrays into pgque.delayed_event, each with its id and due
--- time, in the caller's transaction.
-create or replace function pgque._delayed_insert(p_queue pgque.queue, p_ids bigint[],
-                                                 p_dues timestamptz[], p_types text[],
-                                                 p_payloads text[], p_keys text[])
-returns void
-language sql
-set search_path = pg_catalog, pg_temp
-as $$
-    insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_type, ev_data,
-                                     ev_extra1, de_part)
-    select p_queue.queue_id, d.due, d.id, now(), d.type, d.data, d.key,
-           (select r.rt_part from pgque.rotation r where r.rt_name = 'delayed')
-      from unnest(p_ids, p_dues, p_types, p_payloads, p_keys) as d(id, due, type, data, key)
-$$;
-
--- pgque._delayed_due(queue, last): whether a delayed event of the queue is
--- due now and not moved by the tick last: one due since last's time, or one
--- due now that a transaction last did not see has sent. Reads only: the
--- ticker asks every poll (_tick_due), so each look is an index range of the
--- queue's own rows (delayed_event_due, delayed_event_txid), planned for the
--- values at hand: a generic plan, made for any queue, would scan the table
--- when one queue holds most of its rows.
-create or replace function pgque._delayed_due(p_queue_id integer, p_last pgque.tick)
+-- pgque._delayed_due(queue, last, upto): whether a delayed event of the queue
+-- is due by upto and not moved by the tick last: one due since last's time,
+-- or one that a transaction last did not see has sent. Reads only. The ticker
+-- asks it of every queue at every poll (_tick_due, upto now), and a tick before
+-- it moves anything (_make_tick, upto its time): each look is a bounded range
+-- of one index (delayed_event_due, delayed_event_txid), so that the plan kept
+-- for any queue is an index probe, even where another queue holds most of the
+-- rows (an open-ended range let that plan scan the table), and an idle queue
+-- pays a few cached probes.
+create or replace function pgque._delayed_due(p_queue_id integer, p_last pgque.tick,
+                                              p_upto timestamptz)
 returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
-set plan_cache_mode = force_custom_plan
 as $$
 declare
-    v_now timestamptz := clock_timestamp();
+    v_txid xid8;
 begin
     if exists (select from pgque.delayed_event d
                 where d.de_queue = p_queue_id
                   and d.de_due > coalesce(p_last.tick_time, '-infinity')
-                  and d.de_due <= v_now) then
+                  and d.de_due <= p_upto) then
         return true;
     end if;
     if p_last.tick_id is null then
         return false;
     end if;
-    return exists (select from pgque.delayed_event d
-                    where d.de_queue = p_queue_id
-                      and d.ev_txid >= pg_snapshot_xmax(p_last.tick_snapshot)
-                      and d.de_due <= v_now)
-        or exists (select from pgque.delayed_event d
-                    where d.de_queue = p_queue_id
-                      and d.ev_txid = any(array(select pg_snapshot_xip(p_last.tick_snapshot)))
-                      and d.de_due <= v_now);
+    -- Sent since last, by transactions committed now: ids up to this
+    -- statement's snapshot.
+    if exists (select from pgque.delayed_event d
+                where d.de_queue = p_queue_id
+                  and d.ev_txid >= pg_snapshot_xmax(p_last.tick_snapshot)
+                  and d.ev_txid < pg_snapshot_xmax(pg_current_snapshot())
+                  and d.de_due <= p_upto) then
+        return true;
+    end if;
+    -- And by those in progress then, one probe each (a list of unknown length
+    -- in one look gets a plan that scans).
+    for v_txid in select pg_snapshot_xip(p_last.tick_snapshot) loop
+        if exists (select from pgque.delayed_event d
+                    where d.de_queue = p_queue_id and d.ev_txid = v_txid
+                      and d.de_due <= p_upto) then
+            return true;
+        end if;
+    end loop;
+    return false;
 end
 $$;
 

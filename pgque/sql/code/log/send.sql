@@ -254,13 +254,13 @@ begin
                    pgque._event_table(v_queue.queue_id, v_queue.queue_cur_table),
                    pgque._sent_columns())
       using v_ids, p_types, p_payloads, v_keys, v_dues, v_duplicates;
-    if exists (select from unnest(v_dues, v_duplicates) d(due, dup) where d.due is not null and not d.dup) then
-        perform pgque._delayed_insert(v_queue, array_agg(e.id), array_agg(e.due),
-                                      array_agg(e.type), array_agg(e.data), array_agg(e.key))
-           from unnest(v_ids, p_types, p_payloads, v_keys, v_dues, v_duplicates)
-                as e(id, type, data, key, due, dup)
-          where e.due is not null and not e.dup;
-    end if;
+    insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_type, ev_data,
+                                     ev_extra1, de_part)
+    select v_queue.queue_id, e.due, e.id, now(), e.type, e.data, e.key,
+           (select r.rt_part from pgque.rotation r where r.rt_name = 'delayed')
+      from unnest(v_ids, p_types, p_payloads, v_keys, v_dues, v_duplicates)
+           as e(id, type, data, key, due, dup)
+     where e.due is not null and not e.dup;
     return query select i.id, i.dup, i.due
                    from unnest(v_ids, v_duplicates, v_dues) with ordinality as i(id, dup, due, n)
                   order by i.n;
@@ -294,15 +294,20 @@ declare
     v_claim record;
     v_id bigint;
 begin
+    if p_deliver_at is not null or p_deliver_after is not null then
+        v_due := (pgque._due_times(1, array[p_deliver_at], array[p_deliver_after], v_now))[1];
+    end if;
+    if v_due is null and p_idempotency_key is null then
+        -- No delay after all, no key: send's own path, its checks included.
+        return row(pgque.send(p_queue, p_type, p_payload, p_partition_key), false,
+                   null::timestamptz);
+    end if;
     select * into v_queue from pgque.queue where queue_name = p_queue;
     if not found then
         perform pgque._queue_row(p_queue);
     end if;
     if v_queue.queue_senders is not null then
         perform pgque._require_queue(v_queue, 'send');
-    end if;
-    if p_deliver_at is not null or p_deliver_after is not null then
-        v_due := (pgque._due_times(1, array[p_deliver_at], array[p_deliver_after], v_now))[1];
     end if;
     begin
         perform p_payload::json;
@@ -313,12 +318,7 @@ begin
     if octet_length(p_partition_key) > 512 then
         perform pgque._check_keys(array[p_partition_key]);
     end if;
-    if p_idempotency_key is not null then
-        perform pgque._check_idempotency_keys(array[p_idempotency_key]);
-    elsif v_due is null then
-        return row(pgque.send(p_queue, p_type, p_payload, p_partition_key), false,
-                   null::timestamptz);
-    end if;
+    perform pgque._check_idempotency_keys(array[p_idempotency_key]);
     v_id := nextval(v_queue.queue_event_seq);
     if p_idempotency_key is not null then
         v_claim := pgque._claim_idempotency_key(v_queue, pgque._idempotency_part(),
@@ -328,7 +328,6 @@ begin
         end if;
     end if;
     if v_due is not null then
-        -- _delayed_insert's row, static here: planned once a session.
         insert into pgque.delayed_event (de_queue, de_due, ev_id, ev_time, ev_type, ev_data,
                                          ev_extra1, de_part)
         values (v_queue.queue_id, v_due, v_id, now(), p_type, p_payload, p_partition_key,

@@ -70,8 +70,9 @@ begin
             greatest(clock_timestamp(), v_prev.tick_time), pg_current_snapshot(), v_event_seq,
             pgque._write_part('tick'))
     returning * into v_tick;
-    -- The delayed events this tick passes, into the log for the next tick.
-    if exists (select from pgque.delayed_event d where d.de_queue = p_queue.queue_id) then
+    -- The delayed events this tick passes, into the log for the next tick (the
+    -- probes first: the move is planned at each call).
+    if pgque._delayed_due(p_queue.queue_id, v_prev, v_tick.tick_time) then
         perform pgque._move_delayed(p_queue, v_prev, v_tick);
     end if;
     -- Wake the queue's consumers. The notification carries nothing: it only
@@ -154,8 +155,10 @@ begin
        and pgque._uncovered_events(p_queue.queue_id, p_last.tick_snapshot) then
         v_pending := 1;
     end if;
-    -- A delayed event due and not moved yet: the next tick moves it.
-    if v_pending <= 0 and pgque._delayed_due(p_queue.queue_id, p_last) then
+    -- A delayed event due and not moved yet: the next tick moves it. (Where no
+    -- queue has any, one look at the empty table says so.)
+    if v_pending <= 0 and exists (select from pgque.delayed_event)
+       and pgque._delayed_due(p_queue.queue_id, p_last, clock_timestamp()) then
         v_pending := 1;
     end if;
     if p_pending_only then
