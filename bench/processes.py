@@ -45,14 +45,15 @@ class WorkerResult:
 class WorkerProcess:
     """One ``bench.worker_process`` child; its output file lives in a private temp dir."""
 
-    def __init__(self, dsn: str, queue: str, consumer: str, *args: str) -> None:
+    def __init__(self, dsn: str, queue: str, consumer: str, *args: str,
+                 module: str = "bench.worker_process") -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="pgque-bench-worker-")
         self._out = Path(self._dir.name) / "result.json"
         # stderr to a file, not a pipe: nobody reads it while the worker runs,
         # and a full pipe would block the worker's logging.
         self._stderr: IO[bytes] = open(Path(self._dir.name) / "stderr", "w+b")  # noqa: SIM115
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.worker_process", dsn, queue, consumer,
+            [sys.executable, "-m", module, dsn, queue, consumer,
              str(self._out), *args],
             cwd=_REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=self._stderr)

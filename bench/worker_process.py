@@ -16,7 +16,9 @@ Handlers:
 * ``sleep``: records the event id, then sleeps ``--sleep-ms`` (releases the GIL,
   as a handler waiting on I/O would);
 * ``record``: records the event id and ``time.time()`` as its first action
-  (latency: the producer's commit acknowledgement is on the same clock).
+  (latency: the producer's commit acknowledgement is on the same clock);
+* ``pickup``: ``record``, then sleeps ``--sleep-ms`` (a job of that length, the
+  ``jobs`` suite's workload).
 
 Every handler records the event id (a list append, ≈ 50 ns), so the suite can
 check that each event sent was handled exactly once. After SIGTERM the Worker
@@ -50,7 +52,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("consumer")
     parser.add_argument("out", type=Path, help="JSON file written at exit")
     parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--handler", choices=("noop", "sleep", "record"), default="noop")
+    parser.add_argument("--handler", choices=("noop", "sleep", "record", "pickup"), default="noop")
     parser.add_argument("--sleep-ms", type=float, default=1.0)
     parser.add_argument("--max-events", type=int, help="default: the Worker's")
     parser.add_argument("--concurrency", type=int, help="default: the Worker's (= slots)")
@@ -86,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         add_start(now())  # first: the latency ends where the handler starts
         add_id(message.id)
 
+    def pickup(message: pgque.Message[Any]) -> None:
+        add_start(now())
+        add_id(message.id)
+        pause(seconds)
+
     async def anoop(message: pgque.Message[Any]) -> None:
         add_id(message.id)
 
@@ -97,8 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         add_start(now())
         add_id(message.id)
 
-    handlers = {"noop": noop, "sleep": sleep, "record": record}
-    async_handlers = {"noop": anoop, "sleep": asleep, "record": arecord}
+    async def apickup(message: pgque.Message[Any]) -> None:
+        add_start(now())
+        add_id(message.id)
+        await asyncio.sleep(seconds)
+
+    handlers = {"noop": noop, "sleep": sleep, "record": record, "pickup": pickup}
+    async_handlers = {"noop": anoop, "sleep": asleep, "record": arecord, "pickup": apickup}
     options: dict[str, Any] = {}
     if args.max_events is not None:
         options["max_events"] = args.max_events
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {"pid": os.getpid(), "handled": worker.handled,
                               "failed": worker.failed, "ids": ids}
-    if args.handler == "record":
+    if args.handler in ("record", "pickup"):
         result["started"] = started
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")

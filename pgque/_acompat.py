@@ -433,3 +433,56 @@ class AKeyRunner:
 
     async def close(self) -> None:
         """Nothing to let go: the tasks end with their batch."""
+
+
+class Pieces:
+    """Runs a lane's batch pieces side by side, each ``start(target, *args)`` on
+    a thread of a pool kept for the lane's life (up to ``limit`` at once: one
+    per slot the lane may own), so that a piece does not pay for a new thread."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit = limit
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: set[Future[None]] = set()
+
+    def start(self, target: Callable[..., None], *args: Any) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix=self.name)
+        future = self._pool.submit(target, *args)
+        self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
+
+    def cancel(self) -> None:
+        """Nothing to do: threads are not cancelled (see cancelled)."""
+
+    def close(self) -> None:
+        """Wait for the pieces in hand, then let the threads go."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class APieces:
+    """Runs a lane's batch pieces side by side, each ``start(target, *args)`` in a
+    task of the running loop (``limit`` is the threaded flavour's)."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit = limit
+        self.name = name
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, target: Callable[..., Awaitable[None]], *args: Any) -> None:
+        task = aspawn(target, *args, name=self.name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel(self) -> None:
+        """Cancel the pieces in hand (the lane that runs them is cancelled)."""
+        for task in self._tasks:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Wait for the pieces in hand."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))

@@ -834,10 +834,20 @@ class Client:
         the group (of ``slots`` slots), in one round trip: the batches that have
         something, ascending by slot. ``max_events`` bounds each piece. The
         session must own every slot (SlotNotOwned, and nothing is received)."""
+        batches, _ = self._receive_slot_pieces(queue, consumer, slots, owned, max_events,
+                                               payload_type)
+        return batches
+
+    def _receive_slot_pieces(self, queue: str, consumer: str, slots: int,
+                             owned: Iterable[int], max_events: int | None,
+                             payload_type: type[T] | None
+                             ) -> tuple[list[Batch[Any]], set[int]]:
+        """:meth:`receive_slots`, and the slots whose batch ends before the queue's
+        newest tick (the Worker receives them again at once once acked)."""
         check, params = self._checked(queue)
         wanted = list(owned)
         # The slot, then pgque.batch_event's columns but the slot, as far as the
-        # database has them (delayed_id since 0.7): read where they are.
+        # database has them (delayed_id since 0.7, ahead since 0.8): read where they are.
         rows = self._rows(
             f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
             (*params, consumer, slots, wanted, max_events), binary=True)
@@ -845,12 +855,16 @@ class Client:
         for row in rows:
             by_slot.setdefault(row[0], []).append(row)
         batches = []
+        ahead = set()
         for slot, slot_rows in by_slot.items():
             batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots,
                                     slot_first=True)
             if batch is not None:
                 batches.append(batch)
-        return batches
+            # A database older than 0.8 does not say: then every batch may have more.
+            if len(slot_rows[0]) <= 10 or slot_rows[0][10]:
+                ahead.add(slot)
+        return batches, ahead
 
     def ack_slots(self, batches: Sequence[Batch[Any]], *,
                   nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),

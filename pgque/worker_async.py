@@ -7,17 +7,23 @@ handles their events, one event at a time per slot, slots in parallel.
 
 Sessions
 --------
-A Worker talks to the database over a *control* session and up to
-``concurrency`` *lane* sessions. The control session joins the group (so
-workers can count each other), listens for tick notifications and decides
-which slots this worker should own. Each lane is one session and the one
-thread that uses it: it claims the slots the control hands it, and for each of
-them receives, runs the handler and acks, on that session. A slot's lock, its
-receive, its handler's transaction (see *transactional*) and its ack are
-therefore all on one session, and slots on different lanes never wait for
-each other. Lanes are opened as slots are claimed, up to ``concurrency``;
-beyond that, a lane takes turns between its slots. A worker uses at most
-``concurrency + 1`` connections, plus one for its Ticker if it runs one.
+A Worker talks to the database over a *control* session and one or more
+*lane* sessions. The control session joins the group (so workers can count
+each other), listens for tick notifications and decides which slots this
+worker should own. Each lane is one session: it claims the slots the control
+hands it, and for each of them receives, has the handler run and acks, on that
+session. Plain handlers do not use the session, so a lane serves all its slots
+at once: one ``receive_slots`` gets a piece of every slot that has events,
+each piece is handled on its own (a thread of the lane's; under asyncio, a
+task), and the pieces done by the lane's next call are acked in one
+``ack_slots``. The database then does the same work per tick whether the
+worker owns 1 slot or 64, and one lane is the default (``concurrency``).
+Transactional handlers use the lane's session, inside the transaction that
+acks, so a lane takes its slots in turns and the default is a lane per slot:
+a slot's lock, its receive, its handler's transaction and its ack are all on
+one session, and slots on different lanes never wait for each other. A worker
+uses at most ``concurrency + 1`` connections, plus one for its Ticker if it
+runs one.
 
 How slots are shared
 --------------------
@@ -99,6 +105,7 @@ from psycopg import sql
 from pgque._acompat import (
     AHandlerResult,
     AKeyRunner,
+    APieces,
     ASpawned,
     acancelled,
     acheck_handler,
@@ -166,9 +173,11 @@ class AsyncWorker(AsyncService, Generic[T]):
     """Consume a queue as one member of a partitioned consumer group.
 
     ``handler`` is called with each :class:`~pgque.Message`; the events of one
-    slot are handled strictly one after another, and up to ``concurrency``
-    slots at the same time, each on a session of its own (see the module
-    docstring). With ``transactional=True`` the handler is called as
+    slot are handled strictly one after another (with ``key_concurrency``, one
+    after another per key), and every slot the worker owns at the same time;
+    ``concurrency`` is the number of sessions they are received on (default 1;
+    with transactional handlers, a slot at a time per session, default one
+    per slot; see the module docstring). With ``transactional=True`` the handler is called as
     ``handler(message, conn)``, inside the transaction on ``conn`` that also
     acks the batch: its writes on ``conn`` commit with the ack, exactly once.
 
@@ -245,7 +254,9 @@ class AsyncWorker(AsyncService, Generic[T]):
         self.slots = slots
         self.handler = handler
         self.transactional = transactional
-        self.concurrency = concurrency or slots
+        # Plain handlers do not use the lane's session, so one session serves
+        # every slot (see _Lane._work_together); transactional ones hold it.
+        self.concurrency = concurrency or (slots if transactional else 1)
         self.key_concurrency = key_concurrency
         self.payload_type = payload_type
         self.max_events = max_events
@@ -387,10 +398,12 @@ class AsyncWorker(AsyncService, Generic[T]):
     async def _wait(self, control: _Session, timeout: float) -> None:
         """Wait up to ``timeout`` for a tick notification, a lane's end, or a stop.
         A notification carries no information and may be lost (NOTIFY is at most
-        once): the lanes' polls stay. On one, the control asks which slots have
-        something to receive (one read-only query) and wakes only the lanes
-        that own them: with N slots, most ticks hold events of few, and N
-        receives that find nothing would compete with the one that does."""
+        once): the lanes' polls stay. On one, with transactional handlers, the
+        control asks which slots have something to receive (one read-only
+        query) and wakes only the lanes that own them: with N slots, most ticks
+        hold events of few, and N receives that find nothing would compete with
+        the one that does. Lanes of plain handlers are all woken: each receives
+        every slot of its own in one call."""
         if not self.listen:
             await apause(timeout, self._wake)
             self._wake.clear()
@@ -404,10 +417,13 @@ class AsyncWorker(AsyncService, Generic[T]):
             raise _ConnectionLost(str(exc)) from exc
         if heard:
             owned = self.owned_slots
-            if len(owned) > 1:
+            if len(owned) > 1 and self.transactional:
                 with control.call() as client:
                     pending = await client.pending_slots(self.queue, self.consumer)
-            else:  # the answer could only be the one slot: no round trip for it
+            else:
+                # The answer could only be the one slot; or the lanes receive all
+                # their slots in one call each (plain handlers), where a slot with
+                # nothing costs less than this query would: no round trip for it.
                 pending = owned
             with self._lock:
                 for lane in self._lanes:
@@ -435,7 +451,7 @@ class AsyncWorker(AsyncService, Generic[T]):
             claiming = {slot for lane in self._lanes for slot in lane.claims}
             # A lane that lost its session may still run a handler of its slot:
             # that slot is not claimed again until the handler has returned.
-            in_hand = {lane.current for lane in self._lanes if lane.current is not None}
+            in_hand = {slot for lane in self._lanes for slot in lane.in_hand}
             mine = len(owned) + len(claiming - owned.keys())
             if mine > share:
                 releasing = {slot for lane in self._lanes for slot in lane.releases}
@@ -528,7 +544,7 @@ class _Lane(Generic[T]):
         self.slots: set[int] = set()
         self.claims: set[int] = set()
         self.releases: set[int] = set()
-        self.current: int | None = None  # the slot whose step runs now
+        self.in_hand: set[int] = set()  # the slots whose handlers run now
         self._requests: deque[tuple[str, int]] = deque()
         self._wake = asyncio.Event()
         self._pending: set[int] = set()  # slots the control found work for
@@ -537,6 +553,9 @@ class _Lane(Generic[T]):
         self._ended = asyncio.Event()
         self._thread: ASpawned | None = None
         self._keys = AKeyRunner(worker.key_concurrency, name=f"{self.name}-keys")
+        # Plain handlers: each slot's pieces on a runner of their own, side by side.
+        self._slot_keys: dict[int, AKeyRunner] = {}
+        self._pieces = APieces(worker.slots, name=f"{self.name}-piece")
 
     # -- from the control thread (under worker._lock) --------------------------
 
@@ -613,12 +632,15 @@ class _Lane(Generic[T]):
         finally:
             self.lost = True
             self._ended.set()
+            await self._pieces.close()
             await self._keys.close()
+            for runner in self._slot_keys.values():
+                await runner.close()
             with worker._lock:
                 self.slots.clear()
                 self.claims.clear()
                 self.releases.clear()
-                self.current = None
+                self.in_hand.clear()
             if session is not None:
                 worker.unwatch(session.watch)
                 with contextlib.suppress(Exception):
@@ -636,7 +658,7 @@ class _Lane(Generic[T]):
         interval = self.worker.rebalance_interval
         conn = session.client.conn
         while not await apause(min(interval / 2, STOP_LATENCY), self._ended):
-            if self.current is None or time.monotonic() - session.last_used < interval:
+            if not self.in_hand or time.monotonic() - session.last_used < interval:
                 continue
             # A transactional handler's query in flight (say, waiting for a row
             # lock) keeps the session busy already: never queue behind it, or
@@ -655,6 +677,9 @@ class _Lane(Generic[T]):
 
     async def _work(self, session: _Session) -> None:
         worker = self.worker
+        if not worker.transactional:
+            await self._work_together(session)
+            return
         keepalive = worker.network_timeout / 3
         last_call = time.monotonic()
         while not worker.stopping and worker._fatal is None:
@@ -676,7 +701,7 @@ class _Lane(Generic[T]):
                 self._wake.clear()
                 continue
             with worker._lock:
-                self.current = slot
+                self.in_hand.add(slot)
             try:
                 found = await self._step(slot, session)
             except SlotNotOwned:
@@ -685,22 +710,252 @@ class _Lane(Generic[T]):
                 found = True
             finally:
                 with worker._lock:
-                    self.current = None
+                    self.in_hand.discard(slot)
             last_call = time.monotonic()
             with worker._lock:
                 waits = not found and slot not in self._pending  # no work came meanwhile
             if waits:
                 self._idle_until[slot] = time.monotonic() + worker.poll_interval
 
-    async def _serve_requests(self, session: _Session) -> bool:
-        """Make the claims and releases the control asked for; True if any."""
+    async def _work_together(self, session: _Session) -> None:
+        """The loop of a lane with plain handlers: every slot of the lane at once.
+
+        The handlers do not use the session, so the lane's slots need not take
+        turns on it: one ``receive_slots`` receives a piece of every due slot,
+        each piece is handled on its own (in order per key, side by side across
+        slots and, up to ``key_concurrency``, across keys), and whatever pieces
+        have finished by the lane's next call are acked by one ``ack_slots``
+        (the failures' nacks with them), while the other pieces go on. So a
+        worker's calls and transactions grow with its ticks and pieces, not with
+        its slots. A piece that finished alone, with nothing else in hand or
+        due, is acked together with its slot's next receive (one round trip).
+        On stop, or on an error of a piece, no new piece starts; the pieces in
+        hand are waited for (the ones left are acked on stop, never on error:
+        they come again to the slot's next owner)."""
+        worker = self.worker
+        keepalive = worker.network_timeout / 3
+        last_call = time.monotonic()
+        running: dict[int, _Piece[T]] = {}
+        error: BaseException | None = None
+        try:
+            while True:
+                ending = worker.stopping or worker._fatal is not None or error is not None
+                if ending and not running:
+                    break
+                acted = False
+                if not ending:
+                    acted = await self._serve_requests(session, busy=running.keys())
+                with worker._lock:
+                    pending, self._pending = self._pending, set()
+                for ready in pending:  # a new tick with work for them: no waiting out a poll
+                    self._idle_until.pop(ready, None)
+                    if ready in running:
+                        running[ready].ticked = True
+                finished = [piece for piece in running.values() if piece.done]
+                for piece in finished:
+                    del running[piece.slot]
+                    if piece.error is not None and error is None:
+                        error = piece.error
+                if error is not None:
+                    # Nothing more on this session: the pieces in hand end at their
+                    # next event (the session is seen gone) or finish; none is acked.
+                    self._settled(finished)
+                    if running:
+                        await apause(STOP_LATENCY, self._wake)
+                        self._wake.clear()
+                    continue
+                now = time.monotonic()
+                with worker._lock:
+                    leaving = set(self.releases)  # asked to go: no new piece for them
+                # (The slots of finished pieces are settled by their ack, below.)
+                busy = running.keys() | {piece.slot for piece in finished} | leaving
+                due = [] if ending else [slot for slot in self._turns if slot not in busy
+                                         and self._idle_until.get(slot, 0.0) <= now]
+                if finished:
+                    acted = True
+                    fuse = len(finished) == 1 and not (ending or running or due or leaving
+                                                       or self._requests)
+                    more = await self._ack_pieces(session, finished, fuse=fuse)
+                    self._settled(finished)
+                    if isinstance(more, Batch):
+                        self._start_piece(more, session, running)
+                        last_call = time.monotonic()
+                        continue
+                    # A slot whose batch goes on, whose next batch is there already
+                    # (a backlog) or that a tick came for is due again at once; any
+                    # other waits for a tick (or its poll).
+                    idle_until = self._next_poll()
+                    for piece, batch_ended in zip(finished, more, strict=True):
+                        if ending or piece.slot not in self.slots or piece.slot in leaving:
+                            continue
+                        if batch_ended and not piece.ticked and not piece.ahead:
+                            self._idle_until[piece.slot] = idle_until
+                        else:
+                            due.append(piece.slot)
+                if due:
+                    acted = True
+                    await self._receive_due(session, sorted(set(due)), running)
+                if acted:
+                    last_call = time.monotonic()
+                    continue
+                now = time.monotonic()
+                if not running and now - last_call > keepalive:  # an idle lane keeps its session
+                    with session.call() as client:
+                        await client.conn.execute("select 1")
+                    last_call = now
+                # Until the next poll of a slot that may go on (none while ending:
+                # only the pieces in hand, which wake the lane, are waited for).
+                polls = [] if ending else [at for slot, at in self._idle_until.items()
+                                           if slot not in running]
+                wait = min(polls, default=now + keepalive) - now
+                await apause(max(0.0, min(wait, STOP_LATENCY, keepalive)), self._wake)
+                self._wake.clear()
+        except BaseException as exc:
+            if acancelled(exc):  # (under asyncio) the lane is cancelled, and so are its pieces
+                self._pieces.cancel()
+            raise
+        finally:
+            if running:  # the lane itself failed (its session, say): let the pieces end
+                await self._pieces.close()
+                with worker._lock:
+                    self.in_hand.clear()
+        if error is not None:
+            raise error
+
+    def _next_poll(self) -> float:
+        """When a slot that found nothing polls again: at least poll_interval from
+        now, on a grid of the lane's, so that its idle slots poll together (one
+        receive for them all, not one each)."""
+        interval = self.worker.poll_interval
+        return (time.monotonic() // interval + 2) * interval
+
+    def _start_piece(self, batch: Batch[T], session: _Session,
+                     running: dict[int, _Piece[T]], *, ahead: bool = True) -> None:
+        assert batch.slot is not None
+        piece = _Piece(batch, ahead)
+        running[piece.slot] = piece
+        self._idle_until.pop(piece.slot, None)  # in hand: not waiting out a poll
+        keys = self._slot_keys.get(piece.slot)
+        if keys is None:
+            keys = self._slot_keys[piece.slot] = AKeyRunner(
+                self.worker.key_concurrency, name=f"{self.name}-s{piece.slot}-keys")
+        with self.worker._lock:
+            self.in_hand.add(piece.slot)
+        self._pieces.start(self._run_piece, piece, session, keys)
+
+    async def _run_piece(self, piece: _Piece[T], session: _Session, keys: AKeyRunner) -> None:
+        """A piece's handlers (on a thread of the lane's pieces; under asyncio, a
+        task); the outcome is left in the piece for the lane, which it wakes."""
+        try:
+            piece.failures = await self._handle(piece.batch, session, None, keys)
+        except BaseException as exc:  # the lane's to act on (it ends on any of them)
+            piece.error = exc
+        finally:
+            piece.done = True
+            self._wake.set()
+
+    def _settled(self, pieces: list[_Piece[T]]) -> None:
+        """These pieces' handlers have returned: their slots may move again."""
+        with self.worker._lock:
+            for piece in pieces:
+                self.in_hand.discard(piece.slot)
+
+    async def _receive_due(self, session: _Session, due: list[int],
+                           running: dict[int, _Piece[T]]) -> None:
+        """One receive for the due slots; a piece starts for each that has one, the
+        others wait out their poll interval (a tick that comes clears that)."""
+        worker = self.worker
+        batches: list[Batch[Any]]
+        ahead: set[int]
+        try:
+            with session.call() as client:
+                batches, ahead = await client._receive_slot_pieces(
+                    worker.queue, worker.consumer, worker.slots, due, worker.max_events,
+                    worker.payload_type)
+        except SlotNotOwned:
+            # One of them is no longer ours (nothing was received): find which,
+            # slot by slot, and let it go.
+            batches, ahead = [], set()
+            for slot in due:
+                try:
+                    with session.call() as client:
+                        got, more = await client._receive_slot_pieces(
+                            worker.queue, worker.consumer, worker.slots, [slot],
+                            worker.max_events, worker.payload_type)
+                    batches += got
+                    ahead |= more
+                except SlotNotOwned:
+                    worker.log.warning("%s: slot %s is no longer ours", self.name, slot)
+                    self._drop(slot)
+        got_slots = set()
+        for batch in batches:
+            assert batch.slot is not None
+            got_slots.add(batch.slot)
+            self._start_piece(batch, session, running, ahead=batch.slot in ahead)
+        # (A tick that comes from now on clears this at the lane's next turn.)
+        idle_until = self._next_poll()
+        for slot in due:
+            if slot not in got_slots and slot in self.slots:
+                self._idle_until[slot] = idle_until
+
+    async def _ack_pieces(self, session: _Session, pieces: list[_Piece[T]], *,
+                          fuse: bool) -> Batch[T] | list[bool]:
+        """Ack finished pieces (and nack their failures) in one transaction; for
+        each, whether that ended its batch. With ``fuse`` (one piece, nothing
+        else to do) the ack also receives its slot's next piece: returned when
+        there is one. A slot found no longer ours is let go (its piece comes
+        again to its new owner) and counts as ended."""
+        worker = self.worker
+        try:
+            with session.call() as client:
+                if fuse and len(pieces) == 1:
+                    failures = pieces[0].failures
+                    assert failures is not None
+                    after = await client.ack_and_receive(
+                        pieces[0].batch, nack=failures.reasons,
+                        retry_after=failures.retry_after, dead=failures.dead,
+                        max_events=worker.max_events, payload_type=worker.payload_type)
+                    return [True] if after is None else after
+                if all(piece.failures is not None and not piece.failures.reasons
+                       for piece in pieces):
+                    return await client.ack_slots([piece.batch for piece in pieces])
+                ended: dict[int, bool] = {}
+                async with client.conn.transaction():
+                    for piece in sorted(pieces, key=lambda p: p.slot):  # the lock order
+                        failures = piece.failures
+                        assert failures is not None
+                        ended[piece.slot] = await client.ack(
+                            piece.batch, nack=failures.reasons,
+                            retry_after=failures.retry_after, dead=failures.dead)
+                return [ended[piece.slot] for piece in pieces]
+        except SlotNotOwned:
+            if len(pieces) == 1:
+                worker.log.warning("%s: slot %s is no longer ours", self.name, pieces[0].slot)
+                self._drop(pieces[0].slot)
+                return [True]
+            flags: list[bool] = []
+            for piece in pieces:  # which one: each on its own
+                one = await self._ack_pieces(session, [piece], fuse=False)
+                assert isinstance(one, list)
+                flags += one
+            return flags
+
+    async def _serve_requests(self, session: _Session,
+                              busy: AbstractSet[int] = frozenset()) -> bool:
+        """Make the claims and releases the control asked for; True if any. The
+        release of a ``busy`` slot (its piece still in hand) waits for its ack."""
         worker = self.worker
         served = False
+        deferred: list[tuple[str, int]] = []
         while True:
             with worker._lock:
                 if not self._requests:
+                    self._requests.extend(deferred)
                     return served
                 op, slot = self._requests.popleft()
+                if slot in busy:
+                    deferred.append((op, slot))
+                    continue
             served = True
             with session.call() as client:
                 if op == "claim":
@@ -714,9 +969,10 @@ class _Lane(Generic[T]):
                         self.slots.add(slot)
                         self._turns.append(slot)
                         self._idle_until.pop(slot, None)
-                elif slot in self.slots:
-                    self.releases.discard(slot)
-                    self._drop_locked(slot)
+                else:
+                    self.releases.discard(slot)  # served, whether or not it was ours
+                    if slot in self.slots:
+                        self._drop_locked(slot)
             if op == "claim" and claimed:
                 worker.log.info("%s: claimed slot %s", self.name, slot)
             elif op == "release":
@@ -738,17 +994,17 @@ class _Lane(Generic[T]):
 
     def _drop_locked(self, slot: int) -> None:
         self.slots.discard(slot)
+        self.releases.discard(slot)  # a release asked of it has nothing left to do
         self._idle_until.pop(slot, None)
         with contextlib.suppress(ValueError):
             self._turns.remove(slot)
 
     async def _step(self, slot: int, session: _Session) -> bool:
-        """One step of a slot: receive a batch piece, handle its events in order,
-        then nack the failures and ack in one transaction (which, for a
-        transactional handler, also holds the handler's writes); while the lane
-        has nothing else to do, the ack also receives the slot's next piece.
-        Returns False when the slot's last receive found nothing (it then waits
-        out its poll interval), True when it may have more."""
+        """One step of a slot of a lane with transactional handlers: receive a
+        batch piece, then handle its events in order, each in a savepoint of the
+        transaction that nacks the failures and acks the piece. Returns False
+        when the slot's receive found nothing (it then waits out its poll
+        interval), True when it may have more."""
         worker = self.worker
         with session.call() as client:
             batch = await client.receive_partitioned(
@@ -756,53 +1012,22 @@ class _Lane(Generic[T]):
                 max_events=worker.max_events, payload_type=worker.payload_type)
         if batch is None:
             return False
-        if worker.transactional:
-            conn = session.client.conn
-            async with conn.transaction():
-                failures = await self._handle(batch, session, conn)
-                if batch.messages:
-                    # Releasing the last event's savepoint fails when a handler
-                    # ended the worker's transaction and began another (whose
-                    # status alone looks the same): then HandlerEndedTransaction,
-                    # not an ack in the handler's transaction. One statement a batch.
-                    await _on_savepoint(conn, "release savepoint pgque_event")
-                with session.call() as client:
-                    await client.ack(batch, nack=failures.reasons,
-                                     retry_after=failures.retry_after, dead=failures.dead)
-            return True
-        while True:
-            failures = await self._handle(batch, session, None)
+        conn = session.client.conn
+        async with conn.transaction():
+            failures = await self._handle(batch, session, conn, self._keys)
+            if batch.messages:
+                # Releasing the last event's savepoint fails when a handler
+                # ended the worker's transaction and began another (whose
+                # status alone looks the same): then HandlerEndedTransaction,
+                # not an ack in the handler's transaction. One statement a batch.
+                await _on_savepoint(conn, "release savepoint pgque_event")
             with session.call() as client:
-                if not self._stays_on(slot):
-                    await client.ack(batch, nack=failures.reasons,
-                                     retry_after=failures.retry_after, dead=failures.dead)
-                    return True
-                # The lane's next step is this slot again: the ack carries its
-                # receive (one round trip and one commit a piece, not two).
-                next_batch = await client.ack_and_receive(
-                    batch, nack=failures.reasons, retry_after=failures.retry_after,
-                    dead=failures.dead, max_events=worker.max_events,
-                    payload_type=worker.payload_type)
-            if next_batch is None:
-                return False  # acked, and the slot has nothing more: it waits its poll
-            batch = next_batch
-
-    def _stays_on(self, slot: int) -> bool:
-        """Whether the lane would step this slot next anyway: no claim or release
-        asked of it, no stop, and none of its other slots due."""
-        worker = self.worker
-        if worker.stopping or worker._fatal is not None:
-            return False
-        now = time.monotonic()
-        with worker._lock:
-            if self._requests or slot not in self.slots:
-                return False
-            return all(other == slot or (other not in self._pending
-                                         and self._idle_until.get(other, 0.0) > now)
-                       for other in self._turns)
+                await client.ack(batch, nack=failures.reasons,
+                                 retry_after=failures.retry_after, dead=failures.dead)
+        return True
 
     async def _handle(self, batch: Batch[T], session: _Session,
-                      conn: AsyncConn | None) -> _Failures:
+                      conn: AsyncConn | None, keys: AKeyRunner) -> _Failures:
         """Run the handler on each event of the batch (for a transactional handler,
         each in a savepoint of ``conn``'s transaction); returns the failed events
         (their reasons, delays and those not to retry). Raises _ConnectionLost
@@ -864,7 +1089,7 @@ class _Lane(Generic[T]):
         # once (never two events of one key): the runner stops every key at its
         # next event when one raises, and raises that once the others return.
         try:
-            await self._keys.run(batch.messages, _partition_key, handle)
+            await keys.run(batch.messages, _partition_key, handle)
         finally:
             worker._count(len(handled), len(failures) - held)  # one lock a batch, not an event
         return result
@@ -902,6 +1127,23 @@ class _Lane(Generic[T]):
                 self._drop(slot)
         except (psycopg.Error, _ConnectionLost) as exc:
             worker.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
+
+
+class _Piece(Generic[T]):
+    """A slot's batch piece in the hands of a lane with plain handlers, and its
+    outcome once ``done``: the failed events, or the error that ends the lane."""
+
+    def __init__(self, batch: Batch[T], ahead: bool) -> None:
+        assert batch.slot is not None
+        self.batch = batch
+        self.slot: int = batch.slot
+        # Its batch ends before the queue's newest tick: once acked, the slot's
+        # next batch is there already.
+        self.ahead = ahead
+        self.failures: _Failures | None = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.ticked = False  # a tick came for the slot while the piece was in hand
 
 
 class _Failures:

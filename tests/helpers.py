@@ -363,6 +363,18 @@ def install_0_6(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.6.0"
 
 
+# The install script of pgque 0.7.0 as it landed (6a5fdd9), frozen: migrations 1
+# to 9, delayed and idempotent sends.
+BASELINE_0_7 = Path(__file__).resolve().parent / "data" / "pgque-0.7.0-6a5fdd9.sql"
+
+
+def install_0_7(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.7.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_7.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.7.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

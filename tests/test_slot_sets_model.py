@@ -570,3 +570,37 @@ def test_random_steps_match_receive_partitioned(twins: Any, seed: int) -> None:
         config = (f'{{"ticker_max_count": {rng.choice([1, 2, 3, 500])}, '
                   f'"rotation_period": 0}}')
         random_run(twins(slots, config), rng, 50)
+
+
+def test_slots_idle_since_older_ticks_are_read_in_one_span_as_slot_by_slot(
+        twins: Any) -> None:
+    """A worker's slots drift apart: a slot with events moves its cursor at each
+    tick, the idle ones leave theirs where they were. Slots whose next batches end
+    at the same tick are still read together, in one read of the span from the
+    oldest start (no slot-by-slot receive in the transaction), each event kept
+    only for a slot whose own start did not see it; pieces and cursor writes
+    equal the slot-by-slot receives'."""
+    t = twins(4)
+    key: dict[int, str] = {}
+    for i in range(200):
+        key.setdefault(scalar(t.admin, "select pgque.slot_of(%s, 4)", (f"k{i}",)), f"k{i}")
+    t.send([key[0], key[0]])
+    t.tick()
+    t.step([0, 1, 2, 3])  # slot 0 moves to the new tick; the others write nothing
+    t.send([key[1]])
+    t.tick()
+    t.step([0, 1, 2, 3])  # slot 1 too: the slots now start at three ticks
+    starts = [c[1] for c in t.cursors("A")]
+    assert len(set(starts)) == 3, starts
+    t.send([key[k] for k in range(4)] * 2)
+    t.tick()
+    t.owner.execute("set track_functions = 'pl'")
+    rows = t.owner.execute("select slot, ev_data from pgque.receive_slots(%s, 'A', 4, "
+                           "'{0,1,2,3}')", (t.name,)).fetchall()
+    one_by_one = scalar(t.owner, "select coalesce(pg_stat_get_xact_function_calls("
+                                 "'pgque._receive_slot'::regproc), 0)")
+    t.owner.rollback()
+    assert one_by_one == 0  # all four in the set-based read
+    assert sorted(rows) == sorted((k, str(n)) for n, k in enumerate([0, 1, 2, 3] * 2, start=3))
+    pieces = t.step([0, 1, 2, 3])  # and the same as slot by slot, cursors included
+    assert {k: len(v) for k, v in pieces.items()} == {0: 2, 1: 2, 2: 2, 3: 2}

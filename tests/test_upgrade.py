@@ -25,6 +25,7 @@ from helpers import (
     BASELINE_0_4,
     BASELINE_0_5,
     BASELINE_0_6,
+    BASELINE_0_7,
     BASELINES_0_1,
     catalog,
     drain,
@@ -34,6 +35,7 @@ from helpers import (
     install_0_4,
     install_0_5,
     install_0_6,
+    install_0_7,
     run_cli,
     scalar,
     scratch_database,
@@ -52,6 +54,7 @@ MIGRATIONS_0_3 = 6  # the last migration 0.3.0 had
 MIGRATIONS_0_4 = 6  # and 0.4.0
 MIGRATIONS_0_5 = 7  # and 0.5.0
 MIGRATIONS_0_6 = 8  # and 0.6.0
+MIGRATIONS_0_7 = 9  # and 0.7.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -464,12 +467,31 @@ def test_upgrade_from_0_6_0_loses_nothing_and_equals_a_fresh_install(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_upgrade_from_0_7_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.7.0 filled as 0.2.0 was: no migration since (0.8.0 changed
+    code only: receive_slots' set-based path and its ahead column), every
+    event, cursor, epoch and dead letter is kept, and the result is a fresh
+    install."""
+    install_0_7(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.7.0"
+        assert migration_record(conn) == [
+            (m.number, "0.7.0" if m.number <= MIGRATIONS_0_7 else pgque.__version__)
+            for m in migrations()]
+        assert "ahead" in {row[0] for row in conn.execute(
+            "select unnest(proargnames) from pg_proc where proname = 'receive_slots'")}
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())
 
 
 RELEASES = {
+    "0.7.0": [BASELINE_0_7],
     "0.6.0": [BASELINE_0_6],
     "0.5.0": [BASELINE_0_5],
     "0.4.0": [BASELINE_0_4],

@@ -265,17 +265,18 @@ def test_a_payload_too_deep_to_decode_is_retried_then_dead_lettered(
 
 def test_a_tick_wakes_only_the_lanes_whose_slots_it_has_events_for(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """With N slots, a tick that holds events of one slot makes one lane
-    receive, not N: the control asks pending_slots and wakes that slot's lane
-    only. Polls are 30 s apart and keepalives 20 s here, so within the test
-    only a wakeup makes a lane send anything, and only the notification path
-    can deliver the events in time."""
+    """With N slots on N lanes (transactional handlers: a lane per slot), a tick
+    that holds events of one slot makes one lane receive, not N: the control
+    asks pending_slots and wakes that slot's lane only. Polls are 30 s apart
+    and keepalives 20 s here, so within the test only a wakeup makes a lane
+    send anything, and only the notification path can deliver the events in
+    time."""
     make_queue(client)
     client.subscribe_slots("q", "g", slots=8)
     handled: list[int] = []
     lock = threading.Lock()
 
-    def handler(message: pgque.Message[Any]) -> None:
+    def handler(message: pgque.Message[Any], conn: Any) -> None:
         with lock:
             handled.append(message.id)
 
@@ -295,7 +296,8 @@ def test_a_tick_wakes_only_the_lanes_whose_slots_it_has_events_for(
     key = "tenant-1"
     slot = scalar(conn, "select pgque.slot_of(%s, 8)", (key,))
     worker = pgque.Worker(dsn, queue="q", consumer="g", slots=8, handler=handler,
-                          ticker=False, poll_interval=30.0, network_timeout=60.0)
+                          transactional=True, ticker=False, poll_interval=30.0,
+                          network_timeout=60.0)
     with worker:
         wait_for(lambda: len(worker.owned_slots) == 8, timeout=20, what="all 8 slots", dsn=dsn)
         before = wait_for(settled, timeout=20, what="each slot's first receive", dsn=dsn)
@@ -446,7 +448,7 @@ def test_stop_while_a_lane_is_connecting(
         owner.subscribe_slots("q", "g", slots=2)
     worker = pgque.Worker(limited_dsn, queue="q", consumer="g", slots=2,
                           handler=lambda m: None, ticker=False, connect_timeout=30,
-                          rebalance_interval=0.2, name="stopconn")
+                          concurrency=2, rebalance_interval=0.2, name="stopconn")
     worker.start()
     try:
         wait_for(lambda: worker.sessions == 1 and len(worker.owned_slots) == 1,
@@ -763,3 +765,53 @@ def test_a_fusing_lane_whose_session_is_terminated_loses_nothing(
         for key, got in seen.items():
             first = list(dict.fromkeys(got))
             assert first == [i for i in ids if key_of[i] == key], key
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of a Client method (either client flavour)."""
+    calls = [0]
+    sync_method = getattr(client_sync.Client, name)
+    async_method = getattr(client_async.AsyncClient, name)
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return sync_method(self, *args, **kwargs)
+
+    async def acounted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return await async_method(self, *args, **kwargs)
+
+    monkeypatch.setattr(client_sync.Client, name, counted)
+    monkeypatch.setattr(client_async.AsyncClient, name, acounted)
+    return calls
+
+
+def test_a_plain_worker_serves_all_its_slots_on_one_session_in_one_call(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain handlers: one lane (one session) serves the worker's 8 slots, and
+    its idle slots poll together, one receive for all of them per poll
+    interval, not one per slot (which made an idle worker's cost and a busy
+    one's server CPU grow with its slots); a tick is received in one call too,
+    and its events handled."""
+    receives = count_calls(monkeypatch, "_receive_slot_pieces")
+    one_by_one = count_calls(monkeypatch, "receive_partitioned")
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=8)
+    handled: list[int] = []
+    worker = pgque.Worker(dsn, queue="q", consumer="g", slots=8,
+                          handler=lambda m: handled.append(m.id), ticker=False,
+                          poll_interval=0.2)
+    with worker:
+        wait_for(lambda: len(worker.owned_slots) == 8, what="all 8 slots", dsn=dsn)
+        assert worker.sessions == 1
+        wait_for(lambda: receives[0] >= 2, what="the first polls", dsn=dsn)
+        start, before = time.monotonic(), receives[0]
+        time.sleep(2.0)  # the window measured: polls in 2 s of idling
+        polls = receives[0] - before
+        elapsed = time.monotonic() - start
+        assert polls <= elapsed / 0.2 + 3, polls  # one lane's polls, not one per slot
+        ids = client.send_batch("q", [("e", n, f"k{n}") for n in range(40)])
+        client.tick("q")
+        wait_for(lambda: sorted(handled) == ids, what="the tick's events", dsn=dsn)
+    assert one_by_one[0] == 0

@@ -85,6 +85,7 @@ RENAMES = {
     "ahandler_result": "handler_result",
     "acancelled": "cancelled",
     "AKeyRunner": "KeyRunner",
+    "APieces": "Pieces",
     "AHandlerResult": "HandlerResult",
     # psycopg and psycopg_pool
     "AsyncConnection": "Connection",

@@ -199,17 +199,40 @@ as $$
                                      p_req))
 $$;
 
+-- pgque._cover_statement(req, queue_id): the statement that finds whether a
+-- committed event of the queue is not covered by the snapshot whose xmax and
+-- in-progress list req.prev_xmax and req.prev_xip hold (the ticker's probe,
+-- _uncovered_events): at most one such event, by one scan of the ev_txid
+-- index from xmax and one probe per listed id. Built from an integer only.
+create or replace function pgque._cover_statement(p_req text, p_queue_id integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format('select array(select row(x.*)::pgque.event_template'
+                  ' from ((select e.* from pgque.%1$I e where e.ev_txid >= %2$s.prev_xmax limit 1)'
+                  '       union all'
+                  '       (select e.* from unnest(%2$s.prev_xip) as x(txid)'
+                  '         cross join lateral (select e.* from pgque.%1$I e'
+                  '                              where e.ev_txid = x.txid offset 0) e limit 1)'
+                  '       limit 1) x)',
+                  pgque._event_table(p_queue_id), p_req)
+$$;
+
 -- pgque._read_dispatch(req, queue_id, slots): the statement that serves the
 -- read request req for slots (a count: the batch readers write one branch of
--- these per count): the probe, the span read (no slot, slots above 1) or the
--- batch read.
+-- these per count): the cover probe (a probe of no slots), the probe, the
+-- span read (no slot, slots above 1) or the batch read.
 create or replace function pgque._read_dispatch(p_req text, p_queue_id integer,
                                                 p_slots integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select format(E'if %1$s.probe then\n'
+    select format(E'if %1$s.probe and %1$s.span_slots is null then\n'
+                  '    return (%5$s);\n'
+                  'end if;\n'
+                  'if %1$s.probe then\n'
                   '    return (%2$s);\n'
                   'end if;\n'
                   '%3$s'
@@ -225,7 +248,8 @@ as $$
                                    p_req, pgque._span_statement(p_req, p_queue_id, p_slots, false),
                                    pgque._span_statement(p_req, p_queue_id, p_slots, true))
                        else '' end,
-                  pgque._read_statement(p_req, p_queue_id, p_slots))
+                  pgque._read_statement(p_req, p_queue_id, p_slots),
+                  pgque._cover_statement(p_req, p_queue_id))
 $$;
 
 -- pgque._run_reader(queue_id, req): the events that the read request req
@@ -250,7 +274,9 @@ begin
             return v_events;
         end if;
     end if;
-    execute case when p_req.probe then pgque._probe_statement('($1)', p_queue_id, v_slots)
+    execute case when p_req.probe and p_req.span_slots is null
+                      then pgque._cover_statement('($1)', p_queue_id)
+                 when p_req.probe then pgque._probe_statement('($1)', p_queue_id, v_slots)
                  when v_slots > 1 and p_req.slot is null
                       then pgque._span_statement('($1)', p_queue_id, v_slots,
                                                  p_req.max_events is not null)

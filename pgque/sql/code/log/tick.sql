@@ -114,22 +114,23 @@ $$;
 -- transaction not visible in it (at or past its xmax, or in its xip list).
 -- Counting by sequence position cannot tell: an event whose ev_id was taken
 -- before a tick by a transaction that committed after it lies below the
--- tick's position yet is not in its batch. An index probe on ev_txid;
--- transactions still in progress are invisible here and simply skipped.
+-- tick's position yet is not in its batch. An index probe on ev_txid, through
+-- the queue's batch reader (its cover probe, consumers/read.sql: static SQL,
+-- planned once per session, where a dynamic statement was planned at each of
+-- the ticker's polls); transactions still in progress are invisible here and
+-- simply skipped.
 create or replace function pgque._uncovered_events(p_queue_id integer, p_snapshot pg_snapshot)
 returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_found boolean;
+    v_req pgque.read_request;
 begin
-    execute format('select exists (select 1 from pgque.%I e'
-                   ' where e.ev_txid >= $1 or e.ev_txid = any($2))',
-                   pgque._event_table(p_queue_id))
-       into v_found
-      using pg_snapshot_xmax(p_snapshot), array(select pg_snapshot_xip(p_snapshot));
-    return v_found;
+    v_req.prev_xmax := pg_snapshot_xmax(p_snapshot);
+    v_req.prev_xip := array(select pg_snapshot_xip(p_snapshot));
+    v_req.probe := true;
+    return cardinality(pgque._run_reader(p_queue_id, v_req)) > 0;
 end
 $$;
 

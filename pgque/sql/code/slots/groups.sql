@@ -321,9 +321,11 @@ begin
     return query
         select k, s, coalesce(c1.c, c2.c)
           from unnest(p_slots) k
-         cross join lateral (select pgque._slot_name(p_group.cg_consumer, k,
-                                                     p_group.cg_slots) as name) n
-          join pgque.subscription s on s.sub_queue = p_queue.queue_id and s.sub_consumer = n.name
+          -- _slot_name, written out: a call per slot cost more than the join.
+          join pgque.subscription s
+            on s.sub_queue = p_queue.queue_id
+           and s.sub_consumer = p_group.cg_consumer || '#' || k::text || '/'
+                                || p_group.cg_slots::text
          -- pgque._current_cursor, written out: a call per slot cost more than its
          -- read. (Null when a rotation emptied its partition after this
          -- statement's snapshot: the callers read it again once locked.)

@@ -8,17 +8,22 @@
 -- Each slot's piece is the one receive_partitioned would return; nothing
 -- about order or ownership changes.
 --
--- The usual case is set-based: slots drained together sit at the same tick
--- with no open batch, so their next batches span the same two ticks, and one
--- read of that span (the batch reader's span read, each event routed to its
--- slot with the routing formula) holds every slot's events; their cursors
--- are written in one statement, and when every slot asked for goes
--- together, their epochs and locks are taken in one statement each too. A
--- slot at another position, with an open batch, or with nothing in that span
--- (whose empty batches receive_partitioned consumes, or whose idle poll it
--- leaves unwritten) takes the slot-by-slot path instead, and so do all of
--- them when they are less than half of the group (the read of the whole span
--- would then cost more than theirs). Both paths hand out the same pieces
+-- The usual case is set-based: slots drained together have no open batch
+-- and their next batches end at the same tick (the queue's newest, as a rule),
+-- even when they start at different ticks (a slot that found nothing in the
+-- last ticks leaves its cursor where it was: see _slot_read_ahead). One read
+-- of the span from the oldest of their starts holds every slot's events; each
+-- event is routed to its slot with the routing formula, and kept for it only
+-- if it came after that slot's own start; their cursors are written in one
+-- statement, and when every slot asked for goes together, their epochs and
+-- locks are taken in one statement each too. A slot with nothing in its span
+-- that receive_partitioned would leave unwritten (the idle rule of
+-- _slot_read_ahead) costs nothing more. A slot with an open batch, whose
+-- batch would end at another tick, with blocked keys, or with nothing in its
+-- span that receive_partitioned would consume, takes the slot-by-slot path
+-- instead, and so do all of them when they are less than half of the group
+-- (the read of the whole span would then cost more than theirs). Both paths
+-- hand out the same pieces and write the same cursors
 -- (tests/test_slot_sets_model.py).
 
 -- pgque._owned_slot_subs(queue, grp, slot_list): the slots of slot_list
@@ -45,47 +50,59 @@ $$;
 -- the set-based path of receive_slots for slots ks of group grp (their
 -- subscriptions and cursors as read without a lock): which of them can go
 -- together, and the one read of their next batch. Those that can: no open
--- batch, at the last tick most of them share (last_tick), their next batch up
--- to next_tick, and only when they are at least half of the group (else each
--- slot's own read, by its slot index, costs less). together holds their
--- positions in ks (none: the read is null); req is the read request of their
--- span (_span_statement), which the caller runs and routes (_route_span),
--- keeping only the slots that have events.
+-- batch, and the tick that would end their next batch (_next_tick: next_tick)
+-- the one most of them share, and only when they are at least half of the
+-- group (else each slot's own read, by its slot index, costs less). together
+-- holds their positions in ks (none: the read is null), lasts their last
+-- ticks at the same positions; last_tick is the oldest of those. req is the
+-- read request of their span from last_tick (_span_statement), which the
+-- caller runs and routes (_route_span); when their last ticks differ it
+-- carries each slot's start in probe_prevs (an event is a slot's only if
+-- that snapshot did not see it) and reads the span whole.
 create or replace function pgque._slot_span(
     p_queue pgque.queue, p_group pgque.consumer_group, p_ks integer[],
     p_subs pgque.subscription[], p_curs pgque.cursor[], p_max_events integer,
-    out together integer[], out last_tick bigint, out next_tick bigint,
+    out together integer[], out lasts bigint[], out last_tick bigint, out next_tick bigint,
     out req pgque.read_request)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_prev pg_snapshot;              -- the snapshot of their last tick
+    v_prev pg_snapshot;              -- the snapshot of their oldest last tick
     v_next pg_snapshot;
 begin
     together := '{}';
-    select c.cur_last_tick into last_tick
-      from unnest(p_curs) c where c.cur_batch is null
-     group by c.cur_last_tick order by count(*) desc, c.cur_last_tick limit 1;
-    if last_tick is null then
+    -- (A group of one slot has nothing to put together.)
+    if p_group.cg_slots = 1 then
         return;
     end if;
-    together := array(select i from generate_subscripts(p_ks, 1) i
-                       where (p_curs[i]).cur_batch is null
-                         and (p_curs[i]).cur_last_tick = last_tick order by i);
-    -- (A group of one slot has nothing to put together.)
-    if p_group.cg_slots = 1 or cardinality(together) * 2 < p_group.cg_slots then
+    -- The tick ending each slot's next batch, computed once per distinct last
+    -- tick (slots share a few); the slots of the one most of them share.
+    select array_agg(c.i order by c.i), n.n into together, next_tick
+      from (select i, (p_curs[i]).cur_last_tick as lt
+              from generate_subscripts(p_ks, 1) i
+             where (p_curs[i]).cur_batch is null) c
+      join (select c2.lt, pgque._next_tick(p_queue, p_curs[min(c2.i)]) as n
+              from (select i, (p_curs[i]).cur_last_tick as lt
+                      from generate_subscripts(p_ks, 1) i
+                     where (p_curs[i]).cur_batch is null) c2
+             group by c2.lt) n on n.lt = c.lt
+     where n.n is not null
+     group by n.n order by count(*) desc, n.n desc limit 1;
+    if together is null or cardinality(together) * 2 < p_group.cg_slots then
         together := '{}';
         return;
     end if;
-    next_tick := pgque._next_tick(p_queue, p_curs[together[1]]);
+    lasts := array(select (p_curs[i]).cur_last_tick from unnest(together) with ordinality t(i, o)
+                    order by o);
+    last_tick := (select min(l) from unnest(lasts) l);
     v_prev := pgque._tick_snapshot(p_queue.queue_id, last_tick);
-    if next_tick is null or v_prev is null then
+    if v_prev is null then
         together := '{}';
         return;
     end if;
     v_next := pgque._tick_snapshot(p_queue.queue_id, next_tick);
-    -- One read of their next batch (_span_statement), for the caller to run.
+    -- One read of their next batches, for the caller to run.
     req.prev_xmax := pg_snapshot_xmax(v_prev);
     req.prev_xip := array(select pg_snapshot_xip(v_prev));
     req.next_xmax := pg_snapshot_xmax(v_next);
@@ -95,6 +112,16 @@ begin
     req.span_slots := array(select p_ks[i] from unnest(together) i);
     req.span_subs := array(select (p_subs[i]).sub_id from unnest(together) i);
     req.probe := false;
+    if exists (select from unnest(lasts) l where l <> last_tick) then
+        req.probe_prevs := array(select k.tick_snapshot
+                                   from unnest(lasts) with ordinality t(l, o)
+                                   join pgque.tick k on k.tick_queue = p_queue.queue_id
+                                                    and k.tick_id = t.l
+                                  order by t.o);
+        -- Read whole: a slot's first max_events of the span may be events an
+        -- older start holds and its own start saw.
+        req.max_events := null;
+    end if;
 end
 $$;
 
@@ -102,7 +129,8 @@ $$;
 -- read request req of _slot_span) routed to their slots: each event's slot
 -- among req.span_slots by slot_of's formula, written out (a call per event
 -- would cost more than the rest of receive_slots), a retried event to its
--- owner's slot only (-1: none of them); the slots that have events, ascending,
+-- owner's slot only, an event to a slot only if the slot's start
+-- (req.probe_prevs, when given) did not see it (-1: none of them); the slots that have events, ascending,
 -- and for each how many, the last one's ev_id and the last ev_id of the first
 -- piece (max_events; without it, the last one). The events come as an
 -- argument, not in a record: they are read once per row below.
@@ -124,11 +152,12 @@ begin
     routes := array(
         select coalesce(o.k, -1)
           from unnest(p_events) with ordinality as e
-          left join unnest(v_span_slots, v_span_subs) as o(k, sub)
+          left join unnest(v_span_slots, v_span_subs, p_req.probe_prevs) as o(k, sub, prev)
             on o.k = case when e.ev_extra1 is null then 0
                           else (hashtextextended(e.ev_extra1, 0) % v_slots
                                 + v_slots) % v_slots end
            and (e.ev_owner is null or e.ev_owner = o.sub)
+           and (o.prev is null or not pg_visible_in_snapshot(e.ev_txid, o.prev))
          order by e.ordinality);
     select array_agg(p.k order by p.k), array_agg(p.n order by p.k),
            array_agg(p.last order by p.k)
@@ -156,14 +185,14 @@ begin
 end
 $$;
 
--- pgque._lock_span(subs, last_tick): for a set-based receive of every slot of
+-- pgque._lock_span(subs, last_ticks): for a set-based receive of every slot of
 -- subs at once: their epochs (_slot_epochs), then their receive locks in
 -- ascending slot order with the owner checked on each row as locked (PQ024:
 -- the key may have been renewed and the slot taken since the rows were read),
 -- then their cursors read again; null unless every slot can go (none fenced,
--- every cursor still without an open batch at last_tick).
+-- every cursor still without an open batch at its tick of last_ticks).
 create or replace function pgque._lock_span(
-    p_subs pgque.subscription[], p_last_tick bigint,
+    p_subs pgque.subscription[], p_last_ticks bigint[],
     out epochs bigint[], out curs pgque.cursor[])
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -196,7 +225,7 @@ begin
                                          and o.cur_sub = (p_subs[i]).sub_id
                                        order by o.cur_seq desc limit 1) c2(c) on true
                    where (coalesce(c1.c, c2.c)).cur_batch is null
-                     and (coalesce(c1.c, c2.c)).cur_last_tick = p_last_tick
+                     and (coalesce(c1.c, c2.c)).cur_last_tick = p_last_ticks[i]
                    order by i);
     if cardinality(curs) <> cardinality(p_subs) then
         epochs := null;
@@ -239,13 +268,16 @@ $$;
 -- row. One transaction: a failure (PQ024 for a slot this session does not
 -- own) receives nothing. max_events bounds each slot's piece. The rows are
 -- pgque.batch_event's columns led by the slot, as clients of 0.3 read them
--- by position.
+-- by position, then (since 0.8) ahead: whether the slot's batch ends before
+-- the queue's newest tick, so that its next batch is there once this one is
+-- acked (a consumer draining a backlog receives again at once; one that is
+-- not waits for the next tick).
 create or replace function pgque.receive_slots(
     p_queue text, p_consumer text, p_slots integer, p_slot_list integer[],
     p_max_events integer default null)
 returns table (slot integer, batch_id bigint, ev_id bigint, ev_time timestamptz,
                ev_retry integer, ev_type text, ev_data text, ev_extra1 text, epoch bigint,
-               delayed_id bigint)
+               delayed_id bigint, ahead boolean)
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
@@ -270,7 +302,13 @@ declare
     v_batch_ids bigint[];
     v_handed bigint[];
     v_rest pgque.batch_event[] := '{}';  -- the rows of the other slots
+    v_idle integer[] := '{}';        -- positions in ks of the slots left idle
+    v_lasts bigint[];                -- the last ticks of the slots together
+    v_newest pgque.tick;
+    v_blocked integer[];             -- the subscriptions among them with a blocked key
+    v_ahead integer[];               -- the slots of v_rest whose batch ends before the newest tick
     v_i integer;
+    v_j integer;
 begin
     perform pgque._check_max_events(p_max_events);
     perform pgque._check_slot(0, p_slots);
@@ -279,36 +317,66 @@ begin
     if v_ks is null then
         return;  -- an empty list
     end if;
+    -- A slot with no open batch, no tick after its last one and no blocked key
+    -- has nothing to receive: as receive_partitioned does (_has_next_tick),
+    -- it is left without a lock or a write. (Held events are due only where
+    -- a key is blocked: see _held_due.)
+    v_newest := pgque._last_tick(v_queue.queue_id);
+    v_blocked := array(select distinct b.bk_sub from pgque.blocked_key b
+                        where b.bk_sub = any(array(select (x).sub_id from unnest(v_subs) x)));
+    v_idle := array(select i from generate_subscripts(v_ks, 1) i
+                     where (v_curs[i]).cur_batch is null
+                       and (v_curs[i]).cur_last_tick >= coalesce(v_newest.tick_id, 0)
+                       and (v_subs[i]).sub_id <> all(v_blocked)
+                     order by i);
     v_span := pgque._slot_span(v_queue, v_group, v_ks, v_subs, v_curs, p_max_events);
     if cardinality(v_span.together) > 0 then
         v_events := pgque._run_reader(v_queue.queue_id, v_span.req);
         v_route := pgque._route_span(v_events, v_span.req, p_max_events);
-        -- A slot with blocked keys (slots/pause.sql) goes slot by slot: its
-        -- receive sets their events aside, or hands out held ones.
-        v_span.together := array(select i from unnest(v_span.together) i
-                                  where v_ks[i] = any(v_route.with_events)
-                                    and not pgque._has_blocked((v_subs[i]).sub_id));
+        -- A slot with nothing in its span is left as receive_partitioned
+        -- leaves an idle slot (_slot_read_ahead's rule: its batch would end
+        -- at the newest tick, its start is recent, no held events due):
+        -- nothing received, nothing written. The other empty ones, and a slot
+        -- with blocked keys (slots/pause.sql: its receive sets their events
+        -- aside, or hands out held ones), go slot by slot.
+        select v_idle || coalesce(array_agg(t.i order by t.o) filter (where t.idle), '{}'),
+               coalesce(array_agg(t.i order by t.o) filter (where not t.idle and t.go), '{}'),
+               coalesce(array_agg(t.l order by t.o) filter (where not t.idle and t.go), '{}')
+          into v_idle, v_span.together, v_lasts
+          from (select x.i, x.o, x.l, x.has and not x.blocked as go,
+                       not x.has and not x.blocked and v_span.next_tick = v_newest.tick_id
+                           and now() - k.tick_time < pgque._slot_cursor_lag() as idle
+                  from (select t.i, t.o, t.l,
+                               coalesce(v_ks[t.i] = any(v_route.with_events), false) as has,
+                               (v_subs[t.i]).sub_id = any(v_blocked) as blocked
+                          from unnest(v_span.together, v_span.lasts) with ordinality t(i, l, o)) x
+                  left join pgque.tick k on k.tick_queue = v_queue.queue_id and k.tick_id = x.l
+               ) t;
     else
         v_route := pgque._route_span('{}', null, null);  -- nothing to route
     end if;
-    if cardinality(v_span.together) = cardinality(v_ks) then
-        -- Every slot goes together (a session draining its slots): one
-        -- statement each for the epochs, the locks and the cursors.
-        v_locked := pgque._lock_span(v_subs, v_span.last_tick);
+    if cardinality(v_span.together) + cardinality(v_idle) = cardinality(v_ks)
+       and cardinality(v_span.together) > 0 then
+        -- Every slot goes together or is idle (a session draining its slots):
+        -- one statement each for the epochs, the locks and the cursors.
+        v_locked := pgque._lock_span(array(select v_subs[i] from unnest(v_span.together) i),
+                                     v_lasts);
         if v_locked.epochs is not null then
             v_all := true;
-            v_open := v_ks;
+            v_open := array(select v_ks[i] from unnest(v_span.together) i);
             v_epochs := v_locked.epochs;
             v_open_curs := v_locked.curs;
         end if;
     end if;
     -- Else slot after slot, ascending (the lock order everywhere): a slot that
-    -- can go together is locked here and opened with the others below; any
-    -- other goes as receive_partitioned would take it.
+    -- can go together is locked here and opened with the others below; an
+    -- idle one is left; any other goes as receive_partitioned would take it.
     for v_i in 1 .. cardinality(v_ks) loop
         exit when v_all;  -- all opened together above
-        if v_i = any(v_span.together) then
-            v_locked := pgque._lock_span_slot(v_subs[v_i], v_span.last_tick);
+        continue when v_i = any(v_idle);
+        v_j := array_position(v_span.together, v_i);
+        if v_j is not null then
+            v_locked := pgque._lock_span_slot(v_subs[v_i], v_lasts[v_j]);
             continue when v_locked.epoch is null;  -- fenced: nothing for this slot
             if v_locked.ready then
                 v_open := v_open || v_ks[v_i];
@@ -332,16 +400,22 @@ begin
         v_batch_ids := v_served.batch_ids;
         v_handed := v_served.handed;
     end if;
+    -- Ahead: the batches opened together end at the span's tick; the others
+    -- where their cursors now say (a piece of held events: no tick, ahead).
+    v_ahead := array(select k from (select distinct x.slot as k from unnest(v_rest) x) r
+                     cross join lateral pgque._current_cursor(
+                         (v_subs[array_position(v_ks, r.k)]).sub_id, false) c
+                     where coalesce(c.cur_next_tick < v_newest.tick_id, true));
     return query
         select s.k, s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-               e.ev_extra1, s.epoch, e.ev_delayed_id
+               e.ev_extra1, s.epoch, e.ev_delayed_id, v_span.next_tick < v_newest.tick_id
           from unnest(v_events) with ordinality as e
           join unnest(v_open, v_batch_ids, v_handed, v_epochs) as s(k, batch_id, handed, epoch)
             on s.k = v_routes[e.ordinality]
          where e.ev_id <= s.handed
         union all
         select x.slot, x.batch_id, x.ev_id, x.ev_time, x.ev_retry, x.ev_type, x.ev_data,
-               x.ev_extra1, x.epoch, x.delayed_id
+               x.ev_extra1, x.epoch, x.delayed_id, x.slot = any(v_ahead)
           from unnest(v_rest) x
          order by 1, 3;
 end
@@ -423,7 +497,9 @@ begin
     perform 1 from unnest(p_slot_list) k
       join pgque.subscription s
         on s.sub_queue = v_queue.queue_id
-       and s.sub_consumer = pgque._slot_name(p_consumer, k, v_group.cg_slots)
+       -- _slot_name, written out (as in _slot_subs)
+       and s.sub_consumer = v_group.cg_consumer || '#' || k::text || '/'
+                            || v_group.cg_slots::text
      order by k
        for update of s;
     select array_agg(t.sub order by t.slot), array_agg(t.cur order by t.slot),

@@ -68,11 +68,17 @@
 -- (moved_from, else null), where a subscription that has not moved yet has
 -- its newest row.
 create or replace function pgque._cursor_parts(out part smallint, out moved_from smallint)
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
+begin
+    -- PL/pgSQL, not SQL: a SQL function with a pinned search_path is planned
+    -- again in every transaction (docs/design-notes.md), and this one is on
+    -- every receive's path.
     select r.rt_part, case when r.rt_moving then (r.rt_part + 1) % r.rt_parts end
-      from pgque.rotation r where r.rt_name = 'cursor'
+      into part, moved_from
+      from pgque.rotation r where r.rt_name = 'cursor';
+end
 $$;
 
 -- pgque._write_part(name, share): the partition of rotated table name to
