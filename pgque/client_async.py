@@ -841,17 +841,32 @@ class AsyncClient:
 
     async def _receive_slot_pieces(self, queue: str, consumer: str, slots: int,
                                    owned: Iterable[int], max_events: int | None,
-                                   payload_type: type[T] | None
+                                   payload_type: type[T] | None, *,
+                                   acked: Sequence[Batch[Any]] = ()
                                    ) -> tuple[list[Batch[Any]], set[int]]:
         """:meth:`receive_slots`, and the slots whose batch ends before the queue's
-        newest tick (the Worker receives them again at once once acked)."""
+        newest tick (the Worker receives them again at once once acked). With
+        ``acked``, those pieces (of slots of the group, without failures) are
+        acked first, in the same transaction: one round trip for both."""
         check, params = self._checked(queue)
         wanted = list(owned)
         # The slot, then pgque.batch_event's columns but the slot, as far as the
         # database has them (delayed_id since 0.7, ahead since 0.8): read where they are.
-        rows = await self._rows(
-            f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
-            (*params, consumer, slots, wanted, max_events), binary=True)
+        rows: list[Any] | None = None
+        if acked:
+            try:
+                rows = await self._rows(
+                    f"select * from pgque.ack_receive_slots({check}, %s, %s, %s::integer[],"
+                    " %s::bigint[], %s::integer[], %s)",
+                    (*params, consumer, slots, [b.slot for b in acked],
+                     [b.batch_id for b in acked], wanted, max_events), binary=True)
+            except psycopg.errors.UndefinedFunction:
+                # A database older than 0.8: the ack, then the receive.
+                await self.ack_slots(acked)
+        if rows is None:
+            rows = await self._rows(
+                f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
+                (*params, consumer, slots, wanted, max_events), binary=True)
         by_slot: dict[int, list[Any]] = {}
         for row in rows:
             by_slot.setdefault(row[0], []).append(row)

@@ -132,6 +132,10 @@ from pgque.types import Batch, Message
 __all__ = ["Worker"]
 
 T = TypeVar("T")
+#: How long a lane of plain handlers keeps a finished piece's ack for its next
+#: call, so that the acks of a tick's pieces ride along with one call (a receive,
+#: or the ack of several), not one call each.
+ACK_DELAY = 0.02
 #: A handler: called with each message.
 Handler = Callable[[Message[T]], HandlerResult]
 #: A transactional handler: called with each message and the lane's connection,
@@ -734,70 +738,102 @@ class _Lane(Generic[T]):
         keepalive = worker.network_timeout / 3
         last_call = time.monotonic()
         running: dict[int, _Piece[T]] = {}
+        # Finished pieces without failures whose acks wait for the lane's next
+        # call (at most ACK_DELAY): they ride along with it.
+        held: dict[int, _Piece[T]] = {}
+        held_since = 0.0
         error: BaseException | None = None
         try:
             while True:
                 ending = worker.stopping or worker._fatal is not None or error is not None
-                if ending and not running:
+                if ending and not running and not held:
                     break
                 acted = False
                 if not ending:
-                    acted = self._serve_requests(session, busy=running.keys())
+                    acted = self._serve_requests(session,
+                                                 busy=running.keys() | held.keys())
                 with worker._lock:
                     pending, self._pending = self._pending, set()
                 for ready in pending:  # a new tick with work for them: no waiting out a poll
                     self._idle_until.pop(ready, None)
                     if ready in running:
                         running[ready].ticked = True
+                    elif ready in held:
+                        held[ready].ticked = True
                 finished = [piece for piece in running.values() if piece.done]
                 for piece in finished:
                     del running[piece.slot]
                     if piece.error is not None and error is None:
                         error = piece.error
+                self._settled(finished)  # their handlers have returned
                 if error is not None:
                     # Nothing more on this session: the pieces in hand end at their
                     # next event (the session is seen gone) or finish; none is acked.
-                    self._settled(finished)
+                    held.clear()
                     if running:
                         pause(STOP_LATENCY, self._wake)
                         self._wake.clear()
                     continue
+                failed = []
+                for piece in finished:
+                    assert piece.failures is not None
+                    if piece.failures.reasons:
+                        failed.append(piece)
+                    else:
+                        if not held:
+                            held_since = time.monotonic()
+                        held[piece.slot] = piece
                 now = time.monotonic()
                 with worker._lock:
                     leaving = set(self.releases)  # asked to go: no new piece for them
-                # (The slots of finished pieces are settled by their ack, below.)
-                busy = running.keys() | {piece.slot for piece in finished} | leaving
+                busy = (running.keys() | held.keys() | {piece.slot for piece in failed}
+                        | leaving)
                 due = [] if ending else [slot for slot in self._turns if slot not in busy
                                          and self._idle_until.get(slot, 0.0) <= now]
-                if finished:
+                if failed:
+                    # Their nacks and acks in one transaction, now.
                     acted = True
-                    fuse = len(finished) == 1 and not (ending or running or due or leaving
-                                                       or self._requests)
-                    more = self._ack_pieces(session, finished, fuse=fuse)
-                    self._settled(finished)
-                    if isinstance(more, Batch):
-                        self._start_piece(more, session, running)
-                        last_call = time.monotonic()
-                        continue
-                    # A slot whose batch goes on, whose next batch is there already
-                    # (a backlog) or that a tick came for is due again at once; any
-                    # other waits for a tick (or its poll).
+                    flags = self._ack_pieces(session, failed)
+                    assert isinstance(flags, list)
                     idle_until = self._next_poll()
-                    for piece, batch_ended in zip(finished, more, strict=True):
+                    for piece, batch_ended in zip(failed, flags, strict=True):
                         if ending or piece.slot not in self.slots or piece.slot in leaving:
                             continue
                         if batch_ended and not piece.ticked and not piece.ahead:
                             self._idle_until[piece.slot] = idle_until
                         else:
                             due.append(piece.slot)
-                if due:
+                if held and (ending or due or self._requests or leaving & held.keys()
+                             or now - held_since >= ACK_DELAY
+                             or any(p.ticked or p.ahead for p in held.values())):
+                    acted = True
+                    acks = list(held.values())
+                    held.clear()
+                    if (len(acks) == 1 and not due and len(self.slots) == 1
+                            and not (ending or leaving)):
+                        # A lane of one slot: the ack carries the slot's next receive.
+                        more = self._ack_pieces(session, acks, fuse=True)
+                        if isinstance(more, Batch):
+                            self._start_piece(more, session, running)
+                        elif acks[0].slot in self.slots:
+                            self._idle_until[acks[0].slot] = self._next_poll()
+                        last_call = time.monotonic()
+                        continue
+                    # The acked slots are received again in the same call: while a
+                    # backlog drains, their next batches are there already.
+                    again = [] if ending else [p.slot for p in acks if p.slot in self.slots
+                                               and p.slot not in leaving]
+                    self._receive_due(session, sorted(set(due) | set(again)), running,
+                                      acks)
+                elif due:
                     acted = True
                     self._receive_due(session, sorted(set(due)), running)
                 if acted:
                     last_call = time.monotonic()
                     continue
                 now = time.monotonic()
-                if not running and now - last_call > keepalive:  # an idle lane keeps its session
+                if not running and not held and now - last_call > keepalive:
+                    # An idle lane keeps its session.
                     with session.call() as client:
                         client.conn.execute("select 1")
                     last_call = now
@@ -805,6 +841,8 @@ class _Lane(Generic[T]):
                 # only the pieces in hand, which wake the lane, are waited for).
                 polls = [] if ending else [at for slot, at in self._idle_until.items()
                                            if slot not in running]
+                if held:
+                    polls.append(held_since + ACK_DELAY)
                 wait = min(polls, default=now + keepalive) - now
                 pause(max(0.0, min(wait, STOP_LATENCY, keepalive)), self._wake)
                 self._wake.clear()
@@ -859,22 +897,29 @@ class _Lane(Generic[T]):
                 self.in_hand.discard(piece.slot)
 
     def _receive_due(self, session: _Session, due: list[int],
-                     running: dict[int, _Piece[T]]) -> None:
-        """One receive for the due slots; a piece starts for each that has one, the
+                     running: dict[int, _Piece[T]],
+                     acks: list[_Piece[T]] | None = None) -> None:
+        """One call that acks the finished pieces ``acks`` (none: no ack) and
+        receives for the due slots; a piece starts for each that has one, the
         others wait out their poll interval (a tick that comes clears that)."""
         worker = self.worker
         batches: list[Batch[Any]]
         ahead: set[int]
+        acked = [piece.batch for piece in acks or ()]
         try:
             with session.call() as client:
                 batches, ahead = client._receive_slot_pieces(
                     worker.queue, worker.consumer, worker.slots, due, worker.max_events,
-                    worker.payload_type)
+                    worker.payload_type, acked=acked)
         except SlotNotOwned:
-            # One of them is no longer ours (nothing was received): find which,
-            # slot by slot, and let it go.
+            # One of them is no longer ours (nothing was acked or received): find
+            # which, slot by slot, and let it go.
+            if acks:
+                self._ack_pieces(session, acks)
             batches, ahead = [], set()
             for slot in due:
+                if slot not in self.slots:
+                    continue
                 try:
                     with session.call() as client:
                         got, more = client._receive_slot_pieces(
@@ -897,7 +942,7 @@ class _Lane(Generic[T]):
                 self._idle_until[slot] = idle_until
 
     def _ack_pieces(self, session: _Session, pieces: list[_Piece[T]], *,
-                    fuse: bool) -> Batch[T] | list[bool]:
+                    fuse: bool = False) -> Batch[T] | list[bool]:
         """Ack finished pieces (and nack their failures) in one transaction; for
         each, whether that ended its batch. With ``fuse`` (one piece, nothing
         else to do) the ack also receives its slot's next piece: returned when
@@ -933,7 +978,7 @@ class _Lane(Generic[T]):
                 return [True]
             flags: list[bool] = []
             for piece in pieces:  # which one: each on its own
-                one = self._ack_pieces(session, [piece], fuse=False)
+                one = self._ack_pieces(session, [piece])
                 assert isinstance(one, list)
                 flags += one
             return flags

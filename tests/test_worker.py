@@ -748,7 +748,8 @@ def test_a_fusing_lane_whose_session_is_terminated_loses_nothing(
             return len(set(handled))
 
     worker = pgque.Worker(dsn, queue="q", consumer="g", slots=2, handler=handler,
-                          max_events=5, rebalance_interval=0.1, poll_interval=0.05)
+                          max_events=5, rebalance_interval=0.1, poll_interval=0.05,
+                          concurrency=2)  # a lane per slot: each fuses on its own
     with worker:
         wait_for(lambda: count() >= 300 and fused[0] > 10, what="fusing lanes", dsn=dsn)
         [victim] = conn.execute(

@@ -71,6 +71,7 @@ declare
         'join_group(text,text)', 'group_status(text,text)', 'pending_slots(text,text)',
         'receive_slots(text,text,integer,integer[],integer)',
         'ack_slots(text,text,integer,integer[],bigint[])',
+        'ack_receive_slots(text,text,integer,integer[],bigint[],integer[],integer)',
         'slot_of(text,integer)',
         'max_slots()', 'tick_channel(text)',
         'grant_consumer(text,text,text)', 'revoke_consumer(text,text,text)',

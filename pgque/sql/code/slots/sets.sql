@@ -541,3 +541,29 @@ begin
     return v_done;
 end
 $$;
+
+-- pgque.ack_receive_slots(queue, consumer, slots, ack_list, batch_ids,
+-- receive_list, max_events): ack_slots of the pieces named (ack_list and
+-- batch_ids at the same positions; empty lists: none), then receive_slots of
+-- receive_list, in one transaction: what a session that serves many slots
+-- does at each of its turns (the pieces its handlers finished, the slots it
+-- wants more of) in one round trip and one commit. Errors as theirs; a
+-- failure acks and receives nothing.
+create or replace function pgque.ack_receive_slots(
+    p_queue text, p_consumer text, p_slots integer, p_ack_list integer[],
+    p_batch_ids bigint[], p_receive_list integer[], p_max_events integer default null)
+returns table (slot integer, batch_id bigint, ev_id bigint, ev_time timestamptz,
+               ev_retry integer, ev_type text, ev_data text, ev_extra1 text, epoch bigint,
+               delayed_id bigint, ahead boolean)
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if cardinality(p_ack_list) > 0 or cardinality(p_batch_ids) > 0 then
+        perform pgque.ack_slots(p_queue, p_consumer, p_slots, p_ack_list, p_batch_ids);
+    end if;
+    return query select * from pgque.receive_slots(p_queue, p_consumer, p_slots,
+                                                   p_receive_list, p_max_events);
+end
+$$;
