@@ -8,7 +8,7 @@
   the handler starting, both read from ``time.time()`` on this machine. The
   same runs with N = 1 show the floor of the tick → notify → receive path.
 * Idle CPU: a fresh worker process with nothing to do, and the PostgreSQL
-  backends serving it (its session, its listener, its ticker), read from
+  backends serving it (its control session, its lane, its ticker), read from
   ``/proc/<pid>/stat``; also the WAL, transaction ids and commits it costs.
 """
 
@@ -177,13 +177,13 @@ def _idle(client: pgque.Client, dsn: str, sizes: Sizes, repeats: int) -> dict[st
         time.sleep(SETTLE_S)
         # The Worker names its sessions after itself (bench-worker-<pid>, see
         # bench.worker_process): its control session, -ticker, and -lane<k>
-        # for each of its lanes (one per slot it owns, at the default concurrency).
+        # for each of its lanes (one, at the default concurrency, since 0.8;
+        # one per slot before).
         backends = [row[0] for row in client.conn.execute(
             "select pid from pg_stat_activity where application_name like %s",
             (f"bench-worker-{worker.pid}%",)).fetchall()]
-        if len(backends) != SLOT_COUNTS[0] + 2:
-            raise BenchError(f"expected {SLOT_COUNTS[0] + 2} backends of the idle worker, "
-                             f"found {backends}")
+        if len(backends) != 3:
+            raise BenchError(f"expected 3 backends of the idle worker, found {backends}")
         server_before = _server_counters(client)
         window = sizes.idle / repeats
         worker_pct: list[float] = []

@@ -175,6 +175,8 @@ class AsyncClient:
         # (backend pid, token) once pin_session() ran: slot and ticker calls
         # then check that they still reach that server session.
         self._pinned: tuple[int, str] | None = None
+        # The database has no pgque.ack_receive_slots (older than 0.8): found once.
+        self._without_ack_receive_slots = False
         # The thread (under asyncio, the task) that made the client: see _producer.
         self._owner = acaller()
 
@@ -852,8 +854,10 @@ class AsyncClient:
         wanted = list(owned)
         # The slot, then pgque.batch_event's columns but the slot, as far as the
         # database has them (delayed_id since 0.7, ahead since 0.8): read where they are.
+        receive = f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)"
+        receive_params = (*params, consumer, slots, wanted, max_events)
         rows: list[Any] | None = None
-        if acked:
+        if acked and not self._without_ack_receive_slots:
             try:
                 rows = await self._rows(
                     f"select * from pgque.ack_receive_slots({check}, %s, %s, %s::integer[],"
@@ -861,12 +865,14 @@ class AsyncClient:
                     (*params, consumer, slots, [b.slot for b in acked],
                      [b.batch_id for b in acked], wanted, max_events), binary=True)
             except psycopg.errors.UndefinedFunction:
-                # A database older than 0.8: the ack, then the receive.
+                self._without_ack_receive_slots = True  # a database older than 0.8
+        if acked and rows is None:
+            # The ack, then the receive, in one transaction all the same.
+            async with self.conn.transaction():
                 await self.ack_slots(acked)
-        if rows is None:
-            rows = await self._rows(
-                f"select * from pgque.receive_slots({check}, %s, %s, %s::integer[], %s)",
-                (*params, consumer, slots, wanted, max_events), binary=True)
+                rows = await self._rows(receive, receive_params, binary=True) if wanted else []
+        elif rows is None:
+            rows = await self._rows(receive, receive_params, binary=True)
         by_slot: dict[int, list[Any]] = {}
         for row in rows:
             by_slot.setdefault(row[0], []).append(row)

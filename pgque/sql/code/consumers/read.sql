@@ -203,14 +203,17 @@ $$;
 -- committed event of the queue is not covered by the snapshot whose xmax and
 -- in-progress list req.prev_xmax and req.prev_xip hold (the ticker's probe,
 -- _uncovered_events): at most one such event, by one scan of the ev_txid
--- index from xmax and one probe per listed id. Built from an integer only.
+-- index from xmax (in ev_txid order: a generic plan, not knowing xmax, took
+-- "ev_txid >= xmax" for a third of the table and read all of it) and one
+-- probe per listed id. Built from an integer only.
 create or replace function pgque._cover_statement(p_req text, p_queue_id integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format('select array(select row(x.*)::pgque.event_template'
-                  ' from ((select e.* from pgque.%1$I e where e.ev_txid >= %2$s.prev_xmax limit 1)'
+                  ' from ((select e.* from pgque.%1$I e where e.ev_txid >= %2$s.prev_xmax'
+                  '         order by e.ev_txid limit 1)'
                   '       union all'
                   '       (select e.* from unnest(%2$s.prev_xip) as x(txid)'
                   '         cross join lateral (select e.* from pgque.%1$I e'

@@ -70,6 +70,7 @@ as $$
 declare
     v_prev pg_snapshot;              -- the snapshot of their oldest last tick
     v_next pg_snapshot;
+    v_newest pgque.tick := pgque._last_tick(p_queue.queue_id);
 begin
     together := '{}';
     -- (A group of one slot has nothing to put together.)
@@ -82,11 +83,25 @@ begin
       from (select i, (p_curs[i]).cur_last_tick as lt
               from generate_subscripts(p_ks, 1) i
              where (p_curs[i]).cur_batch is null) c
-      join (select c2.lt, pgque._next_tick(p_queue, p_curs[min(c2.i)]) as n
-              from (select i, (p_curs[i]).cur_last_tick as lt
-                      from generate_subscripts(p_ks, 1) i
-                     where (p_curs[i]).cur_batch is null) c2
-             group by c2.lt) n on n.lt = c.lt
+      join (select d.lt,
+                   -- _next_tick's answer, in the usual case (the newest tick
+                   -- is within ticker_max_count) without its range scan.
+                   case when d.lt >= v_newest.tick_id then null
+                        when v_newest.tick_event_seq
+                             <= l.tick_event_seq + p_queue.queue_ticker_max_count
+                        then v_newest.tick_id
+                        else pgque._next_tick(p_queue, p_curs[d.i]) end as n
+              from (select c2.lt, min(c2.i) as i
+                      from (select i, (p_curs[i]).cur_last_tick as lt
+                              from generate_subscripts(p_ks, 1) i
+                             where (p_curs[i]).cur_batch is null) c2
+                     group by c2.lt) d
+              -- (lateral: one probe of the tick's key per last tick, where a join
+              -- could read every tick)
+              left join lateral (select l.tick_event_seq from pgque.tick l
+                                  where l.tick_queue = p_queue.queue_id
+                                    and l.tick_id = d.lt) l on true) n
+        on n.lt = c.lt
      where n.n is not null
      group by n.n order by count(*) desc, n.n desc limit 1;
     if together is null or cardinality(together) * 2 < p_group.cg_slots then
@@ -268,10 +283,10 @@ $$;
 -- row. One transaction: a failure (PQ024 for a slot this session does not
 -- own) receives nothing. max_events bounds each slot's piece. The rows are
 -- pgque.batch_event's columns led by the slot, as clients of 0.3 read them
--- by position, then (since 0.8) ahead: whether the slot's batch ends before
--- the queue's newest tick, so that its next batch is there once this one is
--- acked (a consumer draining a backlog receives again at once; one that is
--- not waits for the next tick).
+-- by position, then (since 0.8) ahead: whether the slot has more to receive
+-- once this piece is acked (its batch goes on after the piece, or ends before
+-- the queue's newest tick): a consumer draining a backlog receives again at
+-- once; one that is not waits for the next tick.
 create or replace function pgque.receive_slots(
     p_queue text, p_consumer text, p_slots integer, p_slot_list integer[],
     p_max_events integer default null)
@@ -400,15 +415,20 @@ begin
         v_batch_ids := v_served.batch_ids;
         v_handed := v_served.handed;
     end if;
-    -- Ahead: the batches opened together end at the span's tick; the others
-    -- where their cursors now say (a piece of held events: no tick, ahead).
+    -- Ahead: the slot's batch goes on after this piece (max_events cut it),
+    -- or ends before the newest tick. The batches opened together end at the
+    -- span's tick; the others where their cursors now say (a piece of held
+    -- events: no tick, ahead).
     v_ahead := array(select k from (select distinct x.slot as k from unnest(v_rest) x) r
                      cross join lateral pgque._current_cursor(
                          (v_subs[array_position(v_ks, r.k)]).sub_id, false) c
-                     where coalesce(c.cur_next_tick < v_newest.tick_id, true));
+                     where coalesce(c.cur_next_tick < v_newest.tick_id
+                                    or c.cur_end is null or c.cur_handed < c.cur_end, true));
     return query
         select s.k, s.batch_id, e.ev_id, e.ev_time, e.ev_retry, e.ev_type, e.ev_data,
-               e.ev_extra1, s.epoch, e.ev_delayed_id, v_span.next_tick < v_newest.tick_id
+               e.ev_extra1, s.epoch, e.ev_delayed_id,
+               v_span.next_tick < v_newest.tick_id
+               or v_route.counts[array_position(v_route.with_events, s.k)] > p_max_events
           from unnest(v_events) with ordinality as e
           join unnest(v_open, v_batch_ids, v_handed, v_epochs) as s(k, batch_id, handed, epoch)
             on s.k = v_routes[e.ordinality]
@@ -559,7 +579,22 @@ language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_queue pgque.queue := pgque._queue_row(p_queue);
+    v_group pgque.consumer_group;
 begin
+    perform pgque._check_slot(0, p_slots);
+    v_group := pgque._group(v_queue, p_consumer, p_slots);
+    -- The receive locks of both lists first, ascending by slot (the lock order
+    -- of every call that locks several slots of a group); the calls below take
+    -- them again.
+    perform 1 from (select distinct k from unnest(p_ack_list || p_receive_list) k) x
+      join pgque.subscription s
+        on s.sub_queue = v_queue.queue_id
+       and s.sub_consumer = v_group.cg_consumer || '#' || x.k::text || '/'
+                            || v_group.cg_slots::text
+     order by x.k
+       for update of s;
     if cardinality(p_ack_list) > 0 or cardinality(p_batch_ids) > 0 then
         perform pgque.ack_slots(p_queue, p_consumer, p_slots, p_ack_list, p_batch_ids);
     end if;
