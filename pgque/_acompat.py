@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import queue
 import sys
 import threading
 import time
@@ -437,30 +438,49 @@ class AKeyRunner:
 
 class Pieces:
     """Runs a lane's batch pieces side by side, each ``start(target, *args)`` on
-    a thread of a pool kept for the lane's life (up to ``limit`` at once: one
-    per slot the lane may own), so that a piece does not pay for a new thread."""
+    one of the lane's daemon threads (kept while the lane lives, so a piece
+    does not pay for a new thread; up to ``limit``: one per slot the lane may
+    own). Daemon threads, like the lanes': a process that exits without
+    stopping its Worker does not wait for them."""
 
     def __init__(self, limit: int, name: str) -> None:
         self.limit = limit
         self.name = name
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: set[Future[None]] = set()
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for a piece (below 0: pieces waiting for a thread)
 
     def start(self, target: Callable[..., None], *args: Any) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix=self.name)
-        future = self._pool.submit(target, *args)
-        self._futures.add(future)
-        future.add_done_callback(self._futures.discard)
+        with self._lock:
+            if self._idle <= 0 and len(self._threads) < self.limit:
+                self._threads.append(spawn(self._serve, name=f"{self.name}{len(self._threads)}"))
+            else:
+                self._idle -= 1  # one of them takes it
+        self._jobs.put((target, args))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            target, args = job
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._idle += 1
 
     def cancel(self) -> None:
         """Nothing to do: threads are not cancelled (see cancelled)."""
 
     def close(self) -> None:
         """Wait for the pieces in hand, then let the threads go."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._lock:
+            threads, self._threads = self._threads, []
+            self._idle = 0
+        for _ in threads:
+            self._jobs.put(None)
+        for thread in threads:
+            thread.join()
 
 
 class APieces:

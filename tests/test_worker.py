@@ -816,3 +816,33 @@ def test_a_plain_worker_serves_all_its_slots_on_one_session_in_one_call(
         client.tick("q")
         wait_for(lambda: sorted(handled) == ids, what="the tick's events", dsn=dsn)
     assert one_by_one[0] == 0
+
+
+def test_a_process_that_exits_without_stopping_its_worker_does_not_wait_for_handlers(
+        client: pgque.Client, dsn: str, tmp_path: Path) -> None:
+    """The Worker's threads are daemon threads, the handlers' too (plain
+    handlers run on the lane's own threads since 0.8): a script that starts a
+    Worker and returns while a handler blocks exits at once, as before, not
+    when the handler returns."""
+    make_queue(client)
+    client.subscribe_slots("q", "g", slots=2)
+    client.send("q", "e", 1, partition_key="k")
+    entered = tmp_path / "entered"
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import sys, threading, pathlib, pgque\n"
+        "entered = threading.Event()\n"
+        "def handle(message):\n"
+        "    entered.set()\n"
+        "    threading.Event().wait(120)  # a handler that does not return soon\n"
+        f"worker = pgque.Worker({dsn!r}, queue='q', consumer='g', slots=2, handler=handle)\n"
+        "worker.start()\n"
+        "assert entered.wait(60)\n"
+        f"pathlib.Path({str(entered)!r}).touch()\n", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, str(script)],
+                            cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert proc.wait(30) == 0  # not the handler's 120 s
+        assert entered.exists()
+    finally:
+        proc.kill()
