@@ -578,8 +578,9 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
               help="Call FUNCTION(message, conn) inside the transaction that acks: what it "
                    "writes on conn commits with the ack, exactly once.")
 @click.option("--concurrency", type=click.IntRange(min=1),
-              help="Slots handled at the same time, each on a session of its own "
-                   "[default: --slots].")
+              help="Lanes, each a session taking its slots in turns: that many slots "
+                   "handled at the same time [default: one session handling every slot "
+                   "at once; with --transactional, a lane per slot].")
 @click.option("--key-concurrency", type=click.IntRange(min=1),
               default=_WORKER_DEFAULTS["key_concurrency"], show_default=True,
               help="Events of different keys of a slot's batch handled at the same time "

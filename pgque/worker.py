@@ -16,9 +16,10 @@ at once: one ``receive_slots`` gets a piece of every slot that has events,
 each piece is handled on its own (a thread of the lane's; under asyncio, a
 task), and the pieces done by the lane's next call are acked in one
 ``ack_slots``. The database then does the same work per tick whether the
-worker owns 1 slot or 64, and one lane is the default (``concurrency``).
-Transactional handlers use the lane's session, inside the transaction that
-acks, so a lane takes its slots in turns and the default is a lane per slot:
+worker owns 1 slot or 64; this is the default. With ``concurrency`` given
+(kept as it was before 0.8) or transactional handlers (which use the lane's
+session, inside the transaction that acks), a lane takes its slots in turns
+and the default is a lane per slot:
 a slot's lock, its receive, its handler's transaction and its ack are all on
 one session, and slots on different lanes never wait for each other. A worker
 uses at most ``concurrency + 1`` connections, plus one for its Ticker if it
@@ -176,12 +177,13 @@ class Worker(Service, Generic[T]):
 
     ``handler`` is called with each :class:`~pgque.Message`; the events of one
     slot are handled strictly one after another (with ``key_concurrency``, one
-    after another per key), and every slot the worker owns at the same time;
-    ``concurrency`` is the number of sessions they are received on (default 1;
-    with transactional handlers, a slot at a time per session, default one
-    per slot; see the module docstring). With ``transactional=True`` the handler is called as
-    ``handler(message, conn)``, inside the transaction on ``conn`` that also
-    acks the batch: its writes on ``conn`` commit with the ack, exactly once.
+    after another per key), and by default every slot the worker owns at the
+    same time, received on one session; with ``concurrency`` given, or
+    transactional handlers (default: one per slot), that many sessions take
+    their slots in turns (see the module docstring). With ``transactional=True``
+    the handler is called as ``handler(message, conn)``, inside the transaction
+    on ``conn`` that also acks the batch: its writes on ``conn`` commit with the
+    ack, exactly once.
 
     By default the worker also runs a :class:`~pgque.Ticker` (pass
     ``ticker=False`` when something else ticks, or a configured Ticker) and
@@ -256,9 +258,12 @@ class Worker(Service, Generic[T]):
         self.slots = slots
         self.handler = handler
         self.transactional = transactional
-        # Plain handlers do not use the lane's session, so one session serves
-        # every slot (see _Lane._work_together); transactional ones hold it.
-        self.concurrency = concurrency or (slots if transactional else 1)
+        # Plain handlers do not use the lane's session, so by default one session
+        # serves every slot at once (see _Lane._work_together); transactional
+        # ones hold it. A concurrency given keeps its meaning of before 0.8:
+        # that many lanes, each taking its slots in turns.
+        self.together = concurrency is None and not transactional
+        self.concurrency = concurrency or (1 if self.together else slots)
         self.key_concurrency = key_concurrency
         self.payload_type = payload_type
         self.max_events = max_events
@@ -400,12 +405,13 @@ class Worker(Service, Generic[T]):
     def _wait(self, control: _Session, timeout: float) -> None:
         """Wait up to ``timeout`` for a tick notification, a lane's end, or a stop.
         A notification carries no information and may be lost (NOTIFY is at most
-        once): the lanes' polls stay. On one, with transactional handlers, the
+        once): the lanes' polls stay. On one, with lanes that take their slots in turns, the
         control asks which slots have something to receive (one read-only
         query) and wakes only the lanes that own them: with N slots, most ticks
         hold events of few, and N receives that find nothing would compete with
-        the one that does. Lanes of plain handlers are all woken: each receives
-        every slot of its own in one call."""
+        the one that does. Lanes that serve all their slots at once (plain
+        handlers, the default concurrency) are all woken: each receives every
+        slot of its own in one call."""
         if not self.listen:
             pause(timeout, self._wake)
             self._wake.clear()
@@ -419,7 +425,7 @@ class Worker(Service, Generic[T]):
             raise _ConnectionLost(str(exc)) from exc
         if heard:
             owned = self.owned_slots
-            if len(owned) > 1 and self.transactional:
+            if len(owned) > 1 and not self.together:
                 with control.call() as client:
                     pending = client.pending_slots(self.queue, self.consumer)
             else:
@@ -679,7 +685,7 @@ class _Lane(Generic[T]):
 
     def _work(self, session: _Session) -> None:
         worker = self.worker
-        if not worker.transactional:
+        if worker.together:
             self._work_together(session)
             return
         keepalive = worker.network_timeout / 3
@@ -1043,10 +1049,12 @@ class _Lane(Generic[T]):
             self._turns.remove(slot)
 
     def _step(self, slot: int, session: _Session) -> bool:
-        """One step of a slot of a lane with transactional handlers: receive a
-        batch piece, then handle its events in order, each in a savepoint of the
-        transaction that nacks the failures and acks the piece. Returns False
-        when the slot's receive found nothing (it then waits out its poll
+        """One step of a slot of a lane that takes its slots in turns: receive a
+        batch piece, handle its events in order, then nack the failures and ack
+        in one transaction (which, for a transactional handler, also holds the
+        handler's writes); while the lane has nothing else to do, the ack of a
+        plain handler's piece also receives the slot's next piece. Returns False
+        when the slot's last receive found nothing (it then waits out its poll
         interval), True when it may have more."""
         worker = self.worker
         with session.call() as client:
@@ -1055,19 +1063,50 @@ class _Lane(Generic[T]):
                 max_events=worker.max_events, payload_type=worker.payload_type)
         if batch is None:
             return False
-        conn = session.client.conn
-        with conn.transaction():
-            failures = self._handle(batch, session, conn, self._keys)
-            if batch.messages:
-                # Releasing the last event's savepoint fails when a handler
-                # ended the worker's transaction and began another (whose
-                # status alone looks the same): then HandlerEndedTransaction,
-                # not an ack in the handler's transaction. One statement a batch.
-                _on_savepoint(conn, "release savepoint pgque_event")
+        if worker.transactional:
+            conn = session.client.conn
+            with conn.transaction():
+                failures = self._handle(batch, session, conn, self._keys)
+                if batch.messages:
+                    # Releasing the last event's savepoint fails when a handler
+                    # ended the worker's transaction and began another (whose
+                    # status alone looks the same): then HandlerEndedTransaction,
+                    # not an ack in the handler's transaction. One statement a batch.
+                    _on_savepoint(conn, "release savepoint pgque_event")
+                with session.call() as client:
+                    client.ack(batch, nack=failures.reasons,
+                               retry_after=failures.retry_after, dead=failures.dead)
+            return True
+        while True:
+            failures = self._handle(batch, session, None, self._keys)
             with session.call() as client:
-                client.ack(batch, nack=failures.reasons,
-                           retry_after=failures.retry_after, dead=failures.dead)
-        return True
+                if not self._stays_on(slot):
+                    client.ack(batch, nack=failures.reasons,
+                               retry_after=failures.retry_after, dead=failures.dead)
+                    return True
+                # The lane's next step is this slot again: the ack carries its
+                # receive (one round trip and one commit a piece, not two).
+                next_batch = client.ack_and_receive(
+                    batch, nack=failures.reasons, retry_after=failures.retry_after,
+                    dead=failures.dead, max_events=worker.max_events,
+                    payload_type=worker.payload_type)
+            if next_batch is None:
+                return False  # acked, and the slot has nothing more: it waits its poll
+            batch = next_batch
+
+    def _stays_on(self, slot: int) -> bool:
+        """Whether the lane would step this slot next anyway: no claim or release
+        asked of it, no stop, and none of its other slots due."""
+        worker = self.worker
+        if worker.stopping or worker._fatal is not None:
+            return False
+        now = time.monotonic()
+        with worker._lock:
+            if self._requests or slot not in self.slots:
+                return False
+            return all(other == slot or (other not in self._pending
+                                         and self._idle_until.get(other, 0.0) > now)
+                       for other in self._turns)
 
     def _handle(self, batch: Batch[T], session: _Session,
                 conn: Conn | None, keys: KeyRunner) -> _Failures:
