@@ -223,6 +223,34 @@ def test_ticker_sees_events_of_a_transaction_open_during_the_last_tick(
     assert client.ticker() == 0  # and once covered, it is not pending any more
 
 
+def test_the_tickers_probe_for_late_commits_never_reads_a_whole_event_table(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """An idle queue's ticker polls probe for events committed after the last tick
+    below its position (_uncovered_events, through the batch reader's static
+    statement). Once its plan is generic (after five calls in a session), it must
+    still read the ev_txid index from the tick's xmax, never a whole event table:
+    a generic plan of "ev_txid >= $1" did, at every poll, and a busy queue's
+    server CPU grew with its table."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    for n in range(10):
+        client.send_batch("q", [("e", i, f"k{i}") for i in range(n * 500, n * 500 + 500)])
+    client.tick("q")
+    qid, snap = conn.execute("select t.tick_queue, t.tick_snapshot from pgque.tick t"
+                             " join pgque.queue q on q.queue_id = t.tick_queue"
+                             " where q.queue_name = 'q' order by t.tick_id desc limit 1"
+                             ).fetchone()
+    conn.execute(f"analyze pgque.event_{int(qid)}")  # the planner's real row counts
+    with conn.transaction():
+        found = [scalar(conn, "select pgque._uncovered_events(%s, %s::pg_snapshot)",
+                        (qid, snap)) for _ in range(10)]
+        seq_scans = scalar(conn, "select coalesce(sum(seq_scan), 0) from pg_stat_xact_user_tables"
+                                 " where schemaname = 'pgque' and relname like %s",
+                           (f"event_{int(qid)}_%",))
+    assert found == [False] * 10
+    assert seq_scans == 0
+
+
 def test_drop_queue_with_force_leaves_nothing_behind(client: pgque.Client,
                                                      conn: psycopg.Connection[Any]) -> None:
     client.create_queue("q")

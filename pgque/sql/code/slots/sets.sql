@@ -79,29 +79,25 @@ begin
     end if;
     -- The tick ending each slot's next batch, computed once per distinct last
     -- tick (slots share a few); the slots of the one most of them share.
+    with c as (select i, (p_curs[i]).cur_last_tick as lt
+                 from generate_subscripts(p_ks, 1) i
+                where (p_curs[i]).cur_batch is null),
+         n as (select d.lt,
+                      -- _next_tick's answer, in the usual case (the newest tick
+                      -- is within ticker_max_count) without its range scan.
+                      case when d.lt >= v_newest.tick_id then null
+                           when v_newest.tick_event_seq
+                                <= l.tick_event_seq + p_queue.queue_ticker_max_count
+                           then v_newest.tick_id
+                           else pgque._next_tick(p_queue, p_curs[d.i]) end as n
+                 from (select c.lt, min(c.i) as i from c group by c.lt) d
+                 -- (lateral: one probe of the tick's key per last tick, where a
+                 -- join could read every tick)
+                 left join lateral (select l.tick_event_seq from pgque.tick l
+                                     where l.tick_queue = p_queue.queue_id
+                                       and l.tick_id = d.lt) l on true)
     select array_agg(c.i order by c.i), n.n into together, next_tick
-      from (select i, (p_curs[i]).cur_last_tick as lt
-              from generate_subscripts(p_ks, 1) i
-             where (p_curs[i]).cur_batch is null) c
-      join (select d.lt,
-                   -- _next_tick's answer, in the usual case (the newest tick
-                   -- is within ticker_max_count) without its range scan.
-                   case when d.lt >= v_newest.tick_id then null
-                        when v_newest.tick_event_seq
-                             <= l.tick_event_seq + p_queue.queue_ticker_max_count
-                        then v_newest.tick_id
-                        else pgque._next_tick(p_queue, p_curs[d.i]) end as n
-              from (select c2.lt, min(c2.i) as i
-                      from (select i, (p_curs[i]).cur_last_tick as lt
-                              from generate_subscripts(p_ks, 1) i
-                             where (p_curs[i]).cur_batch is null) c2
-                     group by c2.lt) d
-              -- (lateral: one probe of the tick's key per last tick, where a join
-              -- could read every tick)
-              left join lateral (select l.tick_event_seq from pgque.tick l
-                                  where l.tick_queue = p_queue.queue_id
-                                    and l.tick_id = d.lt) l on true) n
-        on n.lt = c.lt
+      from c join n on n.lt = c.lt
      where n.n is not null
      group by n.n order by count(*) desc, n.n desc limit 1;
     if together is null or cardinality(together) * 2 < p_group.cg_slots then
