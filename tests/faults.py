@@ -584,8 +584,11 @@ class Producer(threading.Thread):
         self.rng = random.Random(run.workload.seed * 1000 + index)
         self.seq = 0
         self.transactions = 0
-        self.rolled_back: list[int] = []  # certainly not committed
-        self.unknown: list[int] = []  # the commit's outcome was lost with the connection
+        # Sends as (event id, producer, seq): after a crash the server may give an
+        # uncommitted send's ids again (a sequence's advance is WAL-logged but not
+        # flushed until some commit), so only (producer, seq) names a send for sure.
+        self.rolled_back: list[tuple[int, int, int]] = []  # certainly not committed
+        self.unknown: list[tuple[int, int, int]] = []  # the commit's outcome was lost
         self.connection_errors = 0
         self.errors: list[str] = []  # anything but a lost connection
 
@@ -609,7 +612,7 @@ class Producer(threading.Thread):
         conn: psycopg.Connection[Any] | None = None
         next_at = time.monotonic()
         while not stop.is_set():
-            ids: list[int] = []
+            sends: list[tuple[int, int, int]] = []
             committing = False
             try:
                 if conn is None:
@@ -621,6 +624,7 @@ class Producer(threading.Thread):
                 events = self._events()
                 client = pgque.Client(conn)
                 ids = client.send_batch(self.run_.queue, events, conn=conn)
+                sends = [(i, self.index, e[1]["s"]) for i, e in zip(ids, events, strict=True)]
                 conn.execute(
                     "insert into fault_sent (ev_id, producer, key, seq, fail) select * from "
                     "unnest(%s::bigint[], %s::int[], %s::text[], %s::int[], %s::int[])",
@@ -631,13 +635,13 @@ class Producer(threading.Thread):
                     stop.wait(self.rng.uniform(*self.hold))  # the fault: a long transaction
                     if self.transactions % 2 == 0:
                         conn.rollback()
-                        self.rolled_back.extend(ids)
+                        self.rolled_back.extend(sends)
                         continue
                 committing = True
                 conn.commit()
             except (psycopg.OperationalError, pgque.ConnectError):
                 self.connection_errors += 1
-                (self.unknown if committing else self.rolled_back).extend(ids)
+                (self.unknown if committing else self.rolled_back).extend(sends)
                 if conn is not None:
                     conn.close()
                 conn = None
@@ -645,13 +649,13 @@ class Producer(threading.Thread):
                 continue
             except Exception as exc:
                 self.errors.append(repr(exc))
-                (self.unknown if committing else self.rolled_back).extend(ids)
+                (self.unknown if committing else self.rolled_back).extend(sends)
                 if conn is not None:
                     conn.close()
                 conn = None
                 stop.wait(0.1)
                 continue
-            next_at = max(next_at + len(ids) / self.rate, time.monotonic() - 1.0)
+            next_at = max(next_at + len(sends) / self.rate, time.monotonic() - 1.0)
             stop.wait(max(0.0, next_at - time.monotonic()))  # pacing, not synchronisation
         if conn is not None:
             conn.close()
@@ -1330,8 +1334,13 @@ class FaultRun:
                                     (w.slots, keys)))
         failures = self.failures
 
-        rolled_back = {ev for p in self.producers for ev in p.rolled_back}
-        unknown = {ev for p in self.producers for ev in p.unknown}
+        # A send is named by (producer, seq); its event id alone may have been
+        # given again after a crash (see Producer.rolled_back).
+        rolled_back = {(p_, s_) for p in self.producers for _, p_, s_ in p.rolled_back}
+        unknown = {(p_, s_) for p in self.producers for _, p_, s_ in p.unknown}
+        sent_sends = {(r[1], r[3]) for r in sent.values()}
+        ids_again = ({ev for p in self.producers for ev, _, _ in p.rolled_back + p.unknown}
+                     & set(sent)) - {ev for ev, r in sent.items() if (r[1], r[3]) in unknown}
         for p in self.producers:
             if p.errors:
                 failures.append(f"producer {p.index} errors: {p.errors[:3]}")
@@ -1345,18 +1354,25 @@ class FaultRun:
         if lost:
             failures.append(f"{len(lost)} committed events lost, e.g. {sorted(lost)[:10]}")
 
-        # Nothing delivered that did not commit.
-        handled = {c[1] for c in calls}
-        ghosts = handled - set(sent)
-        bad_rb = handled & rolled_back
+        # Nothing delivered that did not commit: each call's (event id, producer,
+        # seq) is a committed send's.
+        sent_ids = {(ev, r[1], r[3]) for ev, r in sent.items()}
+        bad_rb = sorted({(c[1], c[3], c[4]) for c in calls if (c[3], c[4]) in rolled_back})
         if bad_rb:
-            failures.append(f"{len(bad_rb)} rolled-back events delivered: {sorted(bad_rb)[:10]}")
-        if ghosts - bad_rb:
-            failures.append(f"{len(ghosts - bad_rb)} events delivered that are not in "
-                            f"fault_sent: {sorted(ghosts - bad_rb)[:10]}")
-        if unknown & set(sent):
-            self.notes.append(f"{len(unknown & set(sent))} commits with a lost outcome did "
+            failures.append(f"{len(bad_rb)} rolled-back events delivered, (id, producer, seq):"
+                            f" {bad_rb[:10]}")
+        ghosts = sorted({(c[1], c[3], c[4]) for c in calls
+                         if (c[1], c[3], c[4]) not in sent_ids
+                         and (c[3], c[4]) not in rolled_back})
+        if ghosts:
+            failures.append(f"{len(ghosts)} events delivered that are not in fault_sent as "
+                            f"(id, producer, seq): {ghosts[:10]}")
+        if unknown & sent_sends:
+            self.notes.append(f"{len(unknown & sent_sends)} commits with a lost outcome did "
                               f"commit")
+        if ids_again:
+            self.notes.append(f"{len(ids_again)} ids of uncommitted sends were given again "
+                              f"after a crash")
 
         # First handlings (retry 0) in send order per (producer, key).
         first: dict[int, tuple[datetime, int]] = {}
