@@ -38,7 +38,9 @@ TARGET_RATE = 100
 PERCENTILES = (("p50", "median"), ("p90", "p90"), ("p99", "p99"), ("max", "max"))
 CATCH_UP_TIMEOUT = 600.0  # seconds a worker may need to work off a backlog
 CATCH_UP_POLL = 0.2
-SETTLE_S = 5.0  # an idle worker's ticker backs off after 2 s without ticks
+SETTLE_S = 5.0  # an idle worker's ticker falls asleep after 2 s without ticks
+QUIET_S = 3.0  # the silence before each send after quiet: the ticker asleep again
+QUIET_SENDS = 5
 MS = "ms"
 CPU = "% of one core"
 
@@ -198,14 +200,32 @@ def _idle(client: pgque.Client, dsn: str, sizes: Sizes, repeats: int) -> dict[st
             backend_pct.append((sum(cpu_seconds(pid) for pid in backends) - served)
                                / elapsed * 100)
         server_after = _server_counters(client)
-        worker.stop()
+        # Then the first event after a quiet spell, a few times: what the sleep
+        # costs (before 0.9: a poll every 50 ms; since: a send's notification).
+        acked: dict[int, float] = {}
+        for n in range(QUIET_SENDS):
+            time.sleep(QUIET_S)  # the silence being measured, not a synchronization
+            event_id = client.send(queue, EVENT_TYPE, {"n": n, "key": "quiet"},
+                                   partition_key="quiet")
+            acked[event_id] = time.time()
+        deadline = time.monotonic() + CATCH_UP_TIMEOUT
+        while any(s.pending_events or s.open_batch_id is not None or s.ticks_behind
+                  for s in client.partition_slot_status(queue)):
+            if time.monotonic() > deadline:
+                raise BenchError("the idle worker did not handle the sends after quiet")
+            time.sleep(CATCH_UP_POLL)
+        result = worker.stop()
     finally:
         worker.close()
     client.drop_queue(queue, force=True)
+    started = dict(zip(result.ids, result.started, strict=True))
+    if set(started) != set(acked):
+        raise BenchError(f"after quiet: sent {sorted(acked)}, handled {sorted(started)}")
     per_second = {name: round((server_after[name] - server_before[name]) / sizes.idle, 1)
                   for name in server_after}
     return {"worker_pct": worker_pct, "backend_pct": backend_pct, "per_second": per_second,
-            "backends": len(backends)}
+            "backends": len(backends),
+            "after_quiet_ms": [(started[i] - t) * 1000 for i, t in acked.items()]}
 
 
 def _server_counters(client: pgque.Client) -> dict[str, float]:
@@ -266,6 +286,11 @@ def run(ctx: SuiteContext) -> SuiteResult:
                     label=f"its {idle['backends']} PostgreSQL backends", events=0,
                     values=idle["backend_pct"], median=statistics.median(idle["backend_pct"]),
                     unit=CPU, group=idle_group),
+        Measurement(name="idle.first_event_ms",
+                    label=f"the first event after {QUIET_S:g} s of quiet (one per value)",
+                    events=QUIET_SENDS, values=idle["after_quiet_ms"],
+                    median=statistics.median(idle["after_quiet_ms"]), unit=MS,
+                    group="idle worker: send commit → handler start of an event after quiet"),
     ]
     return SuiteResult(
         parameters={
@@ -278,10 +303,13 @@ def run(ctx: SuiteContext) -> SuiteResult:
             "producer": "one autocommit connection, pgque.Client.send, paced on a monotonic "
                         "schedule; time.time() after send returns",
             "worker": "bench.worker_process --handler record: pgque.Worker defaults (own "
-                      "Ticker, listen=True, max_events=100, poll_interval=0.2, concurrency = "
-                      "slots); the handler's first action is time.time()",
+                      "Ticker, listen=True, max_events=100, poll_interval=None (1 s while "
+                      "listening), concurrency=None: one lane for all slots); the handler's "
+                      "first action is time.time()",
             "rounds": details,
             "idle": {"seconds": sizes.idle, "settle_seconds": SETTLE_S,
+                     "quiet_seconds_before_each_send": QUIET_S,
+                     "after_quiet_ms": [round(v, 2) for v in idle["after_quiet_ms"]],
                      "windows": ctx.repeats, "server_per_second": idle["per_second"],
                      "worker_cpu_pct": [round(v, 2) for v in idle["worker_pct"]],
                      "backend_cpu_pct": [round(v, 2) for v in idle["backend_pct"]]},

@@ -598,7 +598,7 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
               help="Set the group's failure policy: skip (a failed event is retried later, "
                    "its key goes on) or pause (its key waits for it) [default: the group's].")
 @_seconds("poll_interval", "Poll an idle slot this often (the fallback for a lost "
-                           "tick notification).")
+                           "tick notification) [default: 1 while listening, 0.2 without].")
 @_seconds("rebalance_interval", "Check the worker's fair share of slots this often.")
 @click.option("--ticker/--no-ticker", "run_ticker", default=_WORKER_DEFAULTS["ticker"],
               show_default=True,
@@ -671,8 +671,8 @@ def _ticker_seconds(name: str, text: str, minimum: float = 0) -> Callable[[F], F
 
 @cli.command()
 @_ticker_seconds("min_interval", "Shortest time between two ticks of a queue.")
-@_ticker_seconds("idle_interval", "Poll interval once idle.")
-@_ticker_seconds("idle_after", "Idle after this long without a tick.")
+@_ticker_seconds("idle_interval", "Poll interval while asleep (sends wake it).")
+@_ticker_seconds("idle_after", "Fall asleep after this long without a tick.")
 @_ticker_seconds("standby_interval", "How often a standby checks the active ticker.")
 @_ticker_seconds("overdue_after", "A standby ticks a queue whose tick is this late.")
 @_ticker_seconds("maintenance_interval", "Run maintenance this often.")

@@ -456,6 +456,27 @@ class AsyncClient:
         """Give up the ticker election if this session holds it."""
         return bool(await self._value("select pgque.release_ticker()"))
 
+    async def ticker_sleep(self) -> int:
+        """As the active ticker, say that it sleeps: sends into any queue notify
+        :meth:`ticker_channel` from now on (see the Ticker). Listen on that
+        channel first, and look for due ticks once more after. Returns how many
+        queues were marked; SQLSTATE 55000 unless this session holds the election."""
+        check, params = self._checked(None)
+        return int(await self._value(f"select pgque.ticker_sleep() from (select {check}) s",
+                                     params))
+
+    async def ticker_wake(self) -> int:
+        """As the active ticker, say that it is awake: sends stop notifying. Returns
+        how many queues were marked; SQLSTATE 55000 unless this session holds the
+        election."""
+        check, params = self._checked(None)
+        return int(await self._value(f"select pgque.ticker_wake() from (select {check}) s",
+                                     params))
+
+    async def ticker_channel(self) -> str:
+        """The channel a sleeping ticker listens on for sends."""
+        return str(await self._value("select pgque.ticker_channel()"))
+
     async def active_ticker(self) -> int | None:
         """The backend pid of the database's active ticker, or None."""
         pid = await self._value("select pgque.active_ticker()")

@@ -9,12 +9,22 @@ over within that time.
 
 The active ticker polls ``pgque.ticker()`` (which only reads when nothing is
 due, so an idle database pays no WAL and no transaction ids) and ticks every
-queue with pending events, never more often than ``min_interval``. After
-``idle_after`` seconds without a tick it backs off to ``idle_interval`` and
-speeds up again at the next tick. Each tick sends a NOTIFY that wakes the
-queue's workers. It also runs ``pgque.maint()`` every
-``maintenance_interval``, so retries come back and old tables are reclaimed
-without anyone scheduling anything.
+queue with pending events, never more often than ``min_interval``. Each tick
+sends a NOTIFY that wakes the queue's workers. It also runs ``pgque.maint()``
+every ``maintenance_interval``, so retries come back and old tables are
+reclaimed without anyone scheduling anything.
+
+Polling every few milliseconds all day would cost a core a few percent for
+nothing, so after ``idle_after`` seconds without a tick the ticker falls
+asleep: it marks every queue (``pgque.ticker_sleep``), and a send into a
+marked queue notifies the ticker's channel at its commit. The ticker looks at
+once on that notification; when the look ticks something it unmarks the
+queues and stays awake, so the first event after a quiet spell is no later
+than one in a busy stream. (A notification that ticks nothing, anyone's
+NOTIFY, leaves it asleep: no write for it.) Asleep, it still
+polls every ``idle_interval`` and runs maintenance, for what becomes due
+without a send (delayed events, retries, the idle period's ticks) and for a
+send that read its queue's mark just before it was set.
 
 An active ticker can stop working while keeping its lock: its process frozen
 (SIGSTOP, a debugger, a swap storm) or its network cut without a FIN. So the
@@ -38,9 +48,17 @@ import threading
 import time
 
 import psycopg
+from psycopg import sql
 
+from pgque._acompat import notified
 from pgque.client import Client
-from pgque.lifecycle import CallWatch, Service, client_keepalives, server_timeouts
+from pgque.lifecycle import (
+    STOP_LATENCY,
+    CallWatch,
+    Service,
+    client_keepalives,
+    server_timeouts,
+)
 
 __all__ = ["Ticker"]
 
@@ -61,7 +79,7 @@ class Ticker(Service):
         dsn: str,
         *,
         min_interval: float = 0.005,
-        idle_interval: float = 0.05,
+        idle_interval: float = 1.0,
         idle_after: float = 2.0,
         standby_interval: float = 0.25,
         overdue_after: float = 1.0,
@@ -157,8 +175,11 @@ class Ticker(Service):
             self.sleep(self.standby_interval)
 
     def _tick_loop(self, client: Client, watch: CallWatch) -> None:
+        with watch.call():
+            sleeps = self._prepare_sleep(client)
         last_tick = time.monotonic()
         next_maintenance = 0.0
+        asleep = heard = False
         while not self.stopping:
             now = time.monotonic()
             if now >= next_maintenance:
@@ -167,8 +188,61 @@ class Ticker(Service):
                 next_maintenance = now + self.maintenance_interval
             with watch.call():
                 made = client.ticker()
+            self.ticks += made
+            if asleep:
+                if heard and made:
+                    # A send's events: awake until quiet again. A notification
+                    # that ticked nothing (a delayed send's, anyone's NOTIFY)
+                    # wakes nothing, nor do the polls' ticks (the idle period's,
+                    # a racing send's): each wake costs two writes.
+                    with watch.call():
+                        client.ticker_wake()
+                    asleep = heard = False
+                    last_tick = now
+                    continue
+                deadline = min(now + self.idle_interval, next_maintenance)
+                heard = self._wait_for_wake(client, watch, deadline)
+                continue
             if made:
-                self.ticks += made
                 last_tick = now
-            idle = now - last_tick > self.idle_after
-            self.sleep(self.idle_interval if idle else self.min_interval)
+            if now - last_tick <= self.idle_after:
+                self.sleep(self.min_interval)
+            elif sleeps:
+                # Stale notifications out first: from here on, one means a send.
+                notified(client.conn, 0)
+                with watch.call():
+                    client.ticker_sleep()
+                asleep = True  # and the loop looks for due ticks once more
+            else:
+                self.sleep(min(self.idle_interval, _UNSLEEPING_INTERVAL))
+
+    def _prepare_sleep(self, client: Client) -> bool:
+        """Listen on the ticker channel and mark every queue awake (a ticker
+        before this one may have gone away asleep). False when the database's
+        pgque predates the sleeping ticker (0.9): then it polls as before."""
+        try:
+            client.ticker_wake()
+        except psycopg.errors.UndefinedFunction:
+            self.log.info("%s: this database's pgque has no sleeping ticker (before 0.9); "
+                          "polling every %ss while idle", self.name, _UNSLEEPING_INTERVAL)
+            return False
+        client.conn.execute(sql.SQL("listen {}").format(
+            sql.Identifier(client.ticker_channel())))
+        return True
+
+    def _wait_for_wake(self, client: Client, watch: CallWatch, deadline: float) -> bool:
+        """Wait for a notification on the ticker channel until ``deadline`` (or a
+        stop); True when one came."""
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with watch.call() as conn:
+                if notified(conn, min(left, STOP_LATENCY)):
+                    return True
+        return False
+
+
+# A ticker on a database whose pgque cannot sleep (before 0.9) polls this often
+# once idle, as every ticker did before.
+_UNSLEEPING_INTERVAL = 0.05

@@ -110,6 +110,7 @@ from pgque._acompat import (
     check_handler,
     handler_result,
     join,
+    notified,
     pause,
     run_blocking,
     running,
@@ -137,6 +138,10 @@ T = TypeVar("T")
 #: call, so that the acks of a tick's pieces ride along with one call (a receive,
 #: or the ack of several), not one call each.
 ACK_DELAY = 0.02
+#: How often a slot that found nothing looks again by default: while the worker
+#: listens for tick notifications, and while it does not.
+LISTENING_POLL_INTERVAL = 1.0
+POLL_INTERVAL = 0.2
 #: A handler: called with each message.
 Handler = Callable[[Message[T]], HandlerResult]
 #: A transactional handler: called with each message and the lane's connection,
@@ -188,7 +193,8 @@ class Worker(Service, Generic[T]):
     By default the worker also runs a :class:`~pgque.Ticker` (pass
     ``ticker=False`` when something else ticks, or a configured Ticker) and
     listens for tick notifications (``listen``), with ``poll_interval`` as the
-    fallback when a notification is lost. Under a role that may not tick, that
+    fallback when a notification is lost (by default 1 s while listening, 0.2 s
+    without). Under a role that may not tick, that
     Ticker says so once (at INFO) and ends, and the worker runs without
     ticking: another process must tick.
 
@@ -222,7 +228,7 @@ class Worker(Service, Generic[T]):
         key_concurrency: int = 1,
         payload_type: type[T] | None = None,
         max_events: int = 100,
-        poll_interval: float = 0.2,
+        poll_interval: float | None = None,
         retry_after: RetryDelay = 5.0,
         failure_policy: str | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
@@ -267,7 +273,12 @@ class Worker(Service, Generic[T]):
         self.key_concurrency = key_concurrency
         self.payload_type = payload_type
         self.max_events = max_events
-        self.poll_interval = poll_interval
+        # Listening, a poll only covers for a lost notification (a session of the
+        # control's that ended) and for what becomes deliverable without a tick
+        # (a key resumed): rare enough for a slow poll, and an idle worker's
+        # polls are most of what it costs the server.
+        self.poll_interval = (poll_interval if poll_interval is not None
+                              else LISTENING_POLL_INTERVAL if listen else POLL_INTERVAL)
         self.retry_after = retry_after
         self.failure_policy = failure_policy
         self.non_retryable: tuple[type[BaseException], ...] = (NonRetryable, *non_retryable)
@@ -346,6 +357,12 @@ class Worker(Service, Generic[T]):
                     assert row is not None
                     conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))
             self.log.info("%s: connected (control backend pid %s)", self.name, client.pinned_pid)
+            # The ticks while no session of the control's listened went unheard
+            # (lanes outlive it): every lane looks at its slots now.
+            with self._lock:
+                for lane in self._lanes:
+                    if lane.alive and lane.slots:
+                        lane.tick(set(lane.slots))
             self._control_loop(control)
             self._finish(control)
         finally:
@@ -416,11 +433,9 @@ class Worker(Service, Generic[T]):
             pause(timeout, self._wake)
             self._wake.clear()
             return
-        heard = 0
         try:
             with control.watch.call() as conn:
-                for _ in conn.notifies(timeout=timeout, stop_after=1):
-                    heard += 1
+                heard = notified(conn, timeout)
         except psycopg.OperationalError as exc:
             raise _ConnectionLost(str(exc)) from exc
         if heard:

@@ -375,6 +375,18 @@ def install_0_7(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.7.0"
 
 
+# The install script of pgque 0.8.0 as it was given its number (f051aa3; its
+# SQL that of 76e0fc3), frozen: migrations 1 to 9, receive_slots' set path.
+BASELINE_0_8 = Path(__file__).resolve().parent / "data" / "pgque-0.8.0-f051aa3.sql"
+
+
+def install_0_8(dsn: str) -> None:
+    """Install (or upgrade to) 0.8.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_8.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.8.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

@@ -130,8 +130,9 @@ def wal_meter(conn: psycopg.Connection[Any]) -> Callable[[str], tuple[int, str]]
 def test_idle_queue_costs_almost_nothing(client: pgque.Client, dsn: str,
                                          conn: psycopg.Connection[Any], idle_period: int,
                                          quiet: int) -> None:
-    """A quiet period of three idle periods (the ticker polls every 50 ms
-    throughout): about one tick per idle period, and next to no WAL."""
+    """A quiet period of three idle periods (the ticker falls asleep after 2 s,
+    marking the queue once, and polls every second): about one tick per idle
+    period, and next to no WAL."""
     client.create_queue("q", ticker_idle_period=idle_period)
     wal_since = wal_meter(conn)
     with pgque.Ticker(dsn) as ticker:
@@ -149,6 +150,115 @@ def test_idle_queue_costs_almost_nothing(client: pgque.Client, dsn: str,
     assert ticks >= 2, f"the idle period asks for a tick every {idle_period} s"
     assert wal < WAL_PER_QUIET_SECOND * quiet, \
         f"{wal} bytes of WAL in {quiet} s of silence ({others})"
+
+
+def asleep(conn: psycopg.Connection[Any]) -> bool:
+    """Whether every queue is marked as having a sleeping ticker."""
+    return bool(scalar(conn, "select bool_and(queue_ticker_asleep) from pgque.queue"))
+
+
+def test_an_idle_ticker_falls_asleep_and_a_send_wakes_it_at_once(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """After idle_after without a tick the ticker marks the queues and polls
+    only every idle_interval and maintenance_interval (here a minute each): the
+    tick of a send that comes meanwhile is the send's notification's doing. Awake again, the ticker
+    unmarks the queues, and falls asleep again once quiet."""
+    client.create_queue("q")
+    client.create_queue("other")
+    with pgque.Ticker(dsn, idle_after=0.3, idle_interval=60, maintenance_interval=60) as ticker:
+        assert ticker.wait_active(10)
+        for n in range(3):
+            wait_for(lambda: asleep(conn), what="the ticker asleep", dsn=dsn)
+            before = max_tick(conn)
+            client.send("q", "e", n)
+            wait_for(lambda b=before: max_tick(conn) > b, what="a tick after a send",
+                     timeout=30, dsn=dsn)  # far from the minute's poll
+            assert not scalar(conn, "select bool_or(queue_ticker_asleep) from pgque.queue")
+
+
+def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Anyone may NOTIFY the ticker's channel: the ticker looks (one ticker()
+    call), finds nothing to tick and sleeps on, writing nothing (waking and
+    falling asleep again would cost two writes each time). A send still wakes it."""
+    client.create_queue("q")
+    with pgque.Ticker(dsn, idle_after=0.3, idle_interval=60, maintenance_interval=60) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: asleep(conn), what="the ticker asleep", dsn=dsn)
+        pid = ticker.backend_pid
+        with psycopg.connect(dsn, autocommit=True) as outsider:
+            for _ in range(3):
+                since = scalar(conn, "select clock_timestamp()")
+                outsider.execute(f"notify {client.ticker_channel()}")
+                # The ticker's look: its one query since (no poll is due for a minute).
+                wait_for(lambda s=since: scalar(
+                    conn, "select state_change > %s and state = 'idle' "
+                          "and query like %s from pg_stat_activity where pid = %s",
+                    (s, "%ticker()%", pid)), what="the ticker's look", dsn=dsn)
+                assert asleep(conn)
+        assert ticker.ticks == 0
+        before = max_tick(conn)
+        client.send("q", "e", 2)
+        wait_for(lambda: max_tick(conn) > before, what="a send's tick", timeout=30, dsn=dsn)
+
+
+def test_sends_notify_the_ticker_channel_only_while_it_sleeps(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Every way an event enters a queue's log notifies the ticker channel at its
+    commit while the queue is marked, and none does while it is not: a busy
+    queue never pays for a notification."""
+    client.create_queue("q")
+    channel = client.ticker_channel()
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"listen {channel}")
+
+        def heard() -> int:
+            return sum(1 for _ in listener.notifies(timeout=0.5))
+
+        sends: list[Callable[[], object]] = [
+            lambda: client.send("q", "e", 1),
+            lambda: client.send_batch("q", [("e", 1), ("e", 2)]),
+            lambda: client.send("q", "e", 1, idempotency_key=uuid.uuid4().hex),
+            lambda: client.send("q", "e", 1, deliver_after=60),
+        ]
+        for send in sends:
+            send()
+        assert heard() == 0
+        with psycopg.connect(dsn, autocommit=True) as elected:
+            assert scalar(elected, "select pgque.claim_ticker()")
+            assert scalar(elected, "select pgque.ticker_sleep()") == 1
+            assert scalar(elected, "select pgque.ticker_sleep()") == 0  # already
+            for send in sends:
+                send()
+                assert heard() == 1
+            with conn.transaction():
+                client.send("q", "e", 1, conn=conn)
+                assert heard() == 0  # at the commit, not before
+            assert heard() == 1
+            assert scalar(elected, "select pgque.ticker_wake()") == 1
+        client.send("q", "e", 1)
+        assert heard() == 0
+
+
+def test_only_the_active_ticker_marks_the_queues_and_its_successor_unmarks_them(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """ticker_sleep and ticker_wake are the elected session's (55000 elsewhere,
+    nothing changed); a ticker elected after one that went away asleep unmarks
+    the queues before anything else, so that sends stop notifying."""
+    client.create_queue("q")
+    for call in ("ticker_sleep", "ticker_wake"):
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
+                           match="only the active ticker"):
+            conn.execute(f"select pgque.{call}()")
+    assert not asleep(conn)
+    with psycopg.connect(dsn, autocommit=True) as gone:
+        assert scalar(gone, "select pgque.claim_ticker()")
+        scalar(gone, "select pgque.ticker_sleep()")
+    assert asleep(conn)  # its session ended asleep
+    with pgque.Ticker(dsn, idle_after=60) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: not scalar(conn, "select bool_or(queue_ticker_asleep) from pgque.queue"),
+                 what="the new ticker to unmark the queues", dsn=dsn)
 
 
 def test_lost_wakeups_cost_latency_only(client: pgque.Client, dsn: str,

@@ -26,6 +26,7 @@ from helpers import (
     BASELINE_0_5,
     BASELINE_0_6,
     BASELINE_0_7,
+    BASELINE_0_8,
     BASELINES_0_1,
     catalog,
     drain,
@@ -36,6 +37,7 @@ from helpers import (
     install_0_5,
     install_0_6,
     install_0_7,
+    install_0_8,
     run_cli,
     scalar,
     scratch_database,
@@ -55,6 +57,7 @@ MIGRATIONS_0_4 = 6  # and 0.4.0
 MIGRATIONS_0_5 = 7  # and 0.5.0
 MIGRATIONS_0_6 = 8  # and 0.6.0
 MIGRATIONS_0_7 = 9  # and 0.7.0
+MIGRATIONS_0_8 = 9  # and 0.8.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -485,12 +488,30 @@ def test_upgrade_from_0_7_0_loses_nothing_and_equals_a_fresh_install(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_upgrade_from_0_8_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """0.8.0 filled as 0.2.0 was: migration 10 gives every queue its ticker
+    flag, off (the ticker awake), every event, cursor, epoch and dead letter
+    is kept, and the result is a fresh install."""
+    install_0_8(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.8.0"
+        assert migration_record(conn) == [
+            (m.number, "0.8.0" if m.number <= MIGRATIONS_0_8 else pgque.__version__)
+            for m in migrations()]
+        assert {row[0] for row in conn.execute(
+            "select queue_ticker_asleep from pgque.queue")} == {False}
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())
 
 
 RELEASES = {
+    "0.8.0": [BASELINE_0_8],
     "0.7.0": [BASELINE_0_7],
     "0.6.0": [BASELINE_0_6],
     "0.5.0": [BASELINE_0_5],

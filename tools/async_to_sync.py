@@ -73,6 +73,7 @@ RENAMES = {
     # pgque/_acompat.py: the two flavours of what has no one-to-one twin
     "acaller": "caller",
     "apause": "pause",
+    "anotified": "notified",
     "aspawn": "spawn",
     "arunning": "running",
     "ajoin": "join",

@@ -251,6 +251,9 @@ begin
       using v_dead.ev_id, v_dead.ev_time, v_owner, v_dead.ev_type, v_dead.ev_data,
             v_dead.ev_extra1;
     perform nextval(v_queue.queue_event_seq);
+    if v_queue.queue_ticker_asleep then
+        perform pgque._wake_ticker();
+    end if;
     return v_dead.ev_id;
 end
 $$;

@@ -53,6 +53,9 @@ begin
     get diagnostics v_count = row_count;
     if v_count > 0 then
         perform nextval(p_queue.queue_event_seq);
+        if p_queue.queue_ticker_asleep then
+            perform pgque._wake_ticker();  -- ticked at once, not at the next poll
+        end if;
     end if;
     return v_count;
 end

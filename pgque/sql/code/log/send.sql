@@ -126,6 +126,9 @@ begin
            into v_id
           using p_type, p_payload, p_partition_key;
     end if;
+    if v_queue.queue_ticker_asleep then
+        perform pgque._wake_ticker();  -- at commit (ticker/sleep.sql)
+    end if;
     return v_id;
 end
 $$;
@@ -179,6 +182,9 @@ begin
                    pgque._sent_columns())
       using v_ids, p_types, p_payloads,
             coalesce(p_partition_keys, array_fill(null::text, array[cardinality(p_types)]));
+    if v_queue.queue_ticker_asleep then
+        perform pgque._wake_ticker();
+    end if;
     return v_ids;
 end
 $$;
@@ -261,6 +267,9 @@ begin
       from unnest(v_ids, p_types, p_payloads, v_keys, v_dues, v_duplicates)
            as e(id, type, data, key, due, dup)
      where e.due is not null and not e.dup;
+    if v_queue.queue_ticker_asleep then
+        perform pgque._wake_ticker();
+    end if;
     return query select i.id, i.dup, i.due
                    from unnest(v_ids, v_duplicates, v_dues) with ordinality as i(id, dup, due, n)
                   order by i.n;
@@ -338,6 +347,9 @@ begin
         execute pgque._event_insert(v_queue.queue_id, v_queue.queue_cur_table, '$4',
                                     '$1, $2, $3')
           using p_type, p_payload, p_partition_key, v_id;
+    end if;
+    if v_queue.queue_ticker_asleep then
+        perform pgque._wake_ticker();
     end if;
     return row(v_id, false, v_due);
 end
