@@ -13,7 +13,7 @@ OTHER_BINDIR_PY := from pgque.testing.localpg import bindir_major, embedded_bind
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
-.PHONY: venv lint twins test test-faults test-long demo bench bench-held-horizon clean distclean system-deps
+.PHONY: venv lint twins test test-faults test-long demo bench bench-curves bench-held-horizon clean distclean system-deps
 
 venv: $(STAMP)
 
@@ -145,6 +145,11 @@ demo: venv
 
 bench: venv
 	$(BIN)/python -m bench
+
+# The cost curves against the number of queues (bench/curves.py): creating
+# 5,000 queues takes a while, so apart from `make bench`.
+bench-curves: venv
+	$(BIN)/python -m bench curves
 
 # An hour under a held snapshot (bench/held_horizon.py), apart from `make bench`.
 bench-held-horizon: venv

@@ -19,7 +19,8 @@ __all__ = ["Suite", "SuiteContext", "SuiteResult", "all_suites", "register"]
 # Imported by all_suites(), not at the top: the suite modules import this one.
 _SUITE_MODULES = (
     "bench.engine", "bench.partition", "bench.latency", "bench.peers", "bench.ownership",
-    "bench.bloat", "bench.held_horizon", "bench.pause", "bench.delayed", "bench.jobs")
+    "bench.bloat", "bench.held_horizon", "bench.pause", "bench.delayed", "bench.jobs",
+    "bench.curves")
 
 
 @dataclass(frozen=True)

@@ -455,14 +455,17 @@ class Client:
         """Give up the ticker election if this session holds it."""
         return bool(self._value("select pgque.release_ticker()"))
 
-    def ticker_sleep(self) -> int:
+    def ticker_sleep(self) -> int | None:
         """As the active ticker, say that it sleeps: sends into any queue notify
         :meth:`ticker_channel` from now on (see the Ticker). Listen on that
         channel first, and look for due ticks once more after. Returns how many
-        queues were marked; SQLSTATE 55000 unless this session holds the election."""
+        queues were marked, or None where the ticker must not sleep (the server
+        allows prepared transactions); SQLSTATE 55000 unless this session holds
+        the election."""
         check, params = self._checked(None)
-        return int(self._value(f"select pgque.ticker_sleep() from (select {check}) s",
-                               params))
+        marked = self._value(f"select pgque.ticker_sleep() from (select {check}) s",
+                             params)
+        return None if marked is None else int(marked)
 
     def ticker_wake(self) -> int:
         """As the active ticker, say that it is awake: sends stop notifying. Returns

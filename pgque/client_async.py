@@ -456,14 +456,17 @@ class AsyncClient:
         """Give up the ticker election if this session holds it."""
         return bool(await self._value("select pgque.release_ticker()"))
 
-    async def ticker_sleep(self) -> int:
+    async def ticker_sleep(self) -> int | None:
         """As the active ticker, say that it sleeps: sends into any queue notify
         :meth:`ticker_channel` from now on (see the Ticker). Listen on that
         channel first, and look for due ticks once more after. Returns how many
-        queues were marked; SQLSTATE 55000 unless this session holds the election."""
+        queues were marked, or None where the ticker must not sleep (the server
+        allows prepared transactions); SQLSTATE 55000 unless this session holds
+        the election."""
         check, params = self._checked(None)
-        return int(await self._value(f"select pgque.ticker_sleep() from (select {check}) s",
-                                     params))
+        marked = await self._value(f"select pgque.ticker_sleep() from (select {check}) s",
+                                   params)
+        return None if marked is None else int(marked)
 
     async def ticker_wake(self) -> int:
         """As the active ticker, say that it is awake: sends stop notifying. Returns

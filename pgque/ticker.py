@@ -43,6 +43,7 @@ ticks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -180,41 +181,61 @@ class Ticker(Service):
         last_tick = time.monotonic()
         next_maintenance = 0.0
         asleep = heard = False
-        while not self.stopping:
-            now = time.monotonic()
-            if now >= next_maintenance:
-                with watch.call():
-                    client.maintenance()
-                next_maintenance = now + self.maintenance_interval
-            with watch.call():
-                made = client.ticker()
-            self.ticks += made
-            if asleep:
-                if heard and made:
-                    # A send's events: awake until quiet again. A notification
-                    # that ticked nothing (a delayed send's, anyone's NOTIFY)
-                    # wakes nothing, nor do the polls' ticks (the idle period's,
-                    # a racing send's): each wake costs two writes.
+        try:
+            while not self.stopping:
+                now = time.monotonic()
+                if now >= next_maintenance:
                     with watch.call():
-                        client.ticker_wake()
-                    asleep = heard = False
-                    last_tick = now
-                    continue
-                deadline = min(now + self.idle_interval, next_maintenance)
-                heard = self._wait_for_wake(client, watch, deadline)
-                continue
-            if made:
-                last_tick = now
-            if now - last_tick <= self.idle_after:
-                self.sleep(self.min_interval)
-            elif sleeps:
-                # Stale notifications out first: from here on, one means a send.
-                notified(client.conn, 0)
+                        client.maintenance()
+                    next_maintenance = now + self.maintenance_interval
+                if asleep:
+                    # Queues created since it fell asleep, or skipped then (busy):
+                    # marked now. No write when there are none.
+                    with watch.call():
+                        client.ticker_sleep()
                 with watch.call():
-                    client.ticker_sleep()
-                asleep = True  # and the loop looks for due ticks once more
-            else:
-                self.sleep(min(self.idle_interval, _UNSLEEPING_INTERVAL))
+                    made = client.ticker()
+                self.ticks += made
+                if asleep:
+                    if heard and made:
+                        # A send's events: awake until quiet again. The polls'
+                        # ticks (the idle period's, a racing send's) wake
+                        # nothing: each wake costs two writes.
+                        with watch.call():
+                            client.ticker_wake()
+                        asleep = heard = False
+                        last_tick = now
+                        continue
+                    if heard:
+                        # A notification that ticked nothing (a delayed send's,
+                        # or anyone's NOTIFY): the next look no sooner than an
+                        # idle poll of before 0.9, whoever notifies how often.
+                        self.sleep(_UNSLEEPING_INTERVAL)
+                    deadline = min(now + self.idle_interval, next_maintenance)
+                    heard = self._wait_for_wake(client, watch, deadline)
+                    continue
+                if made:
+                    last_tick = now
+                if now - last_tick <= self.idle_after:
+                    self.sleep(self.min_interval)
+                elif sleeps:
+                    # Stale notifications out first: from here on, one means a send.
+                    notified(client.conn, 0)
+                    with watch.call():
+                        asleep = client.ticker_sleep() is not None
+                    if not asleep:
+                        sleeps = False
+                        self.log.info("%s: this server allows prepared transactions, whose "
+                                      "sends cannot notify; polling every %ss while idle",
+                                      self.name, _UNSLEEPING_INTERVAL)
+                    # and the loop looks for due ticks once more
+                else:
+                    self.sleep(min(self.idle_interval, _UNSLEEPING_INTERVAL))
+        finally:
+            if asleep and not watch.lost:
+                # Sends would go on notifying nobody until the next election.
+                with contextlib.suppress(psycopg.Error), watch.call():
+                    client.ticker_wake()
 
     def _prepare_sleep(self, client: Client) -> bool:
         """Listen on the ticker channel and mark every queue awake (a ticker
@@ -243,6 +264,6 @@ class Ticker(Service):
         return False
 
 
-# A ticker on a database whose pgque cannot sleep (before 0.9) polls this often
-# once idle, as every ticker did before.
+# A ticker that cannot sleep (a database before 0.9, a server that allows
+# prepared transactions) polls this often once idle, as every ticker did before.
 _UNSLEEPING_INTERVAL = 0.05

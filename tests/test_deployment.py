@@ -645,6 +645,60 @@ def test_a_rolled_back_join_leaves_no_member_lock_behind(deployment: Deployment,
     assert team_client.group_status(QUEUE, GROUP).members == 1
 
 
+# -- the sleeping ticker ------------------------------------------------------------------------
+
+
+def queues_asleep(owner: pgque.Client) -> list[bool]:
+    return [row[0] for row in owner.conn.execute(
+        "select queue_ticker_asleep from pgque.queue order by queue_id").fetchall()]
+
+
+def test_a_team_transaction_left_open_on_a_queue_row_never_holds_up_the_sleeping_ticker(
+        deployment: Deployment, owner: pgque.Client, producer: pgque.Client,
+        team: str) -> None:
+    """A team's subscribe in a transaction left open holds the queue row FOR KEY
+    SHARE (its foreign keys): the ticker marks and unmarks that queue all the
+    same, and keeps ticking every queue. (With FOR UPDATE it waited on the row
+    while holding the others, and ticked nothing until its watchdog gave up.)"""
+    owner.create_queue("other")
+    with psycopg.connect(deployment.dsn(deployment.login(team))) as stuck:
+        stuck.execute(f"set role {team}")
+        stuck.execute("select pgque.subscribe(%s, 'sneaky')", (QUEUE,))  # left open
+        with pgque.Ticker(deployment.dsn(deployment.ticker), idle_after=0.3,
+                          name="sleepy") as ticker:
+            assert ticker.wait_active(10)
+            for round_ in range(2):
+                wait_for(lambda: all(queues_asleep(owner)), what="every queue marked")
+                for queue in ("other", QUEUE):
+                    before = ticker.ticks
+                    producer.send(queue, "Order", {"n": round_})
+                    wait_for(lambda b=before: ticker.ticks > b, what=f"a tick of {queue}")
+                    wait_for(lambda: not any(queues_asleep(owner)), what="every queue unmarked")
+        stuck.rollback()
+
+
+def test_where_transactions_can_be_prepared_sends_never_notify_and_the_ticker_polls(
+        prepared_ok: None, deployment: Deployment, owner: pgque.Client,
+        producer: pgque.Client) -> None:
+    """PREPARE TRANSACTION refuses a transaction that ran NOTIFY: where the server
+    allows prepared transactions, ticker_sleep marks nothing (null), and a send
+    into a queue marked all the same (by a ticker before the restart) prepares."""
+    with psycopg.connect(deployment.dsn(deployment.ticker), autocommit=True) as elected:
+        assert scalar(elected, "select pgque.claim_ticker()")
+        assert scalar(elected, "select pgque.ticker_sleep()") is None
+        assert not any(queues_asleep(owner))
+    owner.conn.execute("update pgque.queue set queue_ticker_asleep = true")
+    gid = f"send-{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(deployment.dsn(deployment.producer)) as tx:
+        tx.execute("select pgque.send(%s, 'Order', '{}')", (QUEUE,))
+        tx.execute(f"prepare transaction '{gid}'")
+    with psycopg.connect(deployment.dsn(deployment.producer), autocommit=True) as again:
+        again.execute(f"commit prepared '{gid}'")
+    with pgque.Ticker(deployment.dsn(deployment.ticker)) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: not any(queues_asleep(owner)), what="the new ticker to unmark them")
+
+
 # -- prepared transactions on the keys --------------------------------------------------------
 
 

@@ -261,6 +261,39 @@ def test_only_the_active_ticker_marks_the_queues_and_its_successor_unmarks_them(
                  what="the new ticker to unmark the queues", dsn=dsn)
 
 
+def test_a_queue_made_while_the_ticker_sleeps_is_marked_at_its_next_poll(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A queue created while the ticker sleeps starts unmarked; the ticker marks
+    it at its next poll, so that its sends too wake the ticker."""
+    client.create_queue("q")
+    with pgque.Ticker(dsn, idle_after=0.3, idle_interval=0.2) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: asleep(conn), what="the ticker asleep", dsn=dsn)
+        client.create_queue("late")
+        wait_for(lambda: scalar(conn, "select queue_ticker_asleep from pgque.queue "
+                                      "where queue_name = 'late'"),
+                 what="the new queue marked", dsn=dsn)
+
+
+def test_a_stopping_ticker_and_pg_crons_loop_unmark_the_queues(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A Ticker that stops asleep unmarks the queues (nobody would hear their
+    sends); so does pg_cron's ticker_loop when elected, after a Ticker that went
+    away without stopping, since it never sleeps itself."""
+    client.create_queue("q")
+    with pgque.Ticker(dsn, idle_after=0.3) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: asleep(conn), what="the ticker asleep", dsn=dsn)
+    assert not scalar(conn, "select bool_or(queue_ticker_asleep) from pgque.queue")
+    with psycopg.connect(dsn, autocommit=True) as gone:
+        assert scalar(gone, "select pgque.claim_ticker()")
+        scalar(gone, "select pgque.ticker_sleep()")
+    assert asleep(conn)
+    with psycopg.connect(dsn, autocommit=True) as cron:
+        cron.execute("call pgque.ticker_loop(0.1, 10)")
+    assert not scalar(conn, "select bool_or(queue_ticker_asleep) from pgque.queue")
+
+
 def test_lost_wakeups_cost_latency_only(client: pgque.Client, dsn: str,
                                         conn: psycopg.Connection[Any]) -> None:
     client.create_queue("q")

@@ -32,6 +32,10 @@ begin
     if not pgque.claim_ticker() then
         return;
     end if;
+    -- A Python Ticker that went away asleep left the queues marked: this loop
+    -- never sleeps, so sends must stop notifying (ticker/sleep.sql).
+    perform pgque.ticker_wake();
+    commit;
     while pg_catalog.clock_timestamp() operator(pg_catalog.<) v_until loop
         perform pgque.ticker();
         if pg_catalog.clock_timestamp() operator(pg_catalog.>=) v_next_maint then

@@ -17,9 +17,19 @@
 -- retries, delayed events, the idle period's ticks.
 --
 -- Only the session that holds the ticker election sets or clears the flags,
--- and a newly elected ticker clears them first: a ticker that went away
--- asleep leaves its queues notifying nobody (cheap) until the next one is
--- elected.
+-- and a newly elected ticker (a Python Ticker, pg_cron's ticker_loop) clears
+-- them first; a Ticker that stops clears them too. One that went away asleep
+-- leaves its queues notifying nobody (cheap) until the next one is elected.
+--
+-- The flags are written without waiting: a queue row another transaction
+-- holds (maintenance rotating it, alter_queue) is skipped and marked at the
+-- sleeping ticker's next poll, which also marks queues created meanwhile.
+-- The row lock is FOR NO KEY UPDATE, which the foreign-key checks' FOR KEY
+-- SHARE (a subscribe in a transaction left open, say) does not block.
+--
+-- PREPARE TRANSACTION refuses a transaction that ran NOTIFY, so where the
+-- server allows prepared transactions (max_prepared_transactions > 0) sends
+-- never notify, and the ticker does not sleep.
 
 -- pgque._ticker_channel(): the channel a sleeping ticker listens on.
 create or replace function pgque._ticker_channel()
@@ -37,13 +47,33 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$ select pgque._ticker_channel() $$;
 
--- pgque._wake_ticker(): notifies the ticker channel at the caller's commit.
--- The senders call it when the queue row they read says the ticker sleeps.
+-- pgque._wake_ticker(): notifies the ticker channel at the caller's commit,
+-- unless the server allows prepared transactions (see the top). The senders
+-- call it when the queue row they read says the ticker sleeps.
 create or replace function pgque._wake_ticker()
 returns void
-language sql
+language plpgsql
 set search_path = pg_catalog, pg_temp
-as $$ select pg_notify(pgque._ticker_channel(), '') $$;
+as $$
+begin
+    if not pgque._ticker_may_sleep() then
+        return;
+    end if;
+    perform pg_notify(pgque._ticker_channel(), '');
+end
+$$;
+
+-- pgque._ticker_may_sleep(): whether sends may notify the ticker: not where a
+-- sending transaction could be prepared (PREPARE refuses a NOTIFY).
+create or replace function pgque._ticker_may_sleep()
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return current_setting('max_prepared_transactions')::integer = 0;
+end
+$$;
 
 -- pgque._require_elected(action): raises 55000 unless this session holds the
 -- ticker election: only the active ticker listens, so only it may say that
@@ -64,9 +94,12 @@ $$;
 
 -- pgque.ticker_sleep(): marks every queue's ticker as asleep, so that sends
 -- into it notify the ticker channel; returns how many queues it marked (none
--- when they all were). For the active ticker only (55000 otherwise), which
--- must LISTEN on ticker_channel() before, and look for due ticks once more
--- after, its commit (a send may have read the flags before it).
+-- when they all were, or when a queue row was busy: it is skipped, see the
+-- top), or null where the ticker must not sleep (prepared transactions
+-- allowed; nothing marked). For the active ticker only (55000 otherwise),
+-- which must LISTEN on ticker_channel() before, and look for due ticks once
+-- more after, its commit (a send may have read the flags before it); while
+-- asleep it calls this again at each poll, for the queues skipped or created.
 create or replace function pgque.ticker_sleep()
 returns integer
 language plpgsql
@@ -77,10 +110,12 @@ declare
     v_count integer;
 begin
     perform pgque._require_elected('sleep');
-    -- The rows in queue_id order, as maintenance takes them: no deadlock with it.
+    if not pgque._ticker_may_sleep() then
+        return null;
+    end if;
     update pgque.queue q set queue_ticker_asleep = true
      where q.queue_id in (select l.queue_id from pgque.queue l where not l.queue_ticker_asleep
-                           order by l.queue_id for update);
+                           for no key update skip locked);
     get diagnostics v_count = row_count;
     return v_count;
 end
@@ -100,9 +135,13 @@ declare
     v_count integer;
 begin
     perform pgque._require_elected('wake');
+    -- Waits for a busy row (briefly: the writers of queue rows are short), as
+    -- a queue left marked would notify for nothing. FOR NO KEY UPDATE, which
+    -- foreign-key checks never block, in queue_id order, as maintenance takes
+    -- the rows: no deadlock with it.
     update pgque.queue q set queue_ticker_asleep = false
      where q.queue_id in (select l.queue_id from pgque.queue l where l.queue_ticker_asleep
-                           order by l.queue_id for update);
+                           order by l.queue_id for no key update);
     get diagnostics v_count = row_count;
     return v_count;
 end
