@@ -173,7 +173,10 @@ def test_an_idle_ticker_falls_asleep_and_a_send_wakes_it_at_once(
             client.send("q", "e", n)
             wait_for(lambda b=before: max_tick(conn) > b, what="a tick after a send",
                      timeout=30, dsn=dsn)  # far from the minute's poll
-            assert not scalar(conn, "select bool_or(queue_ticker_asleep) from pgque.queue")
+            # Unmarked just after that tick's commit, in a transaction of its own.
+            wait_for(lambda: not scalar(conn, "select bool_or(queue_ticker_asleep) "
+                                              "from pgque.queue"),
+                     what="the queues unmarked", timeout=30, dsn=dsn)
 
 
 def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
