@@ -139,12 +139,13 @@ def run(ctx: SuiteContext) -> SuiteResult:
             values = points[count][name]
             measurements.append(Measurement(
                 name=f"{name}.q{count}", label=f"{count:,} queues", events=0,
-                values=[round(v, 2) for v in values], median=statistics.median(values),
+                values=[round(v, 2) for v in values],
+                median=statistics.median([round(v, 2) for v in values]),
                 unit=unit, group=label))
     for count, value in create_ms.items():
         measurements.append(Measurement(
             name=f"create_queue.q{count}", label=f"{count:,} queues", events=0,
-            values=[round(value, 2)], median=value, unit=MS,
+            values=[round(value, 2)], median=round(value, 2), unit=MS,
             group="create_queue, mean of those that grew the database to this count"))
     parameters: dict[str, Any] = {
         "queue_counts": list(counts), "sends": SENDS, "batches": BATCHES, "batch": BATCH,
