@@ -771,3 +771,43 @@ def test_a_nack_while_a_nack_switch_is_uncommitted_then_repeated_counts_once(
     client.ack(batch)
     assert len(records(conn, ev)) == 1
     assert scalar(conn, "select count(*) from pgque.retry_queue where ev_id = %s", (ev,)) == 1
+
+
+def test_a_nack_waiting_for_the_nack_rotation_never_deadlocks_with_maintenance_copying_retries(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """Maintenance holds the nack rotation's row until it commits, and then copies
+    the retries still waiting, whose foreign key share-locks their subscription's
+    row; a nack holds that row (its receive lock) and waits for the rotation's.
+    With the receive lock FOR UPDATE the foreign-key check waited for the nack:
+    a deadlock (the test above hit it about once in twenty runs on PostgreSQL
+    15). FOR NO KEY UPDATE does not block the check."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    client.send("q", "e", 1)
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and len(batch.messages) == 1
+    sub_id = scalar(conn, "select sub_id from pgque.subscription where sub_consumer = 'c'")
+    outcome: list[BaseException | bool] = []
+    with psycopg.connect(dsn) as maint, psycopg.connect(dsn, autocommit=True) as nacker_conn:
+        maint.execute("select from pgque.rotation where rt_name = 'nack' for update")
+        nacker_pid = nacker_conn.info.backend_pid
+
+        def nack() -> None:
+            try:
+                pgque.Client(nacker_conn).nack(batch, batch.messages)
+                outcome.append(True)
+            except BaseException as exc:
+                outcome.append(exc)
+        thread = threading.Thread(target=nack)
+        thread.start()
+        wait_for(lambda: scalar(conn, "select wait_event_type = 'Lock' from pg_stat_activity "
+                                      "where pid = %s", (nacker_pid,)),
+                 what="the nack waiting for the rotation's row", dsn=dsn)
+        # What maintenance's copy of the retries does, foreign key and all.
+        maint.execute("set local lock_timeout = '10s'")
+        maint.execute("insert into pgque.batch_nack (bn_sub, bn_batch, bn_ev_id, bn_part) "
+                      "values (%s, -1, -1, 0)", (sub_id,))
+        maint.rollback()
+        thread.join(30)
+    assert outcome == [True]

@@ -150,8 +150,11 @@ $$;
 -- pgque._find_subscription(queue, consumer, lock): the subscription row of
 -- consumer on queue (a row the caller looked up once) and its current cursor;
 -- PQ002 when there is no such subscription. With lock, the subscription row is
--- taken FOR UPDATE first: this is the receive lock that serializes a consumer,
--- and the cursor is read after it is granted (a new statement, so a fresh
+-- taken FOR NO KEY UPDATE first: this is the receive lock that serializes a
+-- consumer. (Not FOR UPDATE: that blocks the foreign-key checks of rows that
+-- reference the subscription, such as the retries maintenance copies while it
+-- holds the nack rotation's row, which a nack under this lock waits for: a
+-- deadlock.) The cursor is read after it is granted (a new statement, so a fresh
 -- snapshot). Without it, the cursor is null when a rotation emptied its
 -- partition after this statement's snapshot (the callers look again, locked).
 create or replace function pgque._find_subscription(
@@ -164,7 +167,7 @@ begin
     if p_lock then
         select * into sub from pgque.subscription s
          where s.sub_queue = p_queue.queue_id and s.sub_consumer = p_consumer
-           for update;
+           for no key update;
     else
         select * into sub from pgque.subscription s
          where s.sub_queue = p_queue.queue_id and s.sub_consumer = p_consumer;

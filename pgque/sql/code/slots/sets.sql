@@ -220,7 +220,7 @@ begin
     for v_locked in select s from generate_subscripts(p_subs, 1) i
                       join pgque.subscription s on s.sub_id = (p_subs[i]).sub_id
                      order by i
-                       for update of s loop
+                       for no key update of s loop
         perform pgque._require_owner(v_locked.s);
     end loop;
     perform pgque._write_part('cursor');  -- 40001 for a snapshot older than a switch
@@ -266,7 +266,8 @@ begin
     if epoch is null then
         return;
     end if;
-    select s into v_locked from pgque.subscription s where s.sub_id = p_sub.sub_id for update;
+    select s into v_locked from pgque.subscription s where s.sub_id = p_sub.sub_id
+       for no key update;
     perform pgque._require_owner(v_locked.s);  -- as locked: the key may be new
     cur := pgque._current_cursor(p_sub.sub_id);
     ready := coalesce(cur.cur_batch is null and cur.cur_last_tick = p_last_tick, false);
@@ -517,7 +518,7 @@ begin
        and s.sub_consumer = v_group.cg_consumer || '#' || k::text || '/'
                             || v_group.cg_slots::text
      order by k
-       for update of s;
+       for no key update of s;
     select array_agg(t.sub order by t.slot), array_agg(t.cur order by t.slot),
            array_agg(b.batch_id order by t.slot), array_agg(b.pos order by t.slot)
       into v_subs, v_curs, v_batch_ids, v_positions
@@ -590,7 +591,7 @@ begin
        and s.sub_consumer = v_group.cg_consumer || '#' || x.k::text || '/'
                             || v_group.cg_slots::text
      order by x.k
-       for update of s;
+       for no key update of s;
     if cardinality(p_ack_list) > 0 or cardinality(p_batch_ids) > 0 then
         perform pgque.ack_slots(p_queue, p_consumer, p_slots, p_ack_list, p_batch_ids);
     end if;
