@@ -11,8 +11,9 @@ at each count, on that database:
 * ``send_batch``: batches of 100 into the newest queue;
 * ``drain``: receive + ack of whole batches of the events sent above, on the
   newest queue;
-* ``ticker()``: one call of the ticker's poll with every queue idle, and
-  ``maint()``: one maintenance pass over every queue, idle;
+* ``ticker()``: one call of the ticker's poll (``Client.ticker()``, a chunk of
+  queues a statement) with every queue idle, and ``maint()``: one
+  maintenance pass over every queue, idle;
 * ``first send``: the first send of a new session after a queue was created
   (PL/pgSQL compiles the event writer there);
 * ``create_queue``: the mean time of the ones that grew the database to this
@@ -85,9 +86,10 @@ def _point(client: pgque.Client, dsn: str, newest: str, first: str,
                 client.ack(batch)
         seconds = _timed(drain)
         figures["drain"].append(seconds / max(drained, 1) * 1e6)
+        # The Ticker's poll: Client.ticker(), which goes through the queues a
+        # chunk (Client.tick_chunk) a statement since 0.9.
         figures["ticker"].append(
-            _timed(lambda: [conn.execute("select pgque.ticker()") for _ in range(CALLS)])
-            / CALLS * 1e3)
+            _timed(lambda: [client.ticker() for _ in range(CALLS)]) / CALLS * 1e3)
         figures["maint"].append(
             _timed(lambda: [conn.execute("select * from pgque.maint()").fetchall()
                             for _ in range(CALLS)]) / CALLS * 1e3)

@@ -176,6 +176,13 @@ class Client:
         self._pinned: tuple[int, str] | None = None
         # The database has no pgque.ack_receive_slots (older than 0.8): found once.
         self._without_ack_receive_slots = False
+        # Whether the database has pgque.ticker_some (0.9): looked up once.
+        self._has_ticker_some: bool | None = None
+        #: How many queues one statement of ticker() and tick_overdue() looks at:
+        #: a look keeps a lock on one of the queue's event tables until the
+        #: statement's transaction ends, and thousands of them outgrow the
+        #: server's lock table.
+        self.tick_chunk = 500
         # The thread (under asyncio, the task) that made the client: see _producer.
         self._owner = caller()
 
@@ -431,17 +438,46 @@ class Client:
         """Tick every queue (or one) whose thresholds ask for it; returns how many ticked."""
         if queue is not None:
             return int(self._value("select pgque.ticker(%s) is not null", (queue,)))
-        check, params = self._checked(None)
-        return int(self._value(f"select pgque.ticker() from (select {check}) s", params))
+        if not self._ticks_in_chunks():
+            check, params = self._checked(None)
+            return int(self._value(f"select pgque.ticker() from (select {check}) s",
+                                   params))
+        return self._tick_chunks(None)
 
     def tick_overdue(self, after: float | timedelta) -> int:
         """Tick every queue whose pending events have waited ``after`` since its last
         tick, whatever its thresholds (a standby ticker's safety net); returns how
         many ticked."""
+        if not self._ticks_in_chunks():
+            check, params = self._checked(None)
+            return int(self._value(
+                f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
+                (seconds(after), *params)))
+        return self._tick_chunks(seconds(after))
+
+    def _ticks_in_chunks(self) -> bool:
+        """Whether the database has pgque.ticker_some (0.9); looked up once."""
+        if self._has_ticker_some is None:
+            self._has_ticker_some = bool(self._value(
+                "select to_regprocedure('pgque.ticker_some(integer,integer,interval)') "
+                "is not null"))
+        return self._has_ticker_some
+
+    def _tick_chunks(self, overdue: float | None) -> int:
+        """ticker() (overdue None) or tick_overdue(overdue), tick_chunk queues a
+        statement; returns the ticks made."""
         check, params = self._checked(None)
-        return int(self._value(
-            f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
-            (seconds(after), *params)))
+        ticks: int = 0
+        after: int | None = None
+        while True:
+            rows = self._rows(
+                f"select t.ticks, t.last_queue from (select {check}) s,"
+                " pgque.ticker_some(%s, %s, make_interval(secs => %s)) t",
+                (*params, after, self.tick_chunk, overdue))
+            ticks += int(rows[0][0])
+            after = rows[0][1]
+            if after is None:
+                return ticks
 
     def claim_ticker(self) -> bool:
         """Try, without waiting, to become the database's active ticker (a session

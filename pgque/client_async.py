@@ -177,6 +177,13 @@ class AsyncClient:
         self._pinned: tuple[int, str] | None = None
         # The database has no pgque.ack_receive_slots (older than 0.8): found once.
         self._without_ack_receive_slots = False
+        # Whether the database has pgque.ticker_some (0.9): looked up once.
+        self._has_ticker_some: bool | None = None
+        #: How many queues one statement of ticker() and tick_overdue() looks at:
+        #: a look keeps a lock on one of the queue's event tables until the
+        #: statement's transaction ends, and thousands of them outgrow the
+        #: server's lock table.
+        self.tick_chunk = 500
         # The thread (under asyncio, the task) that made the client: see _producer.
         self._owner = acaller()
 
@@ -432,17 +439,46 @@ class AsyncClient:
         """Tick every queue (or one) whose thresholds ask for it; returns how many ticked."""
         if queue is not None:
             return int(await self._value("select pgque.ticker(%s) is not null", (queue,)))
-        check, params = self._checked(None)
-        return int(await self._value(f"select pgque.ticker() from (select {check}) s", params))
+        if not await self._ticks_in_chunks():
+            check, params = self._checked(None)
+            return int(await self._value(f"select pgque.ticker() from (select {check}) s",
+                                         params))
+        return await self._tick_chunks(None)
 
     async def tick_overdue(self, after: float | timedelta) -> int:
         """Tick every queue whose pending events have waited ``after`` since its last
         tick, whatever its thresholds (a standby ticker's safety net); returns how
         many ticked."""
+        if not await self._ticks_in_chunks():
+            check, params = self._checked(None)
+            return int(await self._value(
+                f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
+                (seconds(after), *params)))
+        return await self._tick_chunks(seconds(after))
+
+    async def _ticks_in_chunks(self) -> bool:
+        """Whether the database has pgque.ticker_some (0.9); looked up once."""
+        if self._has_ticker_some is None:
+            self._has_ticker_some = bool(await self._value(
+                "select to_regprocedure('pgque.ticker_some(integer,integer,interval)') "
+                "is not null"))
+        return self._has_ticker_some
+
+    async def _tick_chunks(self, overdue: float | None) -> int:
+        """ticker() (overdue None) or tick_overdue(overdue), tick_chunk queues a
+        statement; returns the ticks made."""
         check, params = self._checked(None)
-        return int(await self._value(
-            f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
-            (seconds(after), *params)))
+        ticks: int = 0
+        after: int | None = None
+        while True:
+            rows = await self._rows(
+                f"select t.ticks, t.last_queue from (select {check}) s,"
+                " pgque.ticker_some(%s, %s, make_interval(secs => %s)) t",
+                (*params, after, self.tick_chunk, overdue))
+            ticks += int(rows[0][0])
+            after = rows[0][1]
+            if after is None:
+                return ticks
 
     async def claim_ticker(self) -> bool:
         """Try, without waiting, to become the database's active ticker (a session

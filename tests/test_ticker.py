@@ -193,11 +193,11 @@ def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
             for _ in range(3):
                 since = scalar(conn, "select clock_timestamp()")
                 outsider.execute(f"notify {client.ticker_channel()}")
-                # The ticker's look: its one query since (no poll is due for a minute).
+                # The ticker's look: its last query since (no poll is due for a minute).
                 wait_for(lambda s=since: scalar(
                     conn, "select state_change > %s and state = 'idle' "
                           "and query like %s from pg_stat_activity where pid = %s",
-                    (s, "%ticker()%", pid)), what="the ticker's look", dsn=dsn)
+                    (s, "%pgque.ticker_some(%", pid)), what="the ticker's look", dsn=dsn)
                 assert asleep(conn)
         assert ticker.ticks == 0
         before = max_tick(conn)
@@ -436,3 +436,45 @@ def test_a_ticker_ticks_where_the_default_isolation_is_repeatable_read(
             assert ticker.error is None
     finally:
         client.conn.execute(f'alter database "{database}" reset default_transaction_isolation')
+
+
+def event_table_locks(conn: psycopg.Connection[Any]) -> set[str]:
+    """The queues whose event tables this session holds a lock on (their ids)."""
+    return {row[0] for row in conn.execute(
+        "select distinct substring(c.relname from '^event_([0-9]+)') from pg_locks l "
+        "join pg_class c on c.oid = l.relation "
+        "where l.pid = pg_backend_pid() and c.relname ~ '^event_[0-9]+'").fetchall()}
+
+
+def test_the_tickers_poll_goes_through_the_queues_a_chunk_a_transaction(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """A look at a queue keeps a lock on its event tables until the transaction
+    ends, and one statement over thousands of queues outgrew the lock table ("out
+    of shared memory" at about 4,400 queues, so nothing ticked): ticker_some looks
+    at max_queues of them and says where to go on, and Client.ticker() and
+    tick_overdue() go through every queue that way, each chunk its own statement."""
+    names = [f"q{i:02d}" for i in range(7)]
+    for name in names:
+        client.create_queue(name)
+        client.tick(name)
+    ids = [scalar(conn, "select queue_id from pgque.queue where queue_name = %s", (n,))
+           for n in names]
+    with conn.transaction():
+        scalar(conn, "select pgque.ticker()")
+        assert event_table_locks(conn) == {str(i) for i in ids}  # every queue's, at once
+    with conn.transaction():
+        assert conn.execute("select * from pgque.ticker_some(null, 3)").fetchone() == (0, ids[2])
+        assert event_table_locks(conn) == {str(i) for i in ids[:3]}
+    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[5],)).fetchone() \
+        == (0, ids[6])
+    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[6],)).fetchone() \
+        == (0, None)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="max_queues"):
+        conn.execute("select * from pgque.ticker_some(null, 0)")
+    for name in (names[1], names[4], names[6]):
+        client.send(name, "e", 1)
+    client.tick_chunk = 2
+    assert client.ticker() == 3
+    assert client.ticker() == 0
+    client.send(names[5], "e", 1)
+    assert client.tick_overdue(0) == 1

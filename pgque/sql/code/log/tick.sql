@@ -275,19 +275,61 @@ $$;
 -- touched (see _tick_if_wanted).
 create or replace function pgque._ticker(p_overdue interval)
 returns integer
+language sql
+set search_path = pg_catalog, pg_temp
+as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null) s $$;
+
+-- pgque._ticker_some(overdue, after, max_queues): _ticker for the queues
+-- whose ids are above after (null: from the first), at most max_queues of
+-- them (null: every one), in id order. Returns the ticks made and the id of
+-- the last queue it looked at (null when none was left). A look reads an
+-- event table of the queue and keeps a lock on it until the transaction
+-- ends: a statement over thousands of queues outgrows the server's lock
+-- table ("out of shared memory"), so the tickers go through them a few
+-- hundred per statement (pgque.ticker_some).
+create or replace function pgque._ticker_some(p_overdue interval, p_after integer,
+                                              p_max_queues integer,
+                                              out ticks integer, out last_queue integer)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_id integer;
-    v_count integer := 0;
 begin
-    for v_id in select queue_id from pgque.queue order by queue_id loop
+    ticks := 0;
+    for v_id in select q.queue_id from pgque.queue q
+                 where p_after is null or q.queue_id > p_after
+                 order by q.queue_id limit p_max_queues loop
+        last_queue := v_id;
         if pgque._tick_if_wanted(v_id, p_overdue, false) is not null then
-            v_count := v_count + 1;
+            ticks := ticks + 1;
         end if;
     end loop;
-    return v_count;
+end
+$$;
+
+-- pgque.ticker_some(after, max_queues, overdue): ticker() (overdue null) or
+-- tick_overdue(overdue) for at most max_queues queues (at least 1, else
+-- 22023) whose ids are above after (null: from the first), in id order;
+-- returns the ticks made and the last queue id looked at, null when none was
+-- left: call it again with that id until then, each call its own
+-- transaction, so that no transaction holds locks on every queue's tables.
+create or replace function pgque.ticker_some(p_after integer, p_max_queues integer,
+                                             p_overdue interval default null,
+                                             out ticks integer, out last_queue integer)
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_max_queues is null or p_max_queues < 1 then
+        raise exception using errcode = '22023', message = 'max_queues must be at least 1';
+    end if;
+    if p_overdue < interval '0' then
+        raise exception using errcode = '22023', message = 'after must not be negative';
+    end if;
+    select s.ticks, s.last_queue into ticks, last_queue
+      from pgque._ticker_some(p_overdue, p_after, p_max_queues) s;
 end
 $$;
 

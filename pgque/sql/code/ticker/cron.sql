@@ -28,6 +28,7 @@ declare
     v_until timestamp with time zone := pg_catalog.clock_timestamp()
         operator(pg_catalog.+) pg_catalog.make_interval(secs => p_seconds);
     v_next_maint timestamp with time zone := pg_catalog.clock_timestamp();
+    v_after integer;
 begin
     if not pgque.claim_ticker() then
         return;
@@ -37,7 +38,14 @@ begin
     perform pgque.ticker_wake();
     commit;
     while pg_catalog.clock_timestamp() operator(pg_catalog.<) v_until loop
-        perform pgque.ticker();
+        -- A few hundred queues a transaction (pgque.ticker_some): one over
+        -- thousands would outgrow the lock table.
+        v_after := null;
+        loop
+            select s.last_queue into v_after from pgque.ticker_some(v_after, 500) s;
+            exit when v_after is null;
+            commit;
+        end loop;
         if pg_catalog.clock_timestamp() operator(pg_catalog.>=) v_next_maint then
             perform pgque.maint();
             v_next_maint := pg_catalog.clock_timestamp()
