@@ -664,8 +664,10 @@ def test_a_team_transaction_left_open_on_a_queue_row_never_holds_up_the_sleeping
     with psycopg.connect(deployment.dsn(deployment.login(team))) as stuck:
         stuck.execute(f"set role {team}")
         stuck.execute("select pgque.subscribe(%s, 'sneaky')", (QUEUE,))  # left open
-        with pgque.Ticker(deployment.dsn(deployment.ticker), idle_after=0.3,
-                          name="sleepy") as ticker:
+        # No poll for a minute: each tick is a send's notification's look,
+        # which wakes the ticker (a poll's tick would leave it asleep).
+        with pgque.Ticker(deployment.dsn(deployment.ticker), idle_after=0.3, idle_interval=60,
+                          maintenance_interval=60, name="sleepy") as ticker:
             assert ticker.wait_active(10)
             for round_ in range(2):
                 wait_for(lambda: all(queues_asleep(owner)), what="every queue marked")
