@@ -465,10 +465,14 @@ def test_the_tickers_poll_goes_through_the_queues_a_chunk_a_transaction(
     with conn.transaction():
         assert conn.execute("select * from pgque.ticker_some(null, 3)").fetchone() == (0, ids[2])
         assert event_table_locks(conn) == {str(i) for i in ids[:3]}
-    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[5],)).fetchone() \
-        == (0, ids[6])
+    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[2],)).fetchone() \
+        == (0, ids[5])
+    # None left after this chunk: null at once, not one more call.
+    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[3],)).fetchone() \
+        == (0, None)
     assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[6],)).fetchone() \
         == (0, None)
+    assert conn.execute("select * from pgque.ticker_some(null, 7)").fetchone() == (0, None)
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="max_queues"):
         conn.execute("select * from pgque.ticker_some(null, 0)")
     for name in (names[1], names[4], names[6]):

@@ -282,7 +282,8 @@ as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null) s $$;
 -- pgque._ticker_some(overdue, after, max_queues): _ticker for the queues
 -- whose ids are above after (null: from the first), at most max_queues of
 -- them (null: every one), in id order. Returns the ticks made and the id of
--- the last queue it looked at (null when none was left). A look reads an
+-- the last queue it looked at, or null when no queue is left after it (so
+-- that a poll of fewer queues than max_queues is one call). A look reads an
 -- event table of the queue and keeps a lock on it until the transaction
 -- ends: a statement over thousands of queues outgrows the server's lock
 -- table ("out of shared memory"), so the tickers go through them a few
@@ -295,24 +296,31 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_id integer;
+    v_looked integer := 0;
 begin
     ticks := 0;
+    -- One queue more than asked: whether any is left after the chunk.
     for v_id in select q.queue_id from pgque.queue q
                  where p_after is null or q.queue_id > p_after
-                 order by q.queue_id limit p_max_queues loop
+                 order by q.queue_id limit p_max_queues + 1 loop
+        if v_looked = p_max_queues then
+            return;  -- last_queue: the chunk's last, and more after it
+        end if;
+        v_looked := v_looked + 1;
         last_queue := v_id;
         if pgque._tick_if_wanted(v_id, p_overdue, false) is not null then
             ticks := ticks + 1;
         end if;
     end loop;
+    last_queue := null;  -- none left
 end
 $$;
 
 -- pgque.ticker_some(after, max_queues, overdue): ticker() (overdue null) or
 -- tick_overdue(overdue) for at most max_queues queues (at least 1, else
 -- 22023) whose ids are above after (null: from the first), in id order;
--- returns the ticks made and the last queue id looked at, null when none was
--- left: call it again with that id until then, each call its own
+-- returns the ticks made and the last queue id looked at, null when no queue
+-- is left after it: call it again with that id until then, each call its own
 -- transaction, so that no transaction holds locks on every queue's tables.
 create or replace function pgque.ticker_some(p_after integer, p_max_queues integer,
                                              p_overdue interval default null,

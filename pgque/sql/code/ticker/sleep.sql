@@ -6,10 +6,11 @@
 -- it LISTENs on the ticker channel, sets every queue's queue_ticker_asleep
 -- (ticker_sleep), and polls only now and then. A send into a queue whose flag
 -- is set notifies the channel at its commit (the notification carries
--- nothing), and the ticker wakes, clears the flags (ticker_wake) and ticks
--- at once. The flags are written when the ticker falls asleep and when it
--- wakes, never per send or per poll: an idle queue writes no more WAL than
--- before, and a busy one never notifies.
+-- nothing); the ticker looks at once, and when that look ticks something it
+-- clears the flags (ticker_wake) and stays awake. The flags are written when
+-- the ticker falls asleep and when it wakes, never per send (a poll while
+-- asleep marks only queues made or skipped since): an idle queue writes no
+-- more WAL than before, and a busy one never notifies.
 --
 -- A send whose statement read the flag before the ticker set it, and which
 -- commits after the ticker's look that follows, sends no notification: its
