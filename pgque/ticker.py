@@ -181,6 +181,7 @@ class Ticker(Service):
         last_tick = time.monotonic()
         next_maintenance = 0.0
         asleep = heard = False
+        ticked_asleep = 0  # ticks made while asleep, before the notification heard
         try:
             while not self.stopping:
                 now = time.monotonic()
@@ -197,13 +198,16 @@ class Ticker(Service):
                     made = client.ticker()
                 self.ticks += made
                 if asleep:
-                    if heard and made:
-                        # A send's events: awake until quiet again. The polls'
-                        # ticks (the idle period's, a racing send's) wake
+                    ticked_asleep += made
+                    if heard and ticked_asleep:
+                        # A send's events (ticked by this look, or by a poll
+                        # just before its notification came): awake until quiet
+                        # again. Polls' ticks alone (the idle period's) wake
                         # nothing: each wake costs two writes.
                         with watch.call():
                             client.ticker_wake()
                         asleep = heard = False
+                        ticked_asleep = 0
                         last_tick = now
                         continue
                     if heard:
@@ -223,6 +227,7 @@ class Ticker(Service):
                     notified(client.conn, 0)
                     with watch.call():
                         asleep = client.ticker_sleep() is not None
+                    ticked_asleep = 0
                     if not asleep:
                         sleeps = False
                         self.log.info("%s: this server allows prepared transactions, whose "
