@@ -387,6 +387,18 @@ def install_0_8(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.8.0"
 
 
+# The install script of pgque 0.9.0 as it landed (c74d5c8), frozen: migrations 1
+# to 10, the sleeping ticker.
+BASELINE_0_9 = Path(__file__).resolve().parent / "data" / "pgque-0.9.0-c74d5c8.sql"
+
+
+def install_0_9(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.9.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_9.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.9.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

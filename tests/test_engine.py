@@ -223,6 +223,98 @@ def test_ticker_sees_events_of_a_transaction_open_during_the_last_tick(
     assert client.ticker() == 0  # and once covered, it is not pending any more
 
 
+def last_tick_state(conn: psycopg.Connection[Any], queue: str) -> tuple[bool, bool]:
+    """The queue's newest tick: (settled, has a settle bound)."""
+    row = conn.execute("select t.tick_settled, t.tick_settle_xid is not null from pgque.tick t"
+                       " join pgque.queue q on q.queue_id = t.tick_queue"
+                       " where q.queue_name = %s order by t.tick_id desc limit 1",
+                       (queue,)).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def event_table_reads(conn: psycopg.Connection[Any], queue: str) -> int:
+    """The scans of the queue's event tables by this session: in the open
+    transaction, and maybe before it (the counts since the session last sent its
+    statistics): compare two taken in one transaction."""
+    return int(scalar(conn, "select coalesce(sum(coalesce(s.idx_scan, 0) + s.seq_scan), 0)"
+                            " from pg_stat_xact_user_tables s"
+                            " join pgque.queue q"
+                            "   on s.relname like 'event\\_' || q.queue_id || '\\_%%'"
+                            " where s.schemaname = 'pgque' and q.queue_name = %s", (queue,)))
+
+
+def test_a_settled_tick_is_never_probed_again_and_an_open_writer_keeps_it_unsettled(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """The poll probes an idle queue's event tables for late commits only while its
+    last tick may have missed one: a tick made with no transaction running below
+    its own id is settled at once; one made while a writer is open (any
+    transaction with an id) is probed at each poll, and settled by the first poll
+    after the writer has ended; from then on a poll reads none of its tables."""
+    client.create_queue("q", ticker_max_lag=0, ticker_idle_period=3600)
+    client.subscribe("q", "c")
+    client.tick("q")
+    assert last_tick_state(conn, "q") == (True, True)
+    with psycopg.connect(dsn) as writer:
+        scalar(writer, "select pg_current_xact_id()")  # a transaction id, running
+        client.tick("q")
+        assert last_tick_state(conn, "q") == (False, True)
+        with conn.transaction():
+            reads = event_table_reads(conn, "q")
+            assert scalar(conn, "select pgque.ticker()") == 0
+            assert event_table_reads(conn, "q") > reads  # probed
+        assert last_tick_state(conn, "q") == (False, True)  # the writer may still send
+    assert client.ticker() == 0  # the writer is gone: probed once more, and settled
+    assert last_tick_state(conn, "q") == (True, True)
+    with conn.transaction():
+        reads = event_table_reads(conn, "q")
+        for _ in range(3):
+            assert scalar(conn, "select pgque.ticker()") == 0
+        assert event_table_reads(conn, "q") == reads
+    late = client.send("q", "e", 2)
+    assert client.ticker() == 1
+    assert [m.id for m in drain(client, "q", "c", tick=False)] == [late]
+
+
+def test_a_tick_made_after_its_transaction_wrote_is_probed_until_the_next_tick(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A tick made in a transaction that already has an id cannot bound the
+    transactions it may miss: it gets no settle bound, stays unsettled, and the
+    poll still finds the event of a producer open during it once that commits."""
+    client.create_queue("q", ticker_max_lag=0, ticker_idle_period=3600)
+    client.subscribe("q", "c")
+    with psycopg.connect(dsn) as producer, psycopg.connect(dsn) as ticking:
+        late = client.send("q", "late", 1, conn=producer)  # ev_id taken, not committed
+        scalar(ticking, "select pg_current_xact_id()")  # this transaction has an id
+        scalar(ticking, "select pgque.tick('q')")
+        ticking.commit()
+        assert last_tick_state(conn, "q") == (False, False)
+        assert client.ticker() == 0
+        producer.commit()
+    assert client.ticker() == 1, "the committed late event was not seen as pending"
+    assert [m.id for m in drain(client, "q", "c", tick=False)] == [late]
+
+
+def test_the_tickers_poll_does_not_wait_for_a_queue_being_dropped(
+        client: pgque.Client, dsn: str) -> None:
+    """The poll's one look at a chunk reads every queue's sequence; a drop_queue in
+    progress holds one exclusively. The poll must neither wait for it nor fail:
+    it looks at each queue by itself, and ticks the others."""
+    client.create_queue("doomed")
+    client.create_queue("q", ticker_max_lag=0)
+    client.tick("q")
+    client.send("q", "e", 1)
+    with psycopg.connect(dsn) as dropper:
+        pgque.Client(dropper).drop_queue("doomed")  # uncommitted: its sequence held
+        other = pgque.connect(dsn, pool_size=0)
+        try:
+            other.conn.execute("set lock_timeout = '20s'")
+            assert other.ticker() == 1
+        finally:
+            other.close()
+        dropper.rollback()
+
+
 def test_the_tickers_probe_for_late_commits_never_reads_a_whole_event_table(
         client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
     """An idle queue's ticker polls probe for events committed after the last tick

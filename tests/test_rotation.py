@@ -35,6 +35,90 @@ def flush_stats(conn: psycopg.Connection[Any]) -> None:
         conn.execute("select pg_stat_force_next_flush()")
 
 
+def used_tables(conn: psycopg.Connection[Any], queue: str) -> int:
+    """The queue's record of the event tables besides the current one that may
+    hold events (bit n: table n)."""
+    return int(scalar(conn, "select queue_used_tables from pgque.queue where queue_name = %s",
+                      (queue,)))
+
+
+def looked_at(conn: psycopg.Connection[Any]) -> set[str]:
+    """The queues a maintenance pass over every queue looks at closely."""
+    return {row[0] for row in conn.execute(
+        "select q.queue_name from pgque._maint_look() l join pgque.queue q on q.queue_id = l")}
+
+
+def event_reads(conn: psycopg.Connection[Any]) -> int:
+    """The scans of event tables by this session (compare two taken in one
+    transaction: the counts may include earlier ones not sent yet)."""
+    return int(scalar(conn, "select coalesce(sum(coalesce(idx_scan, 0) + seq_scan), 0)"
+                            " from pg_stat_xact_user_tables"
+                            " where schemaname = 'pgque' and relname ~ '^event_[0-9]+'"))
+
+
+def test_a_pass_over_every_queue_reads_no_event_table_of_a_queue_with_nothing_to_do(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """Maintenance every second over thousands of queues probed every table of
+    every queue. A pass over all of them now looks, in one statement over the
+    queue rows and the catalog, for the queues with something to do, and reads
+    no event table of the others."""
+    client.create_queue("q", rotation_period=3600)
+    client.create_queue("idle", rotation_period=3600)
+    client.subscribe("q", "c")
+    client.subscribe_slots("q", "g", slots=4)
+    client.send_batch("q", [("e", i, f"k{i}") for i in range(20)])
+    assert len(drain(client, "q", "c")) == 20
+    for _ in range(3):
+        client.maintenance()
+    assert looked_at(conn) == set()
+    with conn.transaction():
+        reads = event_reads(conn)
+        for _ in range(3):
+            assert conn.execute("select * from pgque.maint() where queue_name is not null"
+                                ).fetchall() == []
+        assert event_reads(conn) == reads
+    # A group added: its reader and slot indexes are due, and the queue looked at.
+    client.subscribe_slots("idle", "g", slots=8)
+    assert looked_at(conn) == {"idle"}
+    client.maintenance()
+    assert looked_at(conn) == set()
+
+
+def test_a_table_a_switch_leaves_is_marked_in_use_until_maintenance_empties_it(
+        client: pgque.Client, conn: psycopg.Connection[Any]) -> None:
+    """The table a switch leaves is marked in use and looked at by every pass until
+    its events are consumed and it is truncated. A mark lost (a producer that read
+    the old current table before the switch inserted after the table was found
+    empty) costs only time: the next switch due looks at every table."""
+    client.create_queue("q", rotation_period=0)
+    client.subscribe("q", "c")
+    tables = event_tables(conn, "q")
+    client.send_batch("q", [("e", i) for i in range(10)])
+    client.maintenance()  # switches away from table 0
+    assert current_table(conn, "q") == 1 and used_tables(conn, "q") == 0b1
+    client.set_queue_config("q", rotation_period=3600)
+    client.maintenance()
+    assert row_counts(conn, tables)[tables[0]] == 10  # not consumed: kept, and marked
+    assert used_tables(conn, "q") == 0b1 and looked_at(conn) == {"q"}
+    assert len(drain(client, "q", "c")) == 10
+    client.maintenance()
+    assert row_counts(conn, tables)[tables[0]] == 0 and used_tables(conn, "q") == 0
+    assert looked_at(conn) == set()
+    # The mark lost: table 1 keeps its consumed events until a switch is due.
+    client.set_queue_config("q", rotation_period=0)
+    client.send_batch("q", [("e", i) for i in range(10)])
+    client.maintenance()  # switches away from table 1
+    assert current_table(conn, "q") == 2 and used_tables(conn, "q") == 0b10
+    assert len(drain(client, "q", "c")) == 10
+    client.set_queue_config("q", rotation_period=3600)
+    conn.execute("update pgque.queue set queue_used_tables = 0 where queue_name = 'q'")
+    client.maintenance()
+    assert row_counts(conn, tables)[tables[1]] == 10 and looked_at(conn) == set()
+    client.set_queue_config("q", rotation_period=0)
+    client.maintenance()
+    assert row_counts(conn, tables)[tables[1]] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1000, long_variant(5000, id="200k-long")],
                          ids=lambda chunk: f"{40 * chunk // 1000}k")

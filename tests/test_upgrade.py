@@ -27,6 +27,7 @@ from helpers import (
     BASELINE_0_6,
     BASELINE_0_7,
     BASELINE_0_8,
+    BASELINE_0_9,
     BASELINES_0_1,
     catalog,
     drain,
@@ -38,6 +39,7 @@ from helpers import (
     install_0_6,
     install_0_7,
     install_0_8,
+    install_0_9,
     run_cli,
     scalar,
     scratch_database,
@@ -58,6 +60,7 @@ MIGRATIONS_0_5 = 7  # and 0.5.0
 MIGRATIONS_0_6 = 8  # and 0.6.0
 MIGRATIONS_0_7 = 9  # and 0.7.0
 MIGRATIONS_0_8 = 9  # and 0.8.0
+MIGRATIONS_0_9 = 10  # and 0.9.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -505,12 +508,31 @@ def test_upgrade_from_0_8_0_loses_nothing_and_equals_a_fresh_install(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_upgrade_from_0_9_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.9.0 filled as 0.2.0 was: migration 11 leaves every tick made
+    before it unsettled and without a settle bound (probed, as before, until its
+    queue's next tick), every event, cursor, epoch and dead letter is kept, and
+    the result is a fresh install."""
+    install_0_9(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.9.0"
+        assert migration_record(conn) == [
+            (m.number, "0.9.0" if m.number <= MIGRATIONS_0_9 else pgque.__version__)
+            for m in migrations()]
+        assert conn.execute("select distinct tick_settled, tick_settle_xid is null"
+                            " from pgque.tick").fetchall() == [(False, True)]
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())
 
 
 RELEASES = {
+    "0.9.0": [BASELINE_0_9],
     "0.8.0": [BASELINE_0_8],
     "0.7.0": [BASELINE_0_7],
     "0.6.0": [BASELINE_0_6],

@@ -107,9 +107,12 @@ $$;
 -- of one index (delayed_event_due, delayed_event_txid), so that the plan kept
 -- for any queue is an index probe, even where another queue holds most of the
 -- rows (an open-ended range let that plan scan the table), and an idle queue
--- pays a few cached probes.
+-- pays a few cached probes. With since_only, the first look only: for a
+-- caller that knows that no transaction last did not see can have sent one
+-- (_tick_due: a settled tick, and no event id taken since it).
 create or replace function pgque._delayed_due(p_queue_id integer, p_last pgque.tick,
-                                              p_upto timestamptz)
+                                              p_upto timestamptz,
+                                              p_since_only boolean default false)
 returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -123,7 +126,7 @@ begin
                   and d.de_due <= p_upto) then
         return true;
     end if;
-    if p_last.tick_id is null then
+    if p_last.tick_id is null or p_since_only then
         return false;
     end if;
     -- Sent since last, by transactions committed now: ids up to this

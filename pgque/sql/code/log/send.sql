@@ -116,6 +116,7 @@ begin
     if octet_length(p_partition_key) > 512 then
         perform pgque._check_keys(array[p_partition_key]);
     end if;
+    perform pg_current_xact_id();  -- before the event id (log/tick.sql, "Settled ticks")
     v_id := pgque._write_event(v_queue.queue_id, v_queue.queue_cur_table, p_type, p_payload,
                                p_partition_key, null);
     if v_id is null then
@@ -175,6 +176,7 @@ begin
     -- The ids first, sorted, then the i-th event gets the i-th: ev_ids follow
     -- the array order whatever order nextval ran in, and the insert needs
     -- neither a sort of the rows nor RETURNING (together 13% of the call).
+    perform pg_current_xact_id();  -- before the event ids (log/tick.sql, "Settled ticks")
     v_ids := array(select nextval(v_queue.queue_event_seq)
                      from generate_series(1, cardinality(p_types)) order by 1);
     execute format('insert into pgque.%I (ev_id, %s) select * from unnest($1, $2, $3, $4)',
@@ -245,6 +247,7 @@ begin
     v_dues := coalesce(v_dues, array_fill(null::timestamptz, array[v_count]));
     -- The ids first, in array order (as send_batch), whether or not each
     -- event turns out to be sent: a duplicate's id is a gap in the sequence.
+    perform pg_current_xact_id();  -- before the event ids (log/tick.sql, "Settled ticks")
     v_ids := array(select nextval(v_queue.queue_event_seq)
                      from generate_series(1, v_count) order by 1);
     v_duplicates := array_fill(false, array[v_count]);
@@ -328,6 +331,7 @@ begin
         perform pgque._check_keys(array[p_partition_key]);
     end if;
     perform pgque._check_idempotency_keys(array[p_idempotency_key]);
+    perform pg_current_xact_id();  -- before the event id (log/tick.sql, "Settled ticks")
     v_id := nextval(v_queue.queue_event_seq);
     if p_idempotency_key is not null then
         v_claim := pgque._claim_idempotency_key(v_queue, pgque._idempotency_part(),

@@ -11,6 +11,31 @@
 -- Taking the row assigns a transaction id and writes WAL, so the ticker
 -- first looks, without it, whether a tick is due, and looks again once it
 -- holds it: an idle poll writes nothing, and two tickers do not both tick.
+--
+-- Settled ticks. Whether a tick is due is counted by the queue's sequence,
+-- except for one race: a transaction T that took an event id before the tick
+-- read the sequence, and committed after the tick took its snapshot, left an
+-- event the tick does not cover and the sequence does not count. Only an index
+-- probe of the event tables finds it (_uncovered_events), and probing every
+-- idle queue at every poll was most of the cost of a poll. So a tick records
+-- when T can no longer exist:
+--   * every sender assigns its transaction id before it takes an event id
+--     (send.sql, and the retries and replays, which insert before nextval);
+--   * the tick knows the sequence as it was before its own transaction had
+--     an id (p_seq_before); when it reads the same value under the lock, no
+--     id was taken between, so every T took its id, and so its transaction
+--     id, before the tick's own: tick_settle_xid, the tick's own id, bounds
+--     every T from above;
+--   * once the oldest transaction running is past tick_settle_xid, every T
+--     has ended; a probe then, in the same snapshot, that finds nothing finds
+--     nothing ever after, and the poll marks the tick tick_settled
+--     (_settle_tick); a tick whose snapshot shows no transaction running
+--     below its own id is settled when made.
+-- A settled tick is never probed again: an idle queue's poll is an index look
+-- at its newest tick and a read of its sequence, in one statement for a chunk
+-- of queues (_ticker_look). A tick without tick_settle_xid (the tick read the
+-- sequence after its transaction had an id: a pgque.tick() inside a writing
+-- transaction, or two tickers at once) is probed until the queue's next tick.
 
 -- pgque._tick_channel(queue_id): the NOTIFY channel announcing ticks of a queue.
 create or replace function pgque._tick_channel(p_queue_id integer)
@@ -32,13 +57,15 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$ select pgque._tick_channel((pgque._queue_row(p_queue)).queue_id) $$;
 
--- pgque._make_tick(queue): makes a tick for the queue now, unconditionally, and
--- returns its id. Takes the queue's tick lock first, waiting for a tick in
--- progress elsewhere; raises PQ001 when the queue was dropped meanwhile, and
--- PQ008 outside READ COMMITTED, where the snapshot would be the
--- transaction's and could predate the previous tick. Then moves into the log
--- the delayed events the tick passes (delay.sql), for the tick after.
-create or replace function pgque._make_tick(p_queue pgque.queue)
+-- pgque._make_tick(queue, seq_before): makes a tick for the queue now,
+-- unconditionally, and returns its id. Takes the queue's tick lock first,
+-- waiting for a tick in progress elsewhere; raises PQ001 when the queue was
+-- dropped meanwhile, and PQ008 outside READ COMMITTED, where the snapshot
+-- would be the transaction's and could predate the previous tick. Then moves
+-- into the log the delayed events the tick passes (delay.sql), for the tick
+-- after. seq_before: the queue's sequence as read before this transaction had
+-- an id, or null (see "Settled ticks" at the top).
+create or replace function pgque._make_tick(p_queue pgque.queue, p_seq_before bigint default null)
 returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -47,6 +74,7 @@ declare
     v_prev pgque.tick;
     v_tick pgque.tick;
     v_event_seq bigint;
+    v_settle_xid xid8;
 begin
     if current_setting('transaction_isolation') <> 'read committed' then
         raise exception using errcode = 'PQ008',
@@ -62,18 +90,33 @@ begin
     -- The sequence position, read before the snapshot is taken: the insert
     -- below is a new statement, hence a new snapshot, after the lock too.
     v_event_seq := coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
+    -- No event id taken since seq_before: every transaction this tick may miss
+    -- has a lower id than this one (the top).
+    if p_seq_before = v_event_seq then
+        v_settle_xid := pg_current_xact_id();
+    end if;
     -- Its time is the clock's, never before the last tick's: the delayed
-    -- events due by then are moved below (delay.sql).
+    -- events due by then are moved below (delay.sql). Settled at once when its
+    -- snapshot shows no transaction running below its own id.
     insert into pgque.tick (tick_queue, tick_id, tick_time, tick_snapshot, tick_event_seq,
-                            tick_part)
+                            tick_part, tick_settled, tick_settle_xid)
     values (p_queue.queue_id, nextval('pgque.tick_id_seq'),
             greatest(clock_timestamp(), v_prev.tick_time), pg_current_snapshot(), v_event_seq,
-            pgque._write_part('tick'))
+            pgque._write_part('tick'),
+            v_settle_xid is not null
+            and pg_snapshot_xmax(pg_current_snapshot()) >= v_settle_xid
+            and not exists (select from pg_snapshot_xip(pg_current_snapshot())),
+            v_settle_xid)
     returning * into v_tick;
     -- The delayed events this tick passes, into the log for the next tick (the
-    -- probes first: the move is planned at each call).
+    -- probes first: the move is planned at each call). This transaction's own
+    -- events are not in the tick: it is not settled after all.
     if pgque._delayed_due(p_queue.queue_id, v_prev, v_tick.tick_time) then
-        perform pgque._move_delayed(p_queue, v_prev, v_tick);
+        if pgque._move_delayed(p_queue, v_prev, v_tick) > 0 and v_tick.tick_settled then
+            update pgque.tick t set tick_settled = false
+             where t.tick_queue = v_tick.tick_queue and t.tick_id = v_tick.tick_id
+               and t.tick_part = v_tick.tick_part;
+        end if;
     end if;
     -- Wake the queue's consumers. The notification carries nothing: it only
     -- says "look now", and the consumers' poll covers for a lost one.
@@ -89,8 +132,31 @@ language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
-    return pgque._make_tick(pgque._queue_row(p_queue));
+    return pgque._make_tick(v_queue, pgque._seq_before(v_queue));
+end
+$$;
+
+-- pgque._seq_before(queue): the position of the queue's sequence, read now,
+-- for a tick's seq_before (see the top): null when this transaction has an
+-- id already. Neither waits nor fails (null instead): a drop_queue in
+-- progress holds the sequence, and the tick lock, taken after, is what
+-- waits for it and then says the queue is gone.
+create or replace function pgque._seq_before(p_queue pgque.queue)
+returns bigint
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '1ms'
+as $$
+begin
+    if pg_current_xact_id_if_assigned() is not null then
+        return null;
+    end if;
+    return coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
+exception when others then
+    return null;
 end
 $$;
 
@@ -138,9 +204,10 @@ $$;
 -- thresholds ask for a tick now: enough events pending (ticker_max_count), or
 -- some pending for longer than ticker_max_lag, or none for ticker_idle_period;
 -- with pending_only, whether any event is pending at all. Pending is
--- counted by sequence position since the last tick; when that says none, an
--- index probe checks for committed events the last tick did not cover, and
--- two more for a delayed event due and not moved (_delayed_due).
+-- counted by sequence position since the last tick; when that says none and
+-- the last tick is not settled, an index probe checks for committed events
+-- it did not cover, and two more for a delayed event due and not moved
+-- (_delayed_due).
 create or replace function pgque._tick_due(p_queue pgque.queue, p_last pgque.tick,
                                            p_pending_only boolean default false)
 returns boolean
@@ -152,14 +219,15 @@ declare
                         - coalesce(p_last.tick_event_seq, 0);
     v_age interval := now() - p_last.tick_time;
 begin
-    if v_pending <= 0 and p_last.tick_id is not null
+    if v_pending <= 0 and p_last.tick_id is not null and not p_last.tick_settled
        and pgque._uncovered_events(p_queue.queue_id, p_last.tick_snapshot) then
         v_pending := 1;
     end if;
     -- A delayed event due and not moved yet: the next tick moves it. (Where no
     -- queue has any, one look at the empty table says so.)
     if v_pending <= 0 and exists (select from pgque.delayed_event)
-       and pgque._delayed_due(p_queue.queue_id, p_last, clock_timestamp()) then
+       and pgque._delayed_due(p_queue.queue_id, p_last, clock_timestamp(),
+                              coalesce(p_last.tick_settled, false)) then
         v_pending := 1;
     end if;
     if p_pending_only then
@@ -219,9 +287,10 @@ $$;
 -- two tickers do not both tick). The queue row is read again under the lock;
 -- a queue dropped meanwhile is not touched. Without wait, a queue whose tick
 -- lock is taken (being ticked or dropped elsewhere) is skipped at once.
--- Returns the new tick id, or null when none was made.
+-- Returns the new tick id, or null when none was made. seq_before: as for
+-- _make_tick.
 create or replace function pgque._tick_if_wanted(p_queue_id integer, p_overdue interval,
-                                                 p_wait boolean)
+                                                 p_wait boolean, p_seq_before bigint default null)
 returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -246,7 +315,7 @@ begin
     if not pgque._tick_wanted(v_queue, p_overdue) then
         return null;
     end if;
-    return pgque._make_tick(v_queue);
+    return pgque._make_tick(v_queue, p_seq_before);
 end
 $$;
 
@@ -259,8 +328,10 @@ language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_queue pgque.queue := pgque._queue_row(p_queue);
 begin
-    return pgque._tick_if_wanted((pgque._queue_row(p_queue)).queue_id, null, true);
+    return pgque._tick_if_wanted(v_queue.queue_id, null, true, pgque._seq_before(v_queue));
 end
 $$;
 
@@ -279,15 +350,121 @@ language sql
 set search_path = pg_catalog, pg_temp
 as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null) s $$;
 
+-- pgque._ticker_look(overdue, after, max_queues): the look at a chunk of
+-- queues that the tickers' poll starts with, one statement for all of them:
+-- the queues whose ids are above after (null: from the first), at most
+-- max_queues plus one (null: every one), in id order, each with its
+-- sequence's position (seq), whether a tick may be wanted (a superset of
+-- _tick_wanted's answer, which decides under the lock: pending events by the
+-- sequence, a threshold, the idle period, a delayed event due since the last
+-- tick, or a last tick not settled, which only a probe can judge) and whether
+-- its last tick may be settled now (settle: nothing pending by the sequence,
+-- and the oldest transaction running is past its tick_settle_xid; see the
+-- top). Reads only. Locks are waited for at most 1 ms: a drop_queue holds the
+-- sequence it drops until it commits, and the caller falls back on a look
+-- per queue when this fails.
+create or replace function pgque._ticker_look(p_overdue interval, p_after integer,
+                                              p_max_queues integer)
+returns table (queue_id integer, seq bigint, wanted boolean, settle boolean)
+language sql stable
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '1ms'
+as $$
+    select q.queue_id, s.seq,
+           case when p_overdue is null
+                then t.tick_id is null
+                     or s.seq - t.tick_event_seq >= q.queue_ticker_max_count
+                     or (s.seq > t.tick_event_seq and now() - t.tick_time >= q.queue_ticker_max_lag)
+                     or now() - t.tick_time >= q.queue_ticker_idle_period
+                     or not t.tick_settled or d.due
+                else (t.tick_id is null or now() - t.tick_time >= p_overdue)
+                     and (s.seq > coalesce(t.tick_event_seq, 0) or not t.tick_settled or d.due)
+           end,
+           coalesce(s.seq <= t.tick_event_seq and not t.tick_settled
+                    and pg_snapshot_xmin(pg_current_snapshot()) > t.tick_settle_xid, false)
+      from (select l.*, row_number() over (order by l.queue_id) as n from pgque.queue l
+             where p_after is null or l.queue_id > p_after
+             order by l.queue_id limit p_max_queues + 1) q
+     -- (not the one past the chunk: its sequence stays unlocked)
+     cross join lateral (select case when q.n <= p_max_queues or p_max_queues is null
+                                     then coalesce(pg_sequence_last_value(q.queue_event_seq), 0)
+                                end as seq) s
+      left join lateral (select l.tick_id, l.tick_time, l.tick_event_seq, l.tick_settled,
+                                l.tick_settle_xid
+                           from pgque.tick l where l.tick_queue = q.queue_id
+                          order by l.tick_id desc limit 1) t on true
+     -- A delayed event due since the last tick (the first look of
+     -- _delayed_due); where no queue has any, one look at the empty table.
+     cross join lateral (select (select exists (select from pgque.delayed_event))
+                                and exists (select from pgque.delayed_event e
+                                             where e.de_queue = q.queue_id
+                                               and e.de_due > coalesce(t.tick_time, '-infinity')
+                                               and e.de_due <= clock_timestamp()) as due) d
+     order by q.queue_id
+$$;
+
+-- pgque._settle_ready(queue_id, tick): whether the queue's tick may be marked
+-- settled: every transaction it may have missed has ended (the oldest running
+-- is past its tick_settle_xid) and, in the same snapshot, none left an event
+-- it did not cover or a delayed event due that it did not move. Reads only,
+-- and neither waits nor fails, as _tick_wanted_nowait: the caller holds
+-- sequence locks that a drop_queue waits for (_ticker_look), so a lock held
+-- by a drop is waited for at most 1 ms, and an error says no.
+create or replace function pgque._settle_ready(p_queue_id integer, p_tick pgque.tick)
+returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '1ms'
+as $$
+begin
+    return coalesce(pg_snapshot_xmin(pg_current_snapshot()) > p_tick.tick_settle_xid
+                    and not pgque._uncovered_events(p_queue_id, p_tick.tick_snapshot)
+                    and not (exists (select from pgque.delayed_event)
+                             and pgque._delayed_due(p_queue_id, p_tick, clock_timestamp())),
+                    false);
+exception when others then
+    return false;
+end
+$$;
+
+-- pgque._settle_tick(queue_id): marks the queue's last tick settled when it
+-- may be (_settle_ready); returns whether it did. Waits for nothing: a tick
+-- row locked elsewhere (another ticker settling it, a drop_queue deleting it)
+-- is left for the next poll.
+create or replace function pgque._settle_tick(p_queue_id integer)
+returns boolean
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_tick pgque.tick := pgque._last_tick(p_queue_id);
+begin
+    if v_tick.tick_id is null or v_tick.tick_settled or v_tick.tick_settle_xid is null
+       or not pgque._settle_ready(p_queue_id, v_tick) then
+        return false;
+    end if;
+    update pgque.tick t set tick_settled = true
+      from (select l.tick_queue, l.tick_id, l.tick_part from pgque.tick l
+             where l.tick_queue = v_tick.tick_queue and l.tick_id = v_tick.tick_id
+               and l.tick_part = v_tick.tick_part and not l.tick_settled
+               for no key update skip locked) k
+     where t.tick_queue = k.tick_queue and t.tick_id = k.tick_id and t.tick_part = k.tick_part;
+    return found;
+end
+$$;
+
 -- pgque._ticker_some(overdue, after, max_queues): _ticker for the queues
 -- whose ids are above after (null: from the first), at most max_queues of
 -- them (null: every one), in id order. Returns the ticks made and the id of
 -- the last queue it looked at, or null when no queue is left after it (so
--- that a poll of fewer queues than max_queues is one call). A look reads an
--- event table of the queue and keeps a lock on it until the transaction
--- ends: a statement over thousands of queues outgrows the server's lock
--- table ("out of shared memory"), so the tickers go through them a few
--- hundred per statement (pgque.ticker_some).
+-- that a poll of fewer queues than max_queues is one call). The look at the
+-- chunk is one statement (_ticker_look); only the queues it names are looked
+-- at again, one by one, and ticked (_tick_if_wanted), and the last ticks it
+-- names settled (_settle_tick). It keeps a lock on each queue's sequence until
+-- the transaction ends (and a probe, on an event table): a statement over
+-- thousands of queues outgrows the server's lock table ("out of shared
+-- memory"), so the tickers go through them a few hundred per statement
+-- (pgque.ticker_some).
 create or replace function pgque._ticker_some(p_overdue interval, p_after integer,
                                               p_max_queues integer,
                                               out ticks integer, out last_queue integer)
@@ -295,24 +472,50 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_id integer;
-    v_looked integer := 0;
+    -- The positions are read before this transaction has an id, or useless
+    -- for settling (see the top).
+    v_fresh boolean := pg_current_xact_id_if_assigned() is null;
+    v_ids integer[];
+    v_seqs bigint[];
+    v_wanted boolean[];
+    v_settle boolean[];
+    v_count integer;
 begin
     ticks := 0;
+    begin
+        select coalesce(array_agg(l.queue_id order by l.queue_id), '{}'),
+               array_agg(l.seq order by l.queue_id), array_agg(l.wanted order by l.queue_id),
+               array_agg(l.settle order by l.queue_id)
+          into v_ids, v_seqs, v_wanted, v_settle
+          from pgque._ticker_look(p_overdue, p_after, p_max_queues) l;
+    exception when others then
+        -- A queue being dropped, most likely: every queue of the chunk is
+        -- looked at by itself, as _tick_if_wanted does without waiting.
+        v_ids := array(select q.queue_id from pgque.queue q
+                        where p_after is null or q.queue_id > p_after
+                        order by q.queue_id limit p_max_queues + 1);
+        v_seqs := null;
+        v_wanted := array_fill(true, array[cardinality(v_ids)]);
+        v_settle := array_fill(false, array[cardinality(v_ids)]);
+    end;
     -- One queue more than asked: whether any is left after the chunk.
-    for v_id in select q.queue_id from pgque.queue q
-                 where p_after is null or q.queue_id > p_after
-                 order by q.queue_id limit p_max_queues + 1 loop
-        if v_looked = p_max_queues then
-            return;  -- last_queue: the chunk's last, and more after it
+    v_count := cardinality(v_ids);
+    if v_count > p_max_queues then
+        v_count := p_max_queues;
+        last_queue := v_ids[v_count];
+    end if;
+    for i in 1 .. v_count loop
+        if v_wanted[i] then
+            if pgque._tick_if_wanted(v_ids[i], p_overdue, false,
+                                     case when v_fresh then v_seqs[i] end) is not null then
+                ticks := ticks + 1;
+                continue;
+            end if;
         end if;
-        v_looked := v_looked + 1;
-        last_queue := v_id;
-        if pgque._tick_if_wanted(v_id, p_overdue, false) is not null then
-            ticks := ticks + 1;
+        if v_settle[i] then
+            perform pgque._settle_tick(v_ids[i]);
         end if;
     end loop;
-    last_queue := null;  -- none left
 end
 $$;
 

@@ -33,6 +33,9 @@ $$;
 -- current one whose events all subscriptions have consumed, then switches
 -- the current table when rotation_period has passed and the next table is
 -- empty. Returns the number of tables truncated plus one if it switched.
+-- Records in queue_used_tables the tables other than the current one that
+-- may still hold events: those it did not find empty or empty them, and the
+-- one it switched away from (see _maint_look).
 --
 -- A producer that read the old current table just before a switch may still
 -- be inserting into it. The table is therefore locked before it is judged:
@@ -51,13 +54,16 @@ declare
     v_nonempty boolean;
     v_max xid8;
     v_done integer := 0;
+    v_used bigint := 0;
     n integer;
 begin
     for n in 0 .. p_queue.queue_ntables - 1 loop
-        continue when n = p_queue.queue_cur_table or v_floor is null;
+        continue when n = p_queue.queue_cur_table;
         v_table := pgque._event_table(p_queue.queue_id, n);
         execute format('select exists (select 1 from pgque.%I)', v_table) into v_nonempty;
         continue when not v_nonempty;
+        v_used := v_used | (1::bigint << n);  -- unless emptied below
+        continue when v_floor is null;
         begin
             perform set_config('lock_timeout', '50ms', true);
             execute format('lock table pgque.%I in access exclusive mode', v_table);
@@ -69,6 +75,7 @@ begin
                 -- indexes in line with the queue's groups.
                 perform pgque._sync_slot_indexes(p_queue.queue_id, n, null);
                 v_done := v_done + 1;
+                v_used := v_used & ~(1::bigint << n);
             end if;
         exception when lock_not_available then
             null;  -- busy: try again at the next maintenance pass
@@ -81,10 +88,16 @@ begin
                        pgque._event_table(p_queue.queue_id, n))
            into v_nonempty;
         if not v_nonempty then
-            update pgque.queue set queue_cur_table = n, queue_switch_time = now()
+            update pgque.queue
+               set queue_cur_table = n, queue_switch_time = now(),
+                   queue_used_tables = (v_used | (1::bigint << p_queue.queue_cur_table))
+                                       & ~(1::bigint << n)
              where queue_id = p_queue.queue_id;
-            v_done := v_done + 1;
+            return v_done + 1;
         end if;
+    end if;
+    if v_used <> p_queue.queue_used_tables then
+        update pgque.queue set queue_used_tables = v_used where queue_id = p_queue.queue_id;
     end if;
     return v_done;
 end
@@ -109,7 +122,8 @@ $$;
 -- table to truncate (a non-current event table, not empty, whose newest
 -- event is below the consumed floor) or to switch to (rotation_period passed
 -- and the next table is empty), a due retry, a slot index to make or drop
--- (_slot_indexes_due), a batch reader to write again (_batch_reader_due).
+-- (_slot_indexes_due), a batch reader to write again (_batch_reader_due), a
+-- table found empty that queue_used_tables still marks.
 -- Each test is the one its step applies, so it never says no while a step
 -- would act.
 -- (Rows of a transaction still in progress are not seen; they would not be
@@ -147,27 +161,81 @@ begin
         end if;
     end if;
     v_floor := pgque._consumed_floor(p_queue.queue_id);
-    if v_floor is not null then
-        for n in 0 .. p_queue.queue_ntables - 1 loop
-            continue when n = p_queue.queue_cur_table;
-            execute format('select max(ev_txid) from pgque.%I', pgque._event_table(p_queue.queue_id, n))
-               into v_max;
-            if v_max < v_floor then
-                return true;
-            end if;
-        end loop;
-    end if;
+    for n in 0 .. p_queue.queue_ntables - 1 loop
+        continue when n = p_queue.queue_cur_table
+                      or (v_floor is null and p_queue.queue_used_tables & (1::bigint << n) = 0);
+        execute format('select max(ev_txid) from pgque.%I', pgque._event_table(p_queue.queue_id, n))
+           into v_max;
+        -- A table to truncate, or one found empty that is still marked in use.
+        if v_max < v_floor
+           or (v_max is null and p_queue.queue_used_tables & (1::bigint << n) <> 0) then
+            return true;
+        end if;
+    end loop;
     return false;
 exception when others then
     return true;
 end
 $$;
 
+-- pgque._maint_look(): the queues a pass over all of them looks at closely
+-- (_maint_due, then the steps), in one statement over every queue: a superset
+-- of those where _maint_due says yes, from the queue rows and the catalog
+-- only, never an event table: rotation_period passed (a switch may be due),
+-- a table besides the current one marked in use (queue_used_tables: to
+-- truncate once consumed), a retry due, a batch reader written for other slot
+-- counts than the groups use (_batch_reader_due), or, for a queue with
+-- groups of slots, an event table whose slot indexes are not those counts
+-- (_slot_indexes_due). A slot index that no group needs any more on a queue
+-- without groups is dropped when the groups change (the reader is written
+-- again then) or, when its table was busy then, at the table's next
+-- truncate. Reads only.
+create or replace function pgque._maint_look()
+returns setof integer
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select q.queue_id
+      from pgque.queue q
+     cross join lateral (select coalesce(array_agg(distinct g.cg_slots order by g.cg_slots), '{}')
+                                as counts
+                           from pgque.consumer_group g
+                          where g.cg_queue = q.queue_id and g.cg_slots > 1) w
+     where now() - q.queue_switch_time >= q.queue_rotation_period
+        or q.queue_used_tables & ~(1::bigint << q.queue_cur_table) <> 0
+        or exists (select from pgque._retry_waiting r
+                    where r.ev_queue = q.queue_id and r.ev_retry_after <= now())
+        -- _batch_reader_due, written out (_generated_signature reads the
+        -- same): the source's first line, read alone (substr detoasts no more
+        -- of it), as plain text (a regular expression here cost 16 µs a queue)
+        or (select case when substr(p.prosrc, 1, 34) = E'\n-- Generated by pgque (signature '
+                        then substr(p.prosrc, 35, 32) end
+              from pg_proc p
+             where p.pronamespace = 'pgque'::regnamespace
+               and p.proname = '_batch_reader_' || q.queue_id)
+           is distinct from pgque._signature(q.queue_id || ':' || w.counts::text)
+        -- _slot_indexes_on, written out, for every table of a queue with groups
+        or (w.counts <> '{}'
+            and exists (select from generate_series(0, q.queue_ntables - 1) n
+                         cross join lateral (select 'event_' || q.queue_id || '_' || n as name) t
+                         where (select coalesce(array_agg(split_part(ic.relname, '_slots', 2)::integer
+                                                          order by 1), '{}')
+                                  from pg_class tc
+                                  join pg_index i on i.indrelid = tc.oid
+                                  join pg_class ic on ic.oid = i.indexrelid
+                                 where tc.relnamespace = 'pgque'::regnamespace
+                                   and tc.relname = t.name
+                                   and ic.relname like t.name || '\_slots%')
+                               is distinct from w.counts))
+     order by q.queue_id
+$$;
+
 -- pgque.maint(queue): runs every maintenance step for one queue (all queues
 -- when null) and reports what it did as rows (queue_name, step, amount).
 -- A queue whose maintenance is already running elsewhere (or that is being
 -- dropped) is skipped, and so, without taking any lock, is a queue where no
--- step has work (_maint_due). Every call then rotates the cursor log, the
+-- step has work (_maint_due); a pass over all queues asks that only of the
+-- queues _maint_look names. Every call then rotates the cursor log, the
 -- ticks, the nack records, the retry queue, the held events, the delayed
 -- events and the idempotency keys of all queues when they are due (steps
 -- rotate_cursors, rotate_ticks, rotate_nacks, rotate_retries, rotate_held,
@@ -195,9 +263,13 @@ begin
     if p_queue is not null then
         perform pgque._queue_row(p_queue);
     end if;
+    -- A pass over all queues looks closely only at those _maint_look names.
     for v_id in select q.queue_id from pgque.queue q
-                 where p_queue is null or q.queue_name = p_queue
-                 order by q.queue_id loop
+                 where q.queue_name = p_queue
+                union all
+                select l from pgque._maint_look() l
+                 where p_queue is null
+                 order by 1 loop
         -- The look without the lock, on the queue row as it is now (another
         -- maint may have rotated it since the loop began).
         select * into v_queue from pgque.queue q where q.queue_id = v_id;
