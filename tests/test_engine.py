@@ -276,6 +276,27 @@ def test_a_settled_tick_is_never_probed_again_and_an_open_writer_keeps_it_unsett
     assert [m.id for m in drain(client, "q", "c", tick=False)] == [late]
 
 
+def test_only_a_read_committed_poll_settles_a_tick(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A poll in REPEATABLE READ looks with its transaction's snapshot, which may
+    be older than a rotation that copied the delayed events and truncated their
+    table: it would find no late event where there is one and settle the tick
+    for good. Only a READ COMMITTED poll settles."""
+    client.create_queue("q", ticker_max_lag=0, ticker_idle_period=3600)
+    client.subscribe("q", "c")
+    with psycopg.connect(dsn) as writer:
+        scalar(writer, "select pg_current_xact_id()")
+        client.tick("q")
+    assert last_tick_state(conn, "q") == (False, True)
+    with psycopg.connect(dsn) as repeatable:
+        repeatable.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        assert scalar(repeatable, "select pgque.ticker()") == 0
+        repeatable.commit()
+    assert last_tick_state(conn, "q") == (False, True)
+    assert client.ticker() == 0
+    assert last_tick_state(conn, "q") == (True, True)
+
+
 def test_a_tick_made_after_its_transaction_wrote_is_probed_until_the_next_tick(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
     """A tick made in a transaction that already has an id cannot bound the

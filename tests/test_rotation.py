@@ -119,6 +119,31 @@ def test_a_table_a_switch_leaves_is_marked_in_use_until_maintenance_empties_it(
     assert row_counts(conn, tables)[tables[1]] == 0
 
 
+def test_an_insert_in_flight_keeps_the_table_it_goes_to_marked_in_use(
+        client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
+    """A producer that read the queue row before a switch inserts into the table
+    the switch left; while its transaction is open the table looks empty. The
+    pass must keep the table marked (it tries a SHARE lock without waiting, which
+    the insert holds off), or the event would sit there unlooked-at until the next
+    switch is due."""
+    client.create_queue("q", rotation_period=0)
+    client.subscribe("q", "c")
+    client.maintenance()  # switches away from table 0, empty
+    client.set_queue_config("q", rotation_period=3600)
+    assert current_table(conn, "q") == 1 and used_tables(conn, "q") == 0b1
+    qid = scalar(conn, "select queue_id from pgque.queue where queue_name = 'q'")
+    with psycopg.connect(dsn) as late:
+        scalar(late, f"select pgque.send('q', 'e', '{{}}')")  # an id, and the lock on table 1
+        late.execute(f"insert into pgque.event_{int(qid)}_0 (ev_type, ev_data)"
+                     " values ('e', '{}')")
+        client.maintenance()
+        assert used_tables(conn, "q") == 0b1
+        late.commit()
+    assert len(drain(client, "q", "c")) == 2
+    client.maintenance()
+    assert used_tables(conn, "q") == 0 and looked_at(conn) == set()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1000, long_variant(5000, id="200k-long")],
                          ids=lambda chunk: f"{40 * chunk // 1000}k")

@@ -417,10 +417,12 @@ set search_path = pg_catalog, pg_temp
 set lock_timeout = '1ms'
 as $$
 begin
+    -- (Due by the tick's time at least: a clock set back leaves it ahead.)
     return coalesce(pg_snapshot_xmin(pg_current_snapshot()) > p_tick.tick_settle_xid
                     and not pgque._uncovered_events(p_queue_id, p_tick.tick_snapshot)
                     and not (exists (select from pgque.delayed_event)
-                             and pgque._delayed_due(p_queue_id, p_tick, clock_timestamp())),
+                             and pgque._delayed_due(p_queue_id, p_tick,
+                                                    greatest(clock_timestamp(), p_tick.tick_time))),
                     false);
 exception when others then
     return false;
@@ -430,7 +432,12 @@ $$;
 -- pgque._settle_tick(queue_id): marks the queue's last tick settled when it
 -- may be (_settle_ready); returns whether it did. Waits for nothing: a tick
 -- row locked elsewhere (another ticker settling it, a drop_queue deleting it)
--- is left for the next poll.
+-- is left for the next poll. Only in READ COMMITTED, and only after
+-- _ticker_look in the same transaction: the rotations of the delayed events
+-- and of the event tables copy rows and TRUNCATE, which an older snapshot
+-- sees as empty; the look's locks on those tables keep a rotation from
+-- committing until this transaction ends, and each statement here takes a
+-- snapshot after any that committed before.
 create or replace function pgque._settle_tick(p_queue_id integer)
 returns boolean
 language plpgsql
@@ -439,7 +446,7 @@ as $$
 declare
     v_tick pgque.tick := pgque._last_tick(p_queue_id);
 begin
-    if v_tick.tick_id is null or v_tick.tick_settled or v_tick.tick_settle_xid is null
+    if current_setting('transaction_isolation') <> 'read committed' or v_tick.tick_id is null or v_tick.tick_settled or v_tick.tick_settle_xid is null
        or not pgque._settle_ready(p_queue_id, v_tick) then
         return false;
     end if;

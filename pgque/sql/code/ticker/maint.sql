@@ -61,6 +61,17 @@ begin
         continue when n = p_queue.queue_cur_table;
         v_table := pgque._event_table(p_queue.queue_id, n);
         execute format('select exists (select 1 from pgque.%I)', v_table) into v_nonempty;
+        if not v_nonempty and p_queue.queue_used_tables & (1::bigint << n) <> 0 then
+            -- Unmarked only if no insert is in flight (a producer that read
+            -- the queue row before the switch, its transaction still open):
+            -- a SHARE lock, without waiting, then the look again.
+            begin
+                execute format('lock table pgque.%I in share mode nowait', v_table);
+                execute format('select exists (select 1 from pgque.%I)', v_table) into v_nonempty;
+            exception when lock_not_available then
+                v_nonempty := true;
+            end;
+        end if;
         continue when not v_nonempty;
         v_used := v_used | (1::bigint << n);  -- unless emptied below
         continue when v_floor is null;
