@@ -133,7 +133,7 @@ def test_an_insert_in_flight_keeps_the_table_it_goes_to_marked_in_use(
     assert current_table(conn, "q") == 1 and used_tables(conn, "q") == 0b1
     qid = scalar(conn, "select queue_id from pgque.queue where queue_name = 'q'")
     with psycopg.connect(dsn) as late:
-        scalar(late, f"select pgque.send('q', 'e', '{{}}')")  # an id, and the lock on table 1
+        late.execute("select pgque.send('q', 'e', '{}')")  # a producer: table 1, current
         late.execute(f"insert into pgque.event_{int(qid)}_0 (ev_type, ev_data)"
                      " values ('e', '{}')")
         client.maintenance()
