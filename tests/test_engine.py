@@ -248,10 +248,12 @@ def test_a_settled_tick_is_never_probed_again_and_an_open_writer_keeps_it_unsett
         client: pgque.Client, conn: psycopg.Connection[Any], dsn: str) -> None:
     """The poll probes an idle queue's event tables for late commits only while its
     last tick may have missed one: a tick made with no transaction running below
-    its own id is settled at once; one made while a writer is open (any
+    its own id is settled at once (and a new queue's first tick: nothing can have
+    been sent into it); one made while a writer is open (any
     transaction with an id) is probed at each poll, and settled by the first poll
     after the writer has ended; from then on a poll reads none of its tables."""
     client.create_queue("q", ticker_max_lag=0, ticker_idle_period=3600)
+    assert last_tick_state(conn, "q") == (True, False)  # a new queue's: nothing sent yet
     client.subscribe("q", "c")
     client.tick("q")
     assert last_tick_state(conn, "q") == (True, True)

@@ -217,7 +217,7 @@ begin
     perform pgque._sync_batch_reader(v_queue.queue_id, false);
     perform pgque._sync_event_writer(false);
 
-    perform pgque._make_tick(v_queue);
+    perform pgque._make_tick(v_queue, p_settled => true);  -- nothing sent yet, nor can be
     return v_queue.queue_id;
 end
 $$;

@@ -64,8 +64,11 @@ as $$ select pgque._tick_channel((pgque._queue_row(p_queue)).queue_id) $$;
 -- would be the transaction's and could predate the previous tick. Then moves
 -- into the log the delayed events the tick passes (delay.sql), for the tick
 -- after. seq_before: the queue's sequence as read before this transaction had
--- an id, or null (see "Settled ticks" at the top).
-create or replace function pgque._make_tick(p_queue pgque.queue, p_seq_before bigint default null)
+-- an id, or null (see "Settled ticks" at the top); settled: the caller knows
+-- that no event can be missed (the queue was made in this transaction, its
+-- sequence unseen by any other).
+create or replace function pgque._make_tick(p_queue pgque.queue, p_seq_before bigint default null,
+                                            p_settled boolean default false)
 returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -103,9 +106,10 @@ begin
     values (p_queue.queue_id, nextval('pgque.tick_id_seq'),
             greatest(clock_timestamp(), v_prev.tick_time), pg_current_snapshot(), v_event_seq,
             pgque._write_part('tick'),
-            v_settle_xid is not null
-            and pg_snapshot_xmax(pg_current_snapshot()) >= v_settle_xid
-            and not exists (select from pg_snapshot_xip(pg_current_snapshot())),
+            p_settled
+            or (v_settle_xid is not null
+                and pg_snapshot_xmax(pg_current_snapshot()) >= v_settle_xid
+                and not exists (select from pg_snapshot_xip(pg_current_snapshot()))),
             v_settle_xid)
     returning * into v_tick;
     -- The delayed events this tick passes, into the log for the next tick (the
