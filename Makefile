@@ -13,7 +13,7 @@ OTHER_BINDIR_PY := from pgque.testing.localpg import bindir_major, embedded_bind
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
-.PHONY: venv lint twins test test-faults test-long demo bench bench-curves bench-held-horizon clean distclean system-deps
+.PHONY: venv lint twins test test-faults test-long demo bench bench-curves bench-dimensions bench-held-horizon clean distclean system-deps
 
 venv: $(STAMP)
 
@@ -150,6 +150,11 @@ bench: venv
 # 5,000 queues takes a while, so apart from `make bench`.
 bench-curves: venv
 	$(BIN)/python -m bench curves
+
+# The per-event costs against slots, groups, keys and backlog (bench/dimensions.py):
+# its 10,000,000-event backlog alone takes minutes; apart from `make bench`.
+bench-dimensions: venv
+	$(BIN)/python -m bench dimensions
 
 # An hour under a held snapshot (bench/held_horizon.py), apart from `make bench`.
 bench-held-horizon: venv

@@ -78,6 +78,14 @@ def notified(conn: Any, timeout: float) -> int:
     return count
 
 
+def notified_payloads(conn: Any, timeout: float) -> list[str]:
+    """:func:`notified`, for the payloads of the notifications that came."""
+    payloads = [n.payload for n in conn.notifies(timeout=0)]
+    if not payloads and select.select([conn.fileno()], [], [], max(0.0, timeout))[0]:
+        payloads = [n.payload for n in conn.notifies(timeout=0)]
+    return payloads
+
+
 async def anotified(conn: Any, timeout: float) -> int:
     """Wait up to ``timeout`` seconds for notifications on ``conn`` (a psycopg
     connection that LISTENs); returns how many came (0 on timeout), as soon as

@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, overload
@@ -178,6 +178,7 @@ class Client:
         self._without_ack_receive_slots = False
         # Whether the database has pgque.ticker_some (0.9): looked up once.
         self._has_ticker_some: bool | None = None
+        self._ticker_ids = False  # ticker_some says which queues it ticked (0.10)
         #: How many queues one statement of ticker() and tick_overdue() looks at:
         #: a look keeps a lock on one of the queue's event tables until the
         #: statement's transaction ends, and thousands of them outgrow the
@@ -442,7 +443,14 @@ class Client:
             check, params = self._checked(None)
             return int(self._value(f"select pgque.ticker() from (select {check}) s",
                                    params))
-        return self._tick_chunks(None)
+        return len(self._tick_chunks(None))
+
+    def ticker_ids(self, queue_ids: Collection[int] | None = None) -> list[int]:
+        """Tick every queue (or those of ``queue_ids``) whose thresholds ask for it,
+        as :meth:`ticker` does; returns the ids of the queues it ticked. The Ticker
+        polls the queues that were busy lately this way. Needs pgque 0.10 in the
+        database (UndefinedFunction before)."""
+        return self._tick_chunks(None, None if queue_ids is None else sorted(queue_ids))
 
     def tick_overdue(self, after: float | timedelta) -> int:
         """Tick every queue whose pending events have waited ``after`` since its last
@@ -453,31 +461,54 @@ class Client:
             return int(self._value(
                 f"select pgque.tick_overdue(make_interval(secs => %s)) from (select {check}) s",
                 (seconds(after), *params)))
-        return self._tick_chunks(seconds(after))
+        return len(self._tick_chunks(seconds(after)))
 
     def _ticks_in_chunks(self) -> bool:
-        """Whether the database has pgque.ticker_some (0.9); looked up once."""
+        """Whether the database has pgque.ticker_some (0.9); looked up once, with
+        whether it says which queues it ticked (0.10)."""
         if self._has_ticker_some is None:
-            self._has_ticker_some = bool(self._value(
-                "select to_regprocedure('pgque.ticker_some(integer,integer,interval)') "
-                "is not null"))
+            found = self._value(
+                "select case when to_regprocedure('pgque.ticker_some(integer,integer,interval,"
+                "integer[])') is not null then 10 when to_regprocedure('pgque.ticker_some("
+                "integer,integer,interval)') is not null then 9 end")
+            self._has_ticker_some = found is not None
+            self._ticker_ids = found == 10
         return self._has_ticker_some
 
-    def _tick_chunks(self, overdue: float | None) -> int:
-        """ticker() (overdue None) or tick_overdue(overdue), tick_chunk queues a
-        statement; returns the ticks made."""
+    def _can_tick_by_id(self) -> bool:
+        """Whether the database's pgque ticks queues by id and lets them sleep one
+        by one (0.10): what the Ticker's hot queues need."""
+        self._ticks_in_chunks()
+        return self._ticker_ids
+
+    def _tick_chunks(self, overdue: float | None,
+                     queue_ids: list[int] | None = None) -> list[int]:
+        """ticker() (overdue None) or tick_overdue(overdue), of every queue or of
+        those of queue_ids, tick_chunk queues a statement; returns the ids of the
+        queues ticked (before 0.10: a 0 for each tick)."""
+        self._ticks_in_chunks()
         check, params = self._checked(None)
-        ticks: int = 0
+        ticked: list[int] = []
         after: int | None = None
         while True:
-            rows = self._rows(
-                f"select t.ticks, t.last_queue from (select {check}) s,"
-                " pgque.ticker_some(%s, %s, make_interval(secs => %s)) t",
-                (*params, after, self.tick_chunk, overdue))
-            ticks += int(rows[0][0])
+            if self._ticker_ids:
+                rows = self._rows(
+                    f"select t.ticks, t.last_queue, t.ticked from (select {check}) s,"
+                    " pgque.ticker_some(%s, %s, make_interval(secs => %s), %s::integer[]) t",
+                    (*params, after, self.tick_chunk, overdue, queue_ids))
+                ticked += rows[0][2]
+            elif queue_ids is not None:
+                raise psycopg.errors.UndefinedFunction(
+                    "this database's pgque (before 0.10) cannot tick queues by id")
+            else:
+                rows = self._rows(
+                    f"select t.ticks, t.last_queue from (select {check}) s,"
+                    " pgque.ticker_some(%s, %s, make_interval(secs => %s)) t",
+                    (*params, after, self.tick_chunk, overdue))
+                ticked += [0] * int(rows[0][0])
             after = rows[0][1]
             if after is None:
-                return ticks
+                return ticked
 
     def claim_ticker(self) -> bool:
         """Try, without waiting, to become the database's active ticker (a session
@@ -491,25 +522,36 @@ class Client:
         """Give up the ticker election if this session holds it."""
         return bool(self._value("select pgque.release_ticker()"))
 
-    def ticker_sleep(self) -> int | None:
-        """As the active ticker, say that it sleeps: sends into any queue notify
-        :meth:`ticker_channel` from now on (see the Ticker). Listen on that
-        channel first, and look for due ticks once more after. Returns how many
-        queues were marked, or None where the ticker must not sleep (the server
-        allows prepared transactions); SQLSTATE 55000 unless this session holds
-        the election."""
+    def ticker_sleep(self, except_ids: Collection[int] | None = None) -> int | None:
+        """As the active ticker, say that it sleeps for every queue but those of
+        ``except_ids``: sends into them notify :meth:`ticker_channel` from now on,
+        the queue's id as the payload (see the Ticker). Listen on that channel
+        first, and look for due ticks in those queues once more after. Returns how
+        many queues were marked, or None where the ticker must not sleep (the
+        server allows prepared transactions); SQLSTATE 55000 unless this session
+        holds the election."""
         check, params = self._checked(None)
-        marked = self._value(f"select pgque.ticker_sleep() from (select {check}) s",
-                             params)
+        if except_ids is None:  # the call of 0.9, which a database of 0.9 has
+            marked = self._value(f"select pgque.ticker_sleep() from (select {check}) s",
+                                 params)
+        else:
+            marked = self._value(
+                f"select pgque.ticker_sleep(%s::integer[]) from (select {check}) s",
+                (sorted(except_ids), *params))
         return None if marked is None else int(marked)
 
-    def ticker_wake(self) -> int:
-        """As the active ticker, say that it is awake: sends stop notifying. Returns
+    def ticker_wake(self, queue_ids: Collection[int] | None = None) -> int:
+        """As the active ticker, say that it is awake for the queues of
+        ``queue_ids`` (None: every queue): sends into them stop notifying. Returns
         how many queues were marked; SQLSTATE 55000 unless this session holds the
         election."""
         check, params = self._checked(None)
-        return int(self._value(f"select pgque.ticker_wake() from (select {check}) s",
-                               params))
+        if queue_ids is None:
+            return int(self._value(f"select pgque.ticker_wake() from (select {check}) s",
+                                   params))
+        return int(self._value(
+            f"select pgque.ticker_wake(%s::integer[]) from (select {check}) s",
+            (sorted(queue_ids), *params)))
 
     def ticker_channel(self) -> str:
         """The channel a sleeping ticker listens on for sends."""

@@ -14,17 +14,20 @@ sends a NOTIFY that wakes the queue's workers. It also runs ``pgque.maint()``
 every ``maintenance_interval``, so retries come back and old tables are
 reclaimed without anyone scheduling anything.
 
-Polling every few milliseconds all day would cost a core a few percent for
-nothing, so after ``idle_after`` seconds without a tick the ticker falls
-asleep: it marks every queue (``pgque.ticker_sleep``), and a send into a
-marked queue notifies the ticker's channel at its commit. The ticker looks at
-once on that notification; when the look ticks something it unmarks the
-queues and stays awake, so the first event after a quiet spell is no later
-than one in a busy stream. (A notification that ticks nothing, anyone's
-NOTIFY, leaves it asleep: no write for it.) Asleep, it still
-polls every ``idle_interval`` and runs maintenance, for what becomes due
-without a send (delayed events, retries, the idle period's ticks) and for a
-send that read its queue's mark just before it was set.
+Polling every queue every few milliseconds would cost a core a few percent
+all day for nothing, and in a database of thousands of queues a core for the
+few that are busy. So the ticker polls every ``min_interval`` only its *hot*
+queues, those it ticked in the last ``idle_after`` seconds, and lets the others
+sleep: it marks them (``pgque.ticker_sleep``), and a send into a marked queue
+notifies the ticker's channel at its commit, with the queue's id. The ticker
+looks at that queue at once; when the look ticks something the queue is hot
+again (``pgque.ticker_wake``), so the first event after a quiet spell is no
+later than one in a busy stream. (A notification that ticks nothing, a delayed
+send's, leaves the queue asleep: no write for it.) With no hot queue the whole
+ticker sleeps. Every ``idle_interval`` it looks at every queue, and it runs
+maintenance, for what becomes due without a send (delayed events, retries, the
+idle period's ticks) and for a send that read its queue's mark just before it
+was set.
 
 An active ticker can stop working while keeping its lock: its process frozen
 (SIGSTOP, a debugger, a swap storm) or its network cut without a FIN. So the
@@ -51,7 +54,7 @@ import time
 import psycopg
 from psycopg import sql
 
-from pgque._acompat import notified
+from pgque._acompat import notified_payloads
 from pgque.client import Client
 from pgque.lifecycle import (
     STOP_LATENCY,
@@ -178,10 +181,12 @@ class Ticker(Service):
     def _tick_loop(self, client: Client, watch: CallWatch) -> None:
         with watch.call():
             sleeps = self._prepare_sleep(client)
-        last_tick = time.monotonic()
-        next_maintenance = 0.0
-        asleep = heard = False
-        ticked_asleep = 0  # ticks made while asleep, before the notification heard
+        if not sleeps:
+            self._poll_loop(client, watch)
+            return
+        hot: dict[int, float] = {}  # the queues busy lately: id -> when last ticked
+        next_maintenance = next_look = 0.0
+        elected = True
         try:
             while not self.stopping:
                 now = time.monotonic()
@@ -189,84 +194,126 @@ class Ticker(Service):
                     with watch.call():
                         client.maintenance()
                     next_maintenance = now + self.maintenance_interval
-                if asleep:
-                    # Queues created since it fell asleep, or skipped then (busy):
-                    # marked now. No write when there are none.
+                if now >= next_look:
+                    # Every queue, now and then: the idle period's ticks, retries
+                    # and delayed events due, a send that read its queue's flag
+                    # just before it was set. Its ticks heat no queue (each wake
+                    # costs two writes), but those of the first look after the
+                    # election: the queues busy then.
                     with watch.call():
-                        client.ticker_sleep()
-                with watch.call():
-                    made = client.ticker()
-                self.ticks += made
-                if asleep:
-                    ticked_asleep += made
-                    if heard and ticked_asleep:
-                        # A send's events (ticked by this look, or by a poll
-                        # just before its notification came): awake until quiet
-                        # again. Polls' ticks alone (the idle period's) wake
-                        # nothing: each wake costs two writes.
-                        with watch.call():
-                            client.ticker_wake()
-                        asleep = heard = False
-                        ticked_asleep = 0
-                        last_tick = now
-                        continue
-                    if heard:
-                        # A notification that ticked nothing (a delayed send's,
-                        # or anyone's NOTIFY): the next look no sooner than an
-                        # idle poll of before 0.9, whoever notifies how often.
-                        self.sleep(_UNSLEEPING_INTERVAL)
-                    deadline = min(now + self.idle_interval, next_maintenance)
-                    heard = self._wait_for_wake(client, watch, deadline)
-                    continue
-                if made:
-                    last_tick = now
-                if now - last_tick <= self.idle_after:
-                    self.sleep(self.min_interval)
-                elif sleeps:
-                    # Stale notifications out first: from here on, one means a send.
-                    notified(client.conn, 0)
+                        ticked = client.ticker_ids()
+                    self.ticks += len(ticked)
+                    if elected:
+                        self._heat(client, watch, hot, ticked, now)
+                        elected = False
+                    # Every queue but the hot ones asleep: those made or skipped
+                    # since, too. No write when there are none.
                     with watch.call():
-                        asleep = client.ticker_sleep() is not None
-                    ticked_asleep = 0
-                    if not asleep:
-                        sleeps = False
+                        marked = client.ticker_sleep(hot)
+                    if marked is None:
                         self.log.info("%s: this server allows prepared transactions, whose "
                                       "sends cannot notify; polling every %ss while idle",
                                       self.name, _UNSLEEPING_INTERVAL)
-                    # and the loop looks for due ticks once more
-                else:
-                    self.sleep(min(self.idle_interval, _UNSLEEPING_INTERVAL))
+                        with watch.call():
+                            client.conn.execute("unlisten *")
+                        self._poll_loop(client, watch)
+                        return
+                    next_look = now + self.idle_interval
+                elif hot:
+                    with watch.call():
+                        ticked = client.ticker_ids(hot)
+                    self.ticks += len(ticked)
+                    for queue_id in ticked:
+                        hot[queue_id] = now
+                quiet = [queue_id for queue_id, last in hot.items()
+                         if now - last > self.idle_after]
+                if quiet:
+                    for queue_id in quiet:
+                        del hot[queue_id]
+                    with watch.call():
+                        client.ticker_sleep(hot)
+                    # A send may have read its queue's flag before it was set.
+                    with watch.call():
+                        ticked = client.ticker_ids(quiet)
+                    self.ticks += len(ticked)
+                    self._heat(client, watch, hot, ticked, now)
+                deadline = (now + self.min_interval if hot
+                            else min(next_look, next_maintenance))
+                heard = self._wait_for_sends(client, watch, deadline)
+                if heard:
+                    # Sends into sleeping queues: those queues at once, and hot
+                    # when that ticks (a delayed send's notification ticks
+                    # nothing: the queue sleeps on).
+                    with watch.call():
+                        ticked = client.ticker_ids(heard)
+                    self.ticks += len(ticked)
+                    self._heat(client, watch, hot, ticked, time.monotonic())
         finally:
-            if asleep and not watch.lost:
+            if not watch.lost:
                 # Sends would go on notifying nobody until the next election.
                 with contextlib.suppress(psycopg.Error), watch.call():
                     client.ticker_wake()
 
+    def _heat(self, client: Client, watch: CallWatch, hot: dict[int, float],
+              ticked: list[int], now: float) -> None:
+        """Make the queues just ticked hot: awake (sends into them stop notifying),
+        and polled every ``min_interval`` until quiet for ``idle_after``."""
+        waking = {queue_id for queue_id in ticked if queue_id not in hot}
+        if waking:
+            with watch.call():
+                client.ticker_wake(waking)
+        for queue_id in ticked:
+            hot[queue_id] = now
+
+    def _poll_loop(self, client: Client, watch: CallWatch) -> None:
+        """The ticker that cannot sleep (a server that allows prepared transactions,
+        a database before 0.10): every queue every ``min_interval`` while ticks
+        come, every 0.05 s once idle."""
+        last_tick = time.monotonic()
+        next_maintenance = 0.0
+        while not self.stopping:
+            now = time.monotonic()
+            if now >= next_maintenance:
+                with watch.call():
+                    client.maintenance()
+                next_maintenance = now + self.maintenance_interval
+            with watch.call():
+                made = client.ticker()
+            self.ticks += made
+            if made:
+                last_tick = now
+            self.sleep(self.min_interval if now - last_tick <= self.idle_after
+                       else min(self.idle_interval, _UNSLEEPING_INTERVAL))
+
     def _prepare_sleep(self, client: Client) -> bool:
         """Listen on the ticker channel and mark every queue awake (a ticker
-        before this one may have gone away asleep). False when the database's
-        pgque predates the sleeping ticker (0.9): then it polls as before."""
-        try:
-            client.ticker_wake()
-        except psycopg.errors.UndefinedFunction:
-            self.log.info("%s: this database's pgque has no sleeping ticker (before 0.9); "
+        before this one may have gone away asleep). False where it cannot
+        sleep: the server allows prepared transactions, or the database's pgque
+        predates the queues' own sleep (0.10)."""
+        if not client._can_tick_by_id():
+            self.log.info("%s: this database's pgque predates the sleeping queues (0.10); "
                           "polling every %ss while idle", self.name, _UNSLEEPING_INTERVAL)
             return False
+        client.ticker_wake()
         client.conn.execute(sql.SQL("listen {}").format(
             sql.Identifier(client.ticker_channel())))
         return True
 
-    def _wait_for_wake(self, client: Client, watch: CallWatch, deadline: float) -> bool:
-        """Wait for a notification on the ticker channel until ``deadline`` (or a
-        stop); True when one came."""
+    def _wait_for_sends(self, client: Client, watch: CallWatch, deadline: float) -> list[int]:
+        """Wait for notifications on the ticker channel until ``deadline`` (or a
+        stop); the ids of the queues they name (none on timeout)."""
         while not self.stopping:
             left = deadline - time.monotonic()
             if left <= 0:
-                return False
+                return []
             with watch.call() as conn:
-                if notified(conn, min(left, STOP_LATENCY)):
-                    return True
-        return False
+                payloads = notified_payloads(conn, min(left, STOP_LATENCY))
+            # A payload that is no queue id (someone else's NOTIFY on this
+            # channel) names nothing to look at: waited through.
+            queue_ids = sorted({int(p) for p in payloads if p.isdigit() and len(p) < 10})
+            if queue_ids:
+                return queue_ids
+        return []
 
 
 # A ticker that cannot sleep (a database before 0.9, a server that allows

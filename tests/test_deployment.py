@@ -653,13 +653,19 @@ def queues_asleep(owner: pgque.Client) -> list[bool]:
         "select queue_ticker_asleep from pgque.queue order by queue_id").fetchall()]
 
 
+def queue_asleep(owner: pgque.Client, queue: str) -> bool:
+    return bool(owner.conn.execute("select queue_ticker_asleep from pgque.queue"
+                                   " where queue_name = %s", (queue,)).fetchone()[0])
+
+
 def test_a_team_transaction_left_open_on_a_queue_row_never_holds_up_the_sleeping_ticker(
         deployment: Deployment, owner: pgque.Client, producer: pgque.Client,
         team: str) -> None:
     """A team's subscribe in a transaction left open holds the queue row FOR KEY
     SHARE (its foreign keys): the ticker marks and unmarks that queue all the
     same, and keeps ticking every queue. (With FOR UPDATE it waited on the row
-    while holding the others, and ticked nothing until its watchdog gave up.)"""
+    while holding the others, and ticked nothing until its watchdog gave up.)
+    A queue sent into wakes alone; the others sleep on."""
     owner.create_queue("other")
     with psycopg.connect(deployment.dsn(deployment.login(team))) as stuck:
         stuck.execute(f"set role {team}")
@@ -675,7 +681,8 @@ def test_a_team_transaction_left_open_on_a_queue_row_never_holds_up_the_sleeping
                     before = ticker.ticks
                     producer.send(queue, "Order", {"n": round_})
                     wait_for(lambda b=before: ticker.ticks > b, what=f"a tick of {queue}")
-                    wait_for(lambda: not any(queues_asleep(owner)), what="every queue unmarked")
+                    wait_for(lambda q=queue: not queue_asleep(owner, q),
+                             what=f"{queue} unmarked")
         stuck.rollback()
 
 

@@ -157,12 +157,19 @@ def asleep(conn: psycopg.Connection[Any]) -> bool:
     return bool(scalar(conn, "select bool_and(queue_ticker_asleep) from pgque.queue"))
 
 
-def test_an_idle_ticker_falls_asleep_and_a_send_wakes_it_at_once(
+def marked(conn: psycopg.Connection[Any], queue: str) -> bool:
+    """Whether the queue is marked as asleep (its sends notify the ticker)."""
+    return bool(scalar(conn, "select queue_ticker_asleep from pgque.queue where queue_name = %s",
+                       (queue,)))
+
+
+def test_an_idle_ticker_falls_asleep_and_a_send_wakes_its_queue_at_once(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """After idle_after without a tick the ticker marks the queues and polls
-    only every idle_interval and maintenance_interval (here a minute each): the
-    tick of a send that comes meanwhile is the send's notification's doing. Awake again, the ticker
-    unmarks the queues, and falls asleep again once quiet."""
+    """An idle queue is marked asleep, and the ticker looks at every queue only
+    every idle_interval and maintenance_interval (here a minute each): the tick of
+    a send that comes meanwhile is the send's notification's doing. Its queue is
+    then unmarked (hot, polled often) while the others sleep on, and it falls
+    asleep again once quiet for idle_after."""
     client.create_queue("q")
     client.create_queue("other")
     with pgque.Ticker(dsn, idle_after=0.3, idle_interval=60, maintenance_interval=60) as ticker:
@@ -172,19 +179,48 @@ def test_an_idle_ticker_falls_asleep_and_a_send_wakes_it_at_once(
             before = max_tick(conn)
             client.send("q", "e", n)
             wait_for(lambda b=before: max_tick(conn) > b, what="a tick after a send",
-                     timeout=30, dsn=dsn)  # far from the minute's poll
+                     timeout=30, dsn=dsn)  # far from the minute's look
             # Unmarked just after that tick's commit, in a transaction of its own.
-            wait_for(lambda: not scalar(conn, "select bool_or(queue_ticker_asleep) "
-                                              "from pgque.queue"),
-                     what="the queues unmarked", timeout=30, dsn=dsn)
+            wait_for(lambda: not marked(conn, "q"), what="the queue unmarked", timeout=30,
+                     dsn=dsn)
+            assert marked(conn, "other")
+
+
+def test_a_busy_queue_is_polled_alone_while_the_others_sleep(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """With thousands of queues, a poll of every queue every few milliseconds
+    costs a core for the few that are busy. The ticker polls often only the
+    queues it ticked lately: while one queue is busy the others stay marked
+    asleep, and, with the look at every queue a minute away, a send into one is
+    ticked at once all the same, by its notification."""
+    for name in ("busy", "idle", "late"):
+        client.create_queue(name)
+    with pgque.Ticker(dsn, idle_after=5, idle_interval=60, maintenance_interval=60) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: asleep(conn), what="every queue asleep", dsn=dsn)
+        for n in range(10):
+            before = max_tick(conn)
+            client.send("busy", "e", n)
+            wait_for(lambda b=before: max_tick(conn) > b, what="the busy queue's tick",
+                     timeout=30, dsn=dsn)
+        assert not marked(conn, "busy")
+        assert marked(conn, "idle") and marked(conn, "late")
+        before = max_tick(conn)
+        client.send("late", "e", 0)
+        wait_for(lambda: max_tick(conn) > before, what="the sleeping queue's tick", timeout=30,
+                 dsn=dsn)
+        wait_for(lambda: not marked(conn, "late"), what="the queue unmarked", dsn=dsn)
+        assert marked(conn, "idle")
 
 
 def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """Anyone may NOTIFY the ticker's channel: the ticker looks (one ticker()
-    call), finds nothing to tick and sleeps on, writing nothing (waking and
-    falling asleep again would cost two writes each time). A send still wakes it."""
+    """Anyone may NOTIFY the ticker's channel: with a queue's id the ticker looks
+    at that queue (one ticker_some call), finds nothing to tick and sleeps on,
+    writing nothing (waking and falling asleep again would cost two writes each
+    time); with anything else it does not look. A send still wakes it."""
     client.create_queue("q")
+    queue_id = scalar(conn, "select queue_id from pgque.queue where queue_name = 'q'")
     with pgque.Ticker(dsn, idle_after=0.3, idle_interval=60, maintenance_interval=60) as ticker:
         assert ticker.wait_active(10)
         wait_for(lambda: asleep(conn), what="the ticker asleep", dsn=dsn)
@@ -192,7 +228,9 @@ def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
         with psycopg.connect(dsn, autocommit=True) as outsider:
             for _ in range(3):
                 since = scalar(conn, "select clock_timestamp()")
-                outsider.execute(f"notify {client.ticker_channel()}")
+                outsider.execute("select pg_notify(%s, 'junk')", (client.ticker_channel(),))
+                outsider.execute("select pg_notify(%s, %s)",
+                                 (client.ticker_channel(), str(queue_id)))
                 # The ticker's look: its last query since (no poll is due for a minute).
                 wait_for(lambda s=since: scalar(
                     conn, "select state_change > %s and state = 'idle' "
@@ -243,11 +281,12 @@ def test_sends_notify_the_ticker_channel_only_while_it_sleeps(
         assert heard() == 0
 
 
-def test_only_the_active_ticker_marks_the_queues_and_its_successor_unmarks_them(
+def test_only_the_active_ticker_marks_the_queues_and_its_successor_hears_their_sends(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
     """ticker_sleep and ticker_wake are the elected session's (55000 elsewhere,
     nothing changed); a ticker elected after one that went away asleep unmarks
-    the queues before anything else, so that sends stop notifying."""
+    the queues before anything else (and marks the idle ones again as its own),
+    so that a send into a queue its predecessor marked is heard at once."""
     client.create_queue("q")
     for call in ("ticker_sleep", "ticker_wake"):
         with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState,
@@ -258,10 +297,17 @@ def test_only_the_active_ticker_marks_the_queues_and_its_successor_unmarks_them(
         assert scalar(gone, "select pgque.claim_ticker()")
         scalar(gone, "select pgque.ticker_sleep()")
     assert asleep(conn)  # its session ended asleep
-    with pgque.Ticker(dsn, idle_after=60) as ticker:
+    with pgque.Ticker(dsn, idle_after=60, idle_interval=60, maintenance_interval=60) as ticker:
         assert ticker.wait_active(10)
-        wait_for(lambda: not scalar(conn, "select bool_or(queue_ticker_asleep) from pgque.queue"),
-                 what="the new ticker to unmark the queues", dsn=dsn)
+        # The successor's first look at every queue (made before it listened
+        # there is none: it unmarks, listens, then looks and marks).
+        wait_for(lambda: scalar(conn, "select query like %s from pg_stat_activity "
+                                      "where pid = %s",
+                                ("%ticker_sleep(%", ticker.backend_pid)),
+                 what="the successor's marks", dsn=dsn)
+        before = max_tick(conn)
+        client.send("q", "e", 1)
+        wait_for(lambda: max_tick(conn) > before, what="the send's tick", timeout=30, dsn=dsn)
 
 
 def test_a_queue_made_while_the_ticker_sleeps_is_marked_at_its_next_poll(
@@ -463,18 +509,20 @@ def test_the_tickers_poll_goes_through_the_queues_a_chunk_a_transaction(
         scalar(conn, "select pgque.ticker()")
         assert event_table_locks(conn) == {str(i) for i in ids}  # every queue's, at once
     with conn.transaction():
-        assert conn.execute("select * from pgque.ticker_some(null, 3)").fetchone() == (0, ids[2])
+        assert conn.execute("select ticks, last_queue from pgque.ticker_some(null, 3)"
+                            ).fetchone() == (0, ids[2])
         assert event_table_locks(conn) == {str(i) for i in ids[:3]}
-    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[2],)).fetchone() \
-        == (0, ids[5])
+    assert conn.execute("select ticks, last_queue from pgque.ticker_some(%s, 3)",
+                        (ids[2],)).fetchone() == (0, ids[5])
     # None left after this chunk: null at once, not one more call.
-    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[3],)).fetchone() \
-        == (0, None)
-    assert conn.execute("select * from pgque.ticker_some(%s, 3)", (ids[6],)).fetchone() \
-        == (0, None)
-    assert conn.execute("select * from pgque.ticker_some(null, 7)").fetchone() == (0, None)
+    assert conn.execute("select ticks, last_queue from pgque.ticker_some(%s, 3)",
+                        (ids[3],)).fetchone() == (0, None)
+    assert conn.execute("select ticks, last_queue from pgque.ticker_some(%s, 3)",
+                        (ids[6],)).fetchone() == (0, None)
+    assert conn.execute("select ticks, last_queue from pgque.ticker_some(null, 7)"
+                        ).fetchone() == (0, None)
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="max_queues"):
-        conn.execute("select * from pgque.ticker_some(null, 0)")
+        conn.execute("select ticks, last_queue from pgque.ticker_some(null, 0)")
     for name in (names[1], names[4], names[6]):
         client.send(name, "e", 1)
     client.tick_chunk = 2
@@ -482,3 +530,8 @@ def test_the_tickers_poll_goes_through_the_queues_a_chunk_a_transaction(
     assert client.ticker() == 0
     client.send(names[5], "e", 1)
     assert client.tick_overdue(0) == 1
+    # By id: only the queues named, and the ids of those ticked.
+    for name in (names[0], names[2], names[3]):
+        client.send(name, "e", 1)
+    assert client.ticker_ids([ids[2], ids[3], ids[5]]) == [ids[2], ids[3]]
+    assert client.ticker_ids() == [ids[0]]

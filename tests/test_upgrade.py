@@ -526,6 +526,25 @@ def test_upgrade_from_0_9_0_loses_nothing_and_equals_a_fresh_install(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_a_ticker_of_this_version_ticks_a_database_still_at_0_9_0(empty_dsn: str) -> None:
+    """Before its database is upgraded, a Ticker of this version meets a pgque
+    that cannot tick queues by id nor let them sleep one by one (0.9): it polls
+    every queue, and every send is ticked."""
+    install_0_9(empty_dsn)
+    with pgque.connect(empty_dsn, pool_size=0) as client:
+        client.create_queue("q")
+        client.subscribe("q", "c")
+        with pgque.Ticker(empty_dsn, idle_after=0.2) as ticker:
+            assert ticker.wait_active(10)
+            for n in range(3):
+                sent = client.send("q", "e", n)
+                batch = wait_for(lambda: client.receive("q", "c"), what="the event", timeout=10)
+                assert [m.id for m in batch] == [sent]
+                client.ack(batch)
+            assert ticker.error is None
+        assert scalar(client.conn, "select pgque.version()") == "0.9.0"
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())

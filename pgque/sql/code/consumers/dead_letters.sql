@@ -252,7 +252,7 @@ begin
             v_dead.ev_extra1;
     perform nextval(v_queue.queue_event_seq);
     if v_queue.queue_ticker_asleep then
-        perform pgque._wake_ticker();
+        perform pgque._wake_ticker(v_queue.queue_id);
     end if;
     return v_dead.ev_id;
 end

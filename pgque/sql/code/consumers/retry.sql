@@ -54,7 +54,7 @@ begin
     if v_count > 0 then
         perform nextval(p_queue.queue_event_seq);
         if p_queue.queue_ticker_asleep then
-            perform pgque._wake_ticker();  -- ticked at once, not at the next poll
+            perform pgque._wake_ticker(p_queue.queue_id);  -- ticked at once, not at the next poll
         end if;
     end if;
     return v_count;

@@ -188,7 +188,7 @@ begin
             array(select pg_snapshot_xip(p_prev.tick_snapshot)), p_tick.tick_snapshot;
     get diagnostics v_count = row_count;
     if v_count > 0 and p_queue.queue_ticker_asleep then
-        perform pgque._wake_ticker();  -- the tick after, at once (ticker/sleep.sql)
+        perform pgque._wake_ticker(p_queue.queue_id);  -- the tick after, at once (ticker/sleep.sql)
     end if;
     return v_count;
 end

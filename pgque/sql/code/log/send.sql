@@ -128,7 +128,7 @@ begin
           using p_type, p_payload, p_partition_key;
     end if;
     if v_queue.queue_ticker_asleep then
-        perform pgque._wake_ticker();  -- at commit (ticker/sleep.sql)
+        perform pgque._wake_ticker(v_queue.queue_id);  -- at commit (ticker/sleep.sql)
     end if;
     return v_id;
 end
@@ -185,7 +185,7 @@ begin
       using v_ids, p_types, p_payloads,
             coalesce(p_partition_keys, array_fill(null::text, array[cardinality(p_types)]));
     if v_queue.queue_ticker_asleep then
-        perform pgque._wake_ticker();
+        perform pgque._wake_ticker(v_queue.queue_id);
     end if;
     return v_ids;
 end
@@ -271,7 +271,7 @@ begin
            as e(id, type, data, key, due, dup)
      where e.due is not null and not e.dup;
     if v_queue.queue_ticker_asleep then
-        perform pgque._wake_ticker();
+        perform pgque._wake_ticker(v_queue.queue_id);
     end if;
     return query select i.id, i.dup, i.due
                    from unnest(v_ids, v_duplicates, v_dues) with ordinality as i(id, dup, due, n)
@@ -353,7 +353,7 @@ begin
           using p_type, p_payload, p_partition_key, v_id;
     end if;
     if v_queue.queue_ticker_asleep then
-        perform pgque._wake_ticker();
+        perform pgque._wake_ticker(v_queue.queue_id);
     end if;
     return row(v_id, false, v_due);
 end

@@ -352,12 +352,12 @@ create or replace function pgque._ticker(p_overdue interval)
 returns integer
 language sql
 set search_path = pg_catalog, pg_temp
-as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null) s $$;
+as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null, null) s $$;
 
--- pgque._ticker_look(overdue, after, max_queues): the look at a chunk of
--- queues that the tickers' poll starts with, one statement for all of them:
--- the queues whose ids are above after (null: from the first), at most
--- max_queues plus one (null: every one), in id order, each with its
+-- pgque._ticker_look(overdue, after, max_queues, queues): the look at a chunk
+-- of queues that the tickers' poll starts with, one statement for all of them:
+-- the queues whose ids are above after (null: from the first) and in queues
+-- (null: any), at most max_queues plus one (null: every one), in id order, each with its
 -- sequence's position (seq), whether a tick may be wanted (a superset of
 -- _tick_wanted's answer, which decides under the lock: pending events by the
 -- sequence, a threshold, the idle period, a delayed event due since the last
@@ -368,7 +368,7 @@ as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null) s $$;
 -- sequence it drops until it commits, and the caller falls back on a look
 -- per queue when this fails.
 create or replace function pgque._ticker_look(p_overdue interval, p_after integer,
-                                              p_max_queues integer)
+                                              p_max_queues integer, p_queues integer[])
 returns table (queue_id integer, seq bigint, wanted boolean, settle boolean)
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -387,7 +387,8 @@ as $$
            coalesce(s.seq <= t.tick_event_seq and not t.tick_settled
                     and pg_snapshot_xmin(pg_current_snapshot()) > t.tick_settle_xid, false)
       from (select l.*, row_number() over (order by l.queue_id) as n from pgque.queue l
-             where p_after is null or l.queue_id > p_after
+             where (p_after is null or l.queue_id > p_after)
+               and (p_queues is null or l.queue_id = any(p_queues))
              order by l.queue_id limit p_max_queues + 1) q
      -- (not the one past the chunk: its sequence stays unlocked)
      cross join lateral (select case when q.n <= p_max_queues or p_max_queues is null
@@ -464,11 +465,12 @@ begin
 end
 $$;
 
--- pgque._ticker_some(overdue, after, max_queues): _ticker for the queues
--- whose ids are above after (null: from the first), at most max_queues of
--- them (null: every one), in id order. Returns the ticks made and the id of
--- the last queue it looked at, or null when no queue is left after it (so
--- that a poll of fewer queues than max_queues is one call). The look at the
+-- pgque._ticker_some(overdue, after, max_queues, queues): _ticker for the
+-- queues whose ids are above after (null: from the first) and in queues
+-- (null: any), at most max_queues of them (null: every one), in id order.
+-- Returns the ticks made, the id of the last queue it looked at, or null when
+-- no queue is left after it (so that a poll of fewer queues than max_queues
+-- is one call), and the ids of the queues it ticked. The look at the
 -- chunk is one statement (_ticker_look); only the queues it names are looked
 -- at again, one by one, and ticked (_tick_if_wanted), and the last ticks it
 -- names settled (_settle_tick). It keeps a lock on each queue's sequence until
@@ -477,8 +479,9 @@ $$;
 -- memory"), so the tickers go through them a few hundred per statement
 -- (pgque.ticker_some).
 create or replace function pgque._ticker_some(p_overdue interval, p_after integer,
-                                              p_max_queues integer,
-                                              out ticks integer, out last_queue integer)
+                                              p_max_queues integer, p_queues integer[],
+                                              out ticks integer, out last_queue integer,
+                                              out ticked integer[])
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -493,17 +496,19 @@ declare
     v_count integer;
 begin
     ticks := 0;
+    ticked := '{}';
     begin
         select coalesce(array_agg(l.queue_id order by l.queue_id), '{}'),
                array_agg(l.seq order by l.queue_id), array_agg(l.wanted order by l.queue_id),
                array_agg(l.settle order by l.queue_id)
           into v_ids, v_seqs, v_wanted, v_settle
-          from pgque._ticker_look(p_overdue, p_after, p_max_queues) l;
+          from pgque._ticker_look(p_overdue, p_after, p_max_queues, p_queues) l;
     exception when others then
         -- A queue being dropped, most likely: every queue of the chunk is
         -- looked at by itself, as _tick_if_wanted does without waiting.
         v_ids := array(select q.queue_id from pgque.queue q
-                        where p_after is null or q.queue_id > p_after
+                        where (p_after is null or q.queue_id > p_after)
+                          and (p_queues is null or q.queue_id = any(p_queues))
                         order by q.queue_id limit p_max_queues + 1);
         v_seqs := null;
         v_wanted := array_fill(true, array[cardinality(v_ids)]);
@@ -520,6 +525,7 @@ begin
             if pgque._tick_if_wanted(v_ids[i], p_overdue, false,
                                      case when v_fresh then v_seqs[i] end) is not null then
                 ticks := ticks + 1;
+                ticked := ticked || v_ids[i];
                 continue;
             end if;
         end if;
@@ -530,15 +536,19 @@ begin
 end
 $$;
 
--- pgque.ticker_some(after, max_queues, overdue): ticker() (overdue null) or
--- tick_overdue(overdue) for at most max_queues queues (at least 1, else
--- 22023) whose ids are above after (null: from the first), in id order;
--- returns the ticks made and the last queue id looked at, null when no queue
--- is left after it: call it again with that id until then, each call its own
--- transaction, so that no transaction holds locks on every queue's tables.
+-- pgque.ticker_some(after, max_queues, overdue, queues): ticker() (overdue
+-- null) or tick_overdue(overdue) for at most max_queues queues (at least 1,
+-- else 22023) whose ids are above after (null: from the first) and in queues
+-- (null: any), in id order; returns the ticks made, the last queue id looked
+-- at, null when no queue is left after it: call it again with that id until
+-- then, each call its own transaction, so that no transaction holds locks on
+-- every queue's tables; and the ids of the queues it ticked (the Ticker polls
+-- those that were busy lately more often than the others).
 create or replace function pgque.ticker_some(p_after integer, p_max_queues integer,
                                              p_overdue interval default null,
-                                             out ticks integer, out last_queue integer)
+                                             p_queues integer[] default null,
+                                             out ticks integer, out last_queue integer,
+                                             out ticked integer[])
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
@@ -550,8 +560,8 @@ begin
     if p_overdue < interval '0' then
         raise exception using errcode = '22023', message = 'after must not be negative';
     end if;
-    select s.ticks, s.last_queue into ticks, last_queue
-      from pgque._ticker_some(p_overdue, p_after, p_max_queues) s;
+    select s.ticks, s.last_queue, s.ticked into ticks, last_queue, ticked
+      from pgque._ticker_some(p_overdue, p_after, p_max_queues, p_queues) s;
 end
 $$;
 
