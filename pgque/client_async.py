@@ -490,6 +490,17 @@ class AsyncClient:
         await self._ticks_in_chunks()
         check, params = self._checked(None)
         ticked: list[int] = []
+        if queue_ids is not None and self._ticker_ids:
+            # A slice of the ids a statement (the whole list in each would be
+            # matched against every row of every chunk).
+            for first in range(0, len(queue_ids), self.tick_chunk):
+                rows = await self._rows(
+                    f"select t.ticked from (select {check}) s,"
+                    " pgque.ticker_some(null, %s, make_interval(secs => %s), %s::integer[]) t",
+                    (*params, self.tick_chunk, overdue,
+                     queue_ids[first:first + self.tick_chunk]))
+                ticked += rows[0][0]
+            return ticked
         after: int | None = None
         while True:
             if self._ticker_ids:

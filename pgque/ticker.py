@@ -22,8 +22,10 @@ sleep: it marks them (``pgque.ticker_sleep``), and a send into a marked queue
 notifies the ticker's channel at its commit, with the queue's id. The ticker
 looks at that queue at once; when the look ticks something the queue is hot
 again (``pgque.ticker_wake``), so the first event after a quiet spell is no
-later than one in a busy stream. (A notification that ticks nothing, a delayed
-send's, leaves the queue asleep: no write for it.) With no hot queue the whole
+later than one in a busy stream. (A notification that ticks nothing, for a
+queue whose ``ticker_max_lag`` holds the tick back or anyone's NOTIFY, leaves
+the queue asleep: no write for it, and no look at it again for 50 ms however
+often it is notified.) With no hot queue the whole
 ticker sleeps. Every ``idle_interval`` it looks at every queue, and it runs
 maintenance, for what becomes due without a send (delayed events, retries, the
 idle period's ticks) and for a send that read its queue's mark just before it
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 
@@ -106,6 +109,7 @@ class Ticker(Service):
         self.maintenance_interval = maintenance_interval
         self.network_timeout = network_timeout
         self.ticks = 0  # ticks this ticker made
+        self.looks = 0  # its looks for ticks due (ticker_some rounds, every queue or some)
         self.backend_pid: int | None = None  # of its current session
         self._active = threading.Event()
 
@@ -185,6 +189,9 @@ class Ticker(Service):
             self._poll_loop(client, watch)
             return
         hot: dict[int, float] = {}  # the queues busy lately: id -> when last ticked
+        # Queues whose last look for a notification ticked nothing: id -> (no
+        # look before then, notified since).
+        later: dict[int, tuple[float, bool]] = {}
         next_maintenance = next_look = 0.0
         elected = True
         try:
@@ -195,19 +202,13 @@ class Ticker(Service):
                         client.maintenance()
                     next_maintenance = now + self.maintenance_interval
                 if now >= next_look:
-                    # Every queue, now and then: the idle period's ticks, retries
-                    # and delayed events due, a send that read its queue's flag
-                    # just before it was set. Its ticks heat no queue (each wake
-                    # costs two writes), but those of the first look after the
-                    # election: the queues busy then.
-                    with watch.call():
-                        ticked = client.ticker_ids()
-                    self.ticks += len(ticked)
-                    if elected:
-                        self._heat(client, watch, hot, ticked, now)
-                        elected = False
                     # Every queue but the hot ones asleep: those made or skipped
-                    # since, too. No write when there are none.
+                    # since, too (no write when there are none); then a look at
+                    # every queue: the idle period's ticks, retries and delayed
+                    # events due, a send that read its queue's flag just before
+                    # it was set. Its ticks heat no queue (each wake costs two
+                    # writes), but those of the first look after the election:
+                    # the queues busy then.
                     with watch.call():
                         marked = client.ticker_sleep(hot)
                     if marked is None:
@@ -218,10 +219,18 @@ class Ticker(Service):
                             client.conn.execute("unlisten *")
                         self._poll_loop(client, watch)
                         return
+                    with watch.call():
+                        ticked = client.ticker_ids()
+                    self.looks += 1
+                    self.ticks += len(ticked)
+                    if elected:
+                        self._heat(client, watch, hot, ticked, now)
+                        elected = False
                     next_look = now + self.idle_interval
                 elif hot:
                     with watch.call():
                         ticked = client.ticker_ids(hot)
+                    self.looks += 1
                     self.ticks += len(ticked)
                     for queue_id in ticked:
                         hot[queue_id] = now
@@ -235,19 +244,36 @@ class Ticker(Service):
                     # A send may have read its queue's flag before it was set.
                     with watch.call():
                         ticked = client.ticker_ids(quiet)
+                    self.looks += 1
                     self.ticks += len(ticked)
                     self._heat(client, watch, hot, ticked, now)
-                deadline = (now + self.min_interval if hot
-                            else min(next_look, next_maintenance))
-                heard = self._wait_for_sends(client, watch, deadline)
-                if heard:
-                    # Sends into sleeping queues: those queues at once, and hot
-                    # when that ticks (a delayed send's notification ticks
-                    # nothing: the queue sleeps on).
+                # A queue whose look for a notification ticked nothing (its
+                # ticker_max_lag holds the tick back, or anyone's NOTIFY) is
+                # looked at again for the notifications that come meanwhile no
+                # sooner than _UNSLEEPING_INTERVAL after, however many they are.
+                due = [queue_id for queue_id, (at, again) in later.items()
+                       if at <= now and again]
+                for queue_id in [q for q, (at, _) in later.items() if at <= now]:
+                    del later[queue_id]
+                waiting = [at for at, again in later.values() if again]
+                deadline = min(now + self.min_interval if hot
+                               else min(next_look, next_maintenance),
+                               min(waiting, default=math.inf))
+                if not due:
+                    for queue_id in self._wait_for_sends(client, watch, deadline):
+                        if queue_id in later:
+                            later[queue_id] = (later[queue_id][0], True)
+                        else:
+                            due.append(queue_id)
+                if due:
+                    now = time.monotonic()
                     with watch.call():
-                        ticked = client.ticker_ids(heard)
+                        ticked = client.ticker_ids(due)
+                    self.looks += 1
                     self.ticks += len(ticked)
-                    self._heat(client, watch, hot, ticked, time.monotonic())
+                    self._heat(client, watch, hot, ticked, now)
+                    for queue_id in set(due) - set(ticked):
+                        later[queue_id] = (now + _UNSLEEPING_INTERVAL, False)
         finally:
             if not watch.lost:
                 # Sends would go on notifying nobody until the next election.
@@ -293,6 +319,10 @@ class Ticker(Service):
         if not client._can_tick_by_id():
             self.log.info("%s: this database's pgque predates the sleeping queues (0.10); "
                           "polling every %ss while idle", self.name, _UNSLEEPING_INTERVAL)
+            # A 0.9 ticker may have gone away asleep: its marks would make every
+            # send notify nobody (0.9 has ticker_wake; before it, no marks).
+            with contextlib.suppress(psycopg.errors.UndefinedFunction):
+                client.ticker_wake()
             return False
         client.ticker_wake()
         client.conn.execute(sql.SQL("listen {}").format(
@@ -301,19 +331,20 @@ class Ticker(Service):
 
     def _wait_for_sends(self, client: Client, watch: CallWatch, deadline: float) -> list[int]:
         """Wait for notifications on the ticker channel until ``deadline`` (or a
-        stop); the ids of the queues they name (none on timeout)."""
-        while not self.stopping:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return []
+        stop); the ids of the queues they name (none on timeout). Reads those
+        that came meanwhile even when the deadline has passed: a pass slower
+        than ``min_interval`` must not leave the sleeping queues unheard."""
+        while True:
+            left = max(0.0, deadline - time.monotonic())
             with watch.call() as conn:
                 payloads = notified_payloads(conn, min(left, STOP_LATENCY))
-            # A payload that is no queue id (someone else's NOTIFY on this
-            # channel) names nothing to look at: waited through.
-            queue_ids = sorted({int(p) for p in payloads if p.isdigit() and len(p) < 10})
-            if queue_ids:
+            # A payload that is no queue id (anyone may NOTIFY this channel)
+            # names nothing to look at: waited through. ASCII digits only:
+            # str.isdigit() takes '²', which int() refuses.
+            queue_ids = sorted({int(p) for p in payloads
+                                if p.isascii() and p.isdecimal() and len(p) < 10})
+            if queue_ids or self.stopping or time.monotonic() >= deadline:
                 return queue_ids
-        return []
 
 
 # A ticker that cannot sleep (a database before 0.9, a server that allows

@@ -213,12 +213,61 @@ def test_a_busy_queue_is_polled_alone_while_the_others_sleep(
         assert marked(conn, "idle")
 
 
+def test_a_sleeping_queues_send_is_heard_however_long_the_hot_polls_take(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A pass over the hot queues that takes longer than min_interval (here 0)
+    must still read the notifications that came meanwhile: the wait for them
+    gave up at its deadline before reading any, and a send into a sleeping
+    queue waited until the busy queue cooled or every queue was looked at (two
+    minutes away here)."""
+    client.create_queue("busy")
+    client.create_queue("late")
+    with pgque.Ticker(dsn, min_interval=0, idle_after=120, idle_interval=120,
+                      maintenance_interval=120) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: asleep(conn), what="every queue asleep", dsn=dsn)
+        before = max_tick(conn)
+        client.send("busy", "e", 0)
+        wait_for(lambda: max_tick(conn) > before and not marked(conn, "busy"),
+                 what="the busy queue hot", timeout=30, dsn=dsn)
+        before = max_tick(conn)
+        client.send("late", "e", 0)
+        # Far sooner than the busy queue cools or every queue is looked at.
+        wait_for(lambda: max_tick(conn) > before, what="the sleeping queue's tick", timeout=20,
+                 dsn=dsn)
+        assert ticker.error is None
+
+
+def test_notifications_that_tick_nothing_are_looked_at_no_more_than_every_50_ms(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Sends into a sleeping queue whose ticker_max_lag holds its tick back each
+    notify, and each look ticks nothing: the ticker looks at that queue again no
+    sooner than 50 ms after, however many notifications come (a look per
+    notification made it spend a fifth of a core on one busy producer)."""
+    client.create_queue("slow", ticker_max_lag=3600, ticker_max_count=100_000)
+    with pgque.Ticker(dsn, idle_after=0.3, idle_interval=60, maintenance_interval=60) as ticker:
+        assert ticker.wait_active(10)
+        wait_for(lambda: asleep(conn), what="every queue asleep", dsn=dsn)
+        looks = ticker.looks
+        started = time.monotonic()
+        for n in range(200):
+            client.send("slow", "e", n)
+        elapsed = time.monotonic() - started
+        time.sleep(0.2)  # the looks still due, not a synchronization: counted below
+        made = ticker.looks - looks
+        assert ticker.ticks == 0 and marked(conn, "slow")
+    assert made <= 5 + (elapsed + 0.2) / 0.05, f"{made} looks for 200 notifications in " \
+        f"{elapsed:.2f} s"
+
+
 def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
     """Anyone may NOTIFY the ticker's channel: with a queue's id the ticker looks
     at that queue (one ticker_some call), finds nothing to tick and sleeps on,
     writing nothing (waking and falling asleep again would cost two writes each
-    time); with anything else it does not look. A send still wakes it."""
+    time); with anything else it does not look, and stays on its session (a
+    payload such as '²' passed str.isdigit() and made int() raise: any role that
+    could connect could knock the ticker off its election). A send still wakes it."""
     client.create_queue("q")
     queue_id = scalar(conn, "select queue_id from pgque.queue where queue_name = 'q'")
     with pgque.Ticker(dsn, idle_after=0.3, idle_interval=60, maintenance_interval=60) as ticker:
@@ -228,7 +277,8 @@ def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
         with psycopg.connect(dsn, autocommit=True) as outsider:
             for _ in range(3):
                 since = scalar(conn, "select clock_timestamp()")
-                outsider.execute("select pg_notify(%s, 'junk')", (client.ticker_channel(),))
+                for junk in ("junk", "²", "①", "-1", "99999999999999999999"):
+                    outsider.execute("select pg_notify(%s, %s)", (client.ticker_channel(), junk))
                 outsider.execute("select pg_notify(%s, %s)",
                                  (client.ticker_channel(), str(queue_id)))
                 # The ticker's look: its last query since (no poll is due for a minute).
@@ -238,6 +288,7 @@ def test_a_notification_that_ticks_nothing_leaves_the_ticker_asleep(
                     (s, "%pgque.ticker_some(%", pid)), what="the ticker's look", dsn=dsn)
                 assert asleep(conn)
         assert ticker.ticks == 0
+        assert ticker.backend_pid == pid and ticker.error is None  # never reconnected
         before = max_tick(conn)
         client.send("q", "e", 2)
         wait_for(lambda: max_tick(conn) > before, what="a send's tick", timeout=30, dsn=dsn)
@@ -299,12 +350,10 @@ def test_only_the_active_ticker_marks_the_queues_and_its_successor_hears_their_s
     assert asleep(conn)  # its session ended asleep
     with pgque.Ticker(dsn, idle_after=60, idle_interval=60, maintenance_interval=60) as ticker:
         assert ticker.wait_active(10)
-        # The successor's first look at every queue (made before it listened
-        # there is none: it unmarks, listens, then looks and marks).
-        wait_for(lambda: scalar(conn, "select query like %s from pg_stat_activity "
-                                      "where pid = %s",
-                                ("%ticker_sleep(%", ticker.backend_pid)),
-                 what="the successor's marks", dsn=dsn)
+        # The successor unmarks, listens, marks the queues as its own, then
+        # looks at every queue: from then on only a notification ticks.
+        wait_for(lambda: ticker.looks >= 1, what="the successor's first look", dsn=dsn)
+        assert asleep(conn)
         before = max_tick(conn)
         client.send("q", "e", 1)
         wait_for(lambda: max_tick(conn) > before, what="the send's tick", timeout=30, dsn=dsn)

@@ -528,14 +528,22 @@ def test_upgrade_from_0_9_0_loses_nothing_and_equals_a_fresh_install(
 
 def test_a_ticker_of_this_version_ticks_a_database_still_at_0_9_0(empty_dsn: str) -> None:
     """Before its database is upgraded, a Ticker of this version meets a pgque
-    that cannot tick queues by id nor let them sleep one by one (0.9): it polls
-    every queue, and every send is ticked."""
+    that cannot tick queues by id nor let them sleep one by one (0.9): it clears
+    the marks a 0.9 ticker left, polls every queue, and every send is ticked."""
     install_0_9(empty_dsn)
     with pgque.connect(empty_dsn, pool_size=0) as client:
         client.create_queue("q")
         client.subscribe("q", "c")
+        # A 0.9 ticker gone away asleep: its marks would make every send notify
+        # nobody; the new ticker clears them first.
+        with psycopg.connect(empty_dsn, autocommit=True) as gone:
+            assert scalar(gone, "select pgque.claim_ticker()")
+            assert scalar(gone, "select pgque.ticker_sleep()") == 1
         with pgque.Ticker(empty_dsn, idle_after=0.2) as ticker:
             assert ticker.wait_active(10)
+            wait_for(lambda: not scalar(client.conn, "select bool_or(queue_ticker_asleep)"
+                                                     " from pgque.queue"),
+                     what="the marks cleared", timeout=10)
             for n in range(3):
                 sent = client.send("q", "e", n)
                 batch = wait_for(lambda: client.receive("q", "c"), what="the event", timeout=10)

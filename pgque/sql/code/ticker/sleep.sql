@@ -56,8 +56,9 @@ as $$ select pgque._ticker_channel() $$;
 -- pgque._wake_ticker(queue_id): notifies the ticker channel at the caller's
 -- commit that the queue has something new, unless the server allows prepared
 -- transactions (see the top). The senders call it when the queue row they
--- read says the queue sleeps. The payload only says where to look first: a
--- ticker that cannot read it looks at every queue.
+-- read says the queue sleeps. The payload only says where to look at once:
+-- the ticker's look at every queue, once a second, covers a notification
+-- lost or unread.
 create or replace function pgque._wake_ticker(p_queue_id integer)
 returns void
 language plpgsql
