@@ -72,15 +72,12 @@ def notified(conn: Any, timeout: float) -> int:
     about a millisecond of CPU at the end of every wait (its C wait loop spins
     through the last fraction of a millisecond), which, at five waits a second,
     was a third of an idle worker's CPU. Its ``timeout=0`` is a cheap look."""
-    count = sum(1 for _ in conn.notifies(timeout=0))  # received meanwhile, or buffered
-    if not count and select.select([conn.fileno()], [], [], max(0.0, timeout))[0]:
-        count = sum(1 for _ in conn.notifies(timeout=0))
-    return count
+    return len(notified_payloads(conn, timeout))
 
 
 def notified_payloads(conn: Any, timeout: float) -> list[str]:
     """:func:`notified`, for the payloads of the notifications that came."""
-    payloads = [n.payload for n in conn.notifies(timeout=0)]
+    payloads = [n.payload for n in conn.notifies(timeout=0)]  # received meanwhile, or buffered
     if not payloads and select.select([conn.fileno()], [], [], max(0.0, timeout))[0]:
         payloads = [n.payload for n in conn.notifies(timeout=0)]
     return payloads

@@ -177,9 +177,9 @@ class AsyncClient:
         self._pinned: tuple[int, str] | None = None
         # The database has no pgque.ack_receive_slots (older than 0.8): found once.
         self._without_ack_receive_slots = False
-        # Whether the database has pgque.ticker_some (0.9): looked up once.
-        self._has_ticker_some: bool | None = None
-        self._ticker_ids = False  # ticker_some says which queues it ticked (0.10)
+        # Which pgque.ticker_some the database has, looked up once: 0 none (before
+        # 0.9), 9 (in chunks), 10 (by id too, and says which queues it ticked).
+        self._ticker_some: int | None = None
         #: How many queues one statement of ticker() and tick_overdue() looks at:
         #: a look keeps a lock on one of the queue's event tables until the
         #: statement's transaction ends, and thousands of them outgrow the
@@ -464,33 +464,36 @@ class AsyncClient:
                 (seconds(after), *params)))
         return len(await self._tick_chunks(seconds(after)))
 
-    async def _ticks_in_chunks(self) -> bool:
-        """Whether the database has pgque.ticker_some (0.9); looked up once, with
-        whether it says which queues it ticked (0.10)."""
-        if self._has_ticker_some is None:
-            found = await self._value(
+    async def _ticker_some_version(self) -> int:
+        """Which pgque.ticker_some the database has (see __init__); looked up once."""
+        if self._ticker_some is None:
+            self._ticker_some = int(await self._value(
                 "select case when to_regprocedure('pgque.ticker_some(integer,integer,interval,"
                 "integer[])') is not null then 10 when to_regprocedure('pgque.ticker_some("
-                "integer,integer,interval)') is not null then 9 end")
-            self._has_ticker_some = found is not None
-            self._ticker_ids = found == 10
-        return self._has_ticker_some
+                "integer,integer,interval)') is not null then 9 else 0 end"))
+        return self._ticker_some
+
+    async def _ticks_in_chunks(self) -> bool:
+        """Whether the database has pgque.ticker_some (0.9)."""
+        return await self._ticker_some_version() >= 9
 
     async def _can_tick_by_id(self) -> bool:
         """Whether the database's pgque ticks queues by id and lets them sleep one
         by one (0.10): what the Ticker's hot queues need."""
-        await self._ticks_in_chunks()
-        return self._ticker_ids
+        return await self._ticker_some_version() >= 10
 
     async def _tick_chunks(self, overdue: float | None,
                            queue_ids: list[int] | None = None) -> list[int]:
         """ticker() (overdue None) or tick_overdue(overdue), of every queue or of
         those of queue_ids, tick_chunk queues a statement; returns the ids of the
         queues ticked (before 0.10: a 0 for each tick)."""
-        await self._ticks_in_chunks()
+        by_id = await self._can_tick_by_id()
+        if queue_ids is not None and not by_id:
+            raise psycopg.errors.UndefinedFunction(
+                "this database's pgque (before 0.10) cannot tick queues by id")
         check, params = self._checked(None)
         ticked: list[int] = []
-        if queue_ids is not None and self._ticker_ids:
+        if queue_ids is not None:
             # A slice of the ids a statement (the whole list in each would be
             # matched against every row of every chunk).
             for first in range(0, len(queue_ids), self.tick_chunk):
@@ -503,21 +506,12 @@ class AsyncClient:
             return ticked
         after: int | None = None
         while True:
-            if self._ticker_ids:
-                rows = await self._rows(
-                    f"select t.ticks, t.last_queue, t.ticked from (select {check}) s,"
-                    " pgque.ticker_some(%s, %s, make_interval(secs => %s), %s::integer[]) t",
-                    (*params, after, self.tick_chunk, overdue, queue_ids))
-                ticked += rows[0][2]
-            elif queue_ids is not None:
-                raise psycopg.errors.UndefinedFunction(
-                    "this database's pgque (before 0.10) cannot tick queues by id")
-            else:
-                rows = await self._rows(
-                    f"select t.ticks, t.last_queue from (select {check}) s,"
-                    " pgque.ticker_some(%s, %s, make_interval(secs => %s)) t",
-                    (*params, after, self.tick_chunk, overdue))
-                ticked += [0] * int(rows[0][0])
+            rows = await self._rows(
+                f"select t.ticks, t.last_queue{', t.ticked' if by_id else ''}"
+                f" from (select {check}) s,"
+                " pgque.ticker_some(%s, %s, make_interval(secs => %s)) t",
+                (*params, after, self.tick_chunk, overdue))
+            ticked += rows[0][2] if by_id else [0] * int(rows[0][0])
             after = rows[0][1]
             if after is None:
                 return ticked

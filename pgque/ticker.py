@@ -347,6 +347,8 @@ class Ticker(Service):
                 return queue_ids
 
 
-# A ticker that cannot sleep (a database before 0.9, a server that allows
-# prepared transactions) polls this often once idle, as every ticker did before.
+# A ticker that cannot sleep (a database before 0.10, a server that allows
+# prepared transactions) polls this often once idle, as every ticker did before
+# 0.9; and a queue whose look for a notification ticked nothing is not looked
+# at again for its notifications sooner than this.
 _UNSLEEPING_INTERVAL = 0.05

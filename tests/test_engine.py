@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from typing import Any
 
@@ -318,6 +319,30 @@ def test_a_tick_made_after_its_transaction_wrote_is_probed_until_the_next_tick(
     assert [m.id for m in drain(client, "q", "c", tick=False)] == [late]
 
 
+def test_every_sender_takes_its_transaction_id_before_its_event_id(
+        conn: psycopg.Connection[Any]) -> None:
+    """A tick's settle bound holds only if every transaction that takes an event
+    id had its transaction id already (log/tick.sql, "Settled ticks"): the race
+    it guards against cannot be made on purpose, so the rule is checked where it
+    is kept, in the source of every function that takes an event id (nextval of
+    a queue's sequence, or the event writer's default): before its first, the
+    function assigns its id (pg_current_xact_id()) or has written a row."""
+    takes_id = re.compile(r"nextval\((v_queue|p_queue)\.queue_event_seq|_write_event\(")
+    writes = re.compile(r"pg_current_xact_id\(\)|insert into|delete from", re.IGNORECASE)
+    checked = []
+    for name, source in conn.execute(
+            "select p.proname, p.prosrc from pg_proc p"
+            " where p.pronamespace = 'pgque'::regnamespace").fetchall():
+        first = takes_id.search(source)
+        if first is None:
+            continue
+        checked.append(name)
+        assert writes.search(source[:first.start()]), \
+            f"pgque.{name} takes an event id before it has a transaction id"
+    assert {"send", "send_batch", "send_with", "_send_events", "_maint_retry",
+            "replay_dead_letter"} <= set(checked), checked
+
+
 def test_the_tickers_poll_does_not_wait_for_a_queue_being_dropped(
         client: pgque.Client, dsn: str) -> None:
     """The poll's one look at a chunk reads every queue's sequence; a drop_queue in
@@ -331,7 +356,11 @@ def test_the_tickers_poll_does_not_wait_for_a_queue_being_dropped(
         pgque.Client(dropper).drop_queue("doomed")  # uncommitted: its sequence held
         other = pgque.connect(dsn, pool_size=0)
         try:
-            other.conn.execute("set lock_timeout = '20s'")
+            # Waiting for the drop would last until the statement timeout, which
+            # no handler catches (a lock timeout is caught by the fallback, so it
+            # would not show a wait).
+            other.conn.execute("set lock_timeout = 0")
+            other.conn.execute("set statement_timeout = '20s'")
             assert other.ticker() == 1
         finally:
             other.close()

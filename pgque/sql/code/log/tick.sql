@@ -463,7 +463,8 @@ as $$
 declare
     v_tick pgque.tick := pgque._last_tick(p_queue_id);
 begin
-    if current_setting('transaction_isolation') <> 'read committed' or v_tick.tick_id is null or v_tick.tick_settled or v_tick.tick_settle_xid is null
+    if current_setting('transaction_isolation') <> 'read committed'
+       or v_tick.tick_id is null or v_tick.tick_settled or v_tick.tick_settle_xid is null
        or not pgque._settle_ready(p_queue_id, v_tick) then
         return false;
     end if;
