@@ -8,16 +8,22 @@ into records, the connection-type check (DSN redaction is :mod:`pgque._dsn`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone, tzinfo
 from typing import Any, TypeVar
 
 import msgspec
 import psycopg
+from psycopg.types.numeric import Int8BinaryLoader
 
-from pgque.codec import encode_payload
+from pgque.codec import encode_payloads
 from pgque.errors import InvalidArgument, InvalidDelay, SessionUnstable
 from pgque.info import GroupStatus, SlotOwner
 from pgque.types import Batch, BlockedKey, DeadLetter, Event, Fence, Message
+
+# pg_type's oid of timestamptz, fixed since PostgreSQL's first catalogs, and
+# the time its binary form counts microseconds from.
+_TIMESTAMPTZ_OID = 1184
+_PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
 
 T = TypeVar("T")
 EventLike = Event | tuple[str, Any] | tuple[str, Any, "str | None"]
@@ -92,11 +98,13 @@ def event_columns(events: Iterable[EventLike],
     """The types, encoded payloads and partition keys of ``send_batch``'s events,
     and whether any of them is an Event with a delay or an idempotency key."""
     types: list[str] = []
-    payloads: list[str] = []
+    payloads: list[Any] = []
     keys: list[str | None] = []
     options = False
     for event in events:
-        if isinstance(event, Event):
+        if type(event) is tuple and len(event) == 3:  # the common form, unpacked at once
+            etype, payload, key = event
+        elif isinstance(event, Event):
             etype, payload, key = event.type, event.payload, event.partition_key
             options = options or (event.deliver_at is not None
                                   or event.deliver_after is not None
@@ -104,9 +112,9 @@ def event_columns(events: Iterable[EventLike],
         else:
             etype, payload, key = (*event, None)[:3]
         types.append(etype)
-        payloads.append(encode_payload(payload))
+        payloads.append(payload)
         keys.append(key)
-    return types, payloads, keys, options
+    return types, encode_payloads(payloads), keys, options
 
 
 def check_deliver_at(deliver_at: datetime | None) -> datetime | None:
@@ -197,16 +205,27 @@ def failure_delays(ids: Sequence[int], retry_after: RetryAfter
     return 0.0, per_id
 
 
+def raw_timestamps(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
+    """Make the cursor load binary timestamptz values as PostgreSQL stores them,
+    microseconds since 2000-01-01 UTC: the same eight bytes as a bigint, read
+    by psycopg's C loader for bigints. For the receives: the events of a send
+    share its time, so batch_from_rows makes a datetime once per time."""
+    cursor.adapters.register_loader(_TIMESTAMPTZ_OID, Int8BinaryLoader)
+
+
 def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],
                     payload_type: type[T] | None, slot: int | None = None,
-                    slots: int | None = None, *, slot_first: bool = False) -> Batch[Any] | None:
+                    slots: int | None = None, *, slot_first: bool = False,
+                    zone: tzinfo | None = None) -> Batch[Any] | None:
     """Build a Batch from pgque.batch_event rows, as plain tuples in the type's
     column order (batch_id, ev_id, ev_time, ev_retry, ev_type, ev_data,
     ev_extra1, epoch, slot, delayed_id), or with ``slot_first`` in
     receive_slots' (slot, batch_id, ..., epoch, delayed_id); None when there
-    are no rows. Tuples and positional arguments, not named rows and keywords:
-    this runs once per event received, and the names cost about a third of the
-    client's time per event."""
+    are no rows. ev_time as raw_timestamps loads it; the messages show it in
+    ``zone`` (the session's, as psycopg would). Tuples, positional arguments
+    and constant indexes, not named rows and keywords: this runs once per
+    event received, and the names cost about a third of the client's time per
+    event."""
     if not rows:
         return None
     first = rows[0]
@@ -214,16 +233,27 @@ def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],
     # Only a slot's batch has an epoch; a schema older than 0.2 has no column for it.
     epoch = first[c + 7] if len(first) > c + 7 else None
     fence = None if slot is None or epoch is None else Fence(queue, consumer, slot, epoch)
-    if len(first) > 9:  # a schema older than 0.7 has no delayed_id
-        messages = [Message(r[c + 1], r[c + 4], r[c + 5], r[c + 6], r[c + 3], r[c + 2],
-                            payload_type, fence, r[9])
-                    for r in rows if r[c + 1] is not None]
-    else:
-        messages = [Message(r[c + 1], r[c + 4], r[c + 5], r[c + 6], r[c + 3], r[c + 2],
+    # One datetime per time (a row with no event has none).
+    times = {us: pg_time(us, zone) for us in {r[c + 2] for r in rows} if us is not None}
+    if len(first) <= 9:  # a schema older than 0.7 has no delayed_id
+        messages = [Message(r[c + 1], r[c + 4], r[c + 5], r[c + 6], r[c + 3], times[r[c + 2]],
                             payload_type, fence)
                     for r in rows if r[c + 1] is not None]
+    elif slot_first:
+        messages = [Message(r[2], r[5], r[6], r[7], r[4], times[r[3]], payload_type, fence, r[9])
+                    for r in rows if r[2] is not None]
+    else:
+        messages = [Message(r[1], r[4], r[5], r[6], r[3], times[r[2]], payload_type, fence, r[9])
+                    for r in rows if r[1] is not None]
     return Batch(queue=queue, consumer=consumer, batch_id=first[c], messages=messages,
                  slot=slot, slots=slots, fence=fence)
+
+
+def pg_time(microseconds: int, zone: tzinfo | None) -> datetime:
+    """A timestamptz as raw_timestamps loads it, as the aware datetime psycopg
+    would have made of it in the session's time zone ``zone`` (None: UTC)."""
+    time = _PG_EPOCH + timedelta(microseconds=microseconds)
+    return time if zone is None else time.astimezone(zone)
 
 
 def group_status_from_row(row: Any) -> GroupStatus:

@@ -49,6 +49,7 @@ from pgque._shared import (
     group_status_from_row,
     message_ids,
     nacked,
+    raw_timestamps,
     seconds,
     send_options,
     sends_here,
@@ -207,11 +208,14 @@ class Client:
               *, by_name: bool = False, binary: bool = False) -> list[Any]:
         """The rows of one statement: tuples, or with by_name named tuples whose
         fields are the result's column names (records read by name, not position).
-        ``binary`` asks for the result in binary: the receives use it, since
-        their integers and timestamps load faster that way than parsed from text."""
+        ``binary`` asks for the result in binary, its timestamps as
+        microseconds since 2000-01-01 (a Message's form of created_at): the
+        receives use it, since their rows load faster that way than from text."""
         row_factory: Any = namedtuple_row if by_name else tuple_row
         with translated(), (conn or self.conn).cursor(row_factory=row_factory,
                                                       binary=binary) as cur:
+            if binary:
+                raw_timestamps(cur)
             try:
                 cur.execute(sql.encode(), params)
             except PREPARED_STATEMENT_ERRORS as exc:
@@ -603,7 +607,7 @@ class Client:
         """
         rows = self._rows("select * from pgque.receive(%s, %s, %s)",
                           (queue, consumer, max_events), binary=True)
-        return batch_from_rows(queue, consumer, rows, payload_type)
+        return batch_from_rows(queue, consumer, rows, payload_type, zone=self.conn.info.timezone)
 
     def ack(self, batch: Batch[Any], *,
             nack: Mapping[int, str | None] | Iterable[Message[Any] | int] = (),
@@ -711,7 +715,7 @@ class Client:
                 (*params, batch.consumer, batch.slot, batch.slots, batch.batch_id, ids,
                  reasons, delay, delays, dead_ids, max_events), binary=True)
         return batch_from_rows(batch.queue, batch.consumer, rows, payload_type, batch.slot,
-                               batch.slots)
+                               batch.slots, zone=self.conn.info.timezone)
 
     def nack(self, batch: Batch[Any],
              messages: Message[Any] | int | Iterable[Message[Any] | int], *,
@@ -924,7 +928,8 @@ class Client:
         rows = self._rows(
             f"select * from pgque.receive_partitioned({check}, %s, %s, %s, %s)",
             (*params, consumer, slot, slots, max_events), binary=True)
-        return batch_from_rows(queue, consumer, rows, payload_type, slot, slots)
+        return batch_from_rows(queue, consumer, rows, payload_type, slot, slots,
+                               zone=self.conn.info.timezone)
 
     @overload
     def receive_slots(self, queue: str, consumer: str, *, slots: int, owned: Iterable[int],
@@ -984,9 +989,10 @@ class Client:
             by_slot.setdefault(row[0], []).append(row)
         batches = []
         ahead = set()
+        zone = self.conn.info.timezone
         for slot, slot_rows in by_slot.items():
             batch = batch_from_rows(queue, consumer, slot_rows, payload_type, slot, slots,
-                                    slot_first=True)
+                                    slot_first=True, zone=zone)
             if batch is not None:
                 batches.append(batch)
             # A database older than 0.8 does not say: then every batch may have more.

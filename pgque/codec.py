@@ -16,13 +16,14 @@ RecursionError, and never the server's stack depth error.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
 from pgque.errors import PayloadError
 
-__all__ = ["decode_payload", "encode_payload"]
+__all__ = ["decode_payload", "encode_payload", "encode_payloads"]
 
 T = TypeVar("T")
 
@@ -40,25 +41,58 @@ _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 def encode_payload(payload: Any) -> str:
     """The JSON text for a payload; raises PayloadError if it cannot be encoded."""
-    if isinstance(payload, (bytes, bytearray, memoryview, msgspec.Raw)):
-        raw = bytes(payload)
-        _check_depth(raw)
-    else:
-        try:
-            raw = _encoder.encode(payload)
-        except RecursionError as exc:
-            raise PayloadError("payload is nested too deeply to encode as JSON") from exc
-        except (TypeError, ValueError, msgspec.EncodeError) as exc:
-            raise PayloadError(f"payload cannot be encoded as JSON: {exc}") from exc
-        # msgspec writes NaN and infinities as null; JSON has no such numbers,
-        # so refuse them rather than store a different value. Only a payload
-        # whose JSON holds a null can hold one, so most are never walked.
+    raw = _raw_json(payload)
+    _check_finite(raw, (payload,), (raw,))
+    return _text(raw)
+
+
+def encode_payloads(payloads: Sequence[Any]) -> list[str]:
+    """The JSON text of each payload, in order; raises PayloadError if any of
+    them cannot be encoded. For a batch: the search for NaN runs once over
+    them all."""
+    raws = [_raw_json(payload) for payload in payloads]
+    _check_finite(b"\0".join(raws), payloads, raws)
+    return [_text(raw) for raw in raws]
+
+
+def _raw_json(payload: Any) -> bytes:
+    """The payload's JSON as bytes, NaN written as null (see _check_finite)."""
+    try:
+        # A dict or list is never pre-encoded JSON: no need to ask.
+        if type(payload) not in _PLAIN_TYPES and isinstance(
+                payload, (bytes, bytearray, memoryview, msgspec.Raw)):
+            raw = bytes(payload)
+            _check_depth(raw)
+            return raw
+        return _encoder.encode(payload)
+    except RecursionError as exc:
+        raise PayloadError("payload is nested too deeply to encode as JSON") from exc
+    except (TypeError, ValueError, msgspec.EncodeError) as exc:
+        raise PayloadError(f"payload cannot be encoded as JSON: {exc}") from exc
+
+
+def _check_finite(joined: bytes, payloads: Sequence[Any], raws: Sequence[bytes]) -> None:
+    """PayloadError if a payload holds NaN or an infinity. msgspec writes them as
+    null, and JSON has no such numbers: refuse them rather than store a
+    different value. Only a payload whose JSON holds a null can hold one, so
+    most are never walked; ``joined`` is their JSON joined by a byte no JSON
+    holds, one search for them all. Pre-encoded JSON holds no Python floats."""
+    if b"null" not in joined:
+        return
+    for payload, raw in zip(payloads, raws, strict=True):
         if b"null" in raw and _has_non_finite(payload):
             raise PayloadError("payload holds NaN or Infinity, which JSON cannot represent")
+
+
+def _text(raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PayloadError(f"payload is not UTF-8 JSON: {exc}") from exc
+
+
+# Payload types that are never pre-encoded JSON: encoded without asking.
+_PLAIN_TYPES = frozenset({dict, list, str, int, float, bool, type(None)})
 
 
 # JSON passed through as bytes with fewer opening brackets than this cannot be

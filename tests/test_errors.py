@@ -168,8 +168,15 @@ def test_non_finite_floats_are_refused(client: pgque.Client, bad: float) -> None
         client.send("q", "e", bad)
     with pytest.raises(pgque.PayloadError):
         client.send_batch("q", [("e", 1), ("e", {"z": bad})])
+    # A batch searches its payloads for null once: the bad one is found among
+    # payloads that hold null themselves, raw JSON included.
+    with pytest.raises(pgque.PayloadError):
+        client.send_batch("q", [("e", None), ("e", b'{"a": null}'), ("e", {"z": [None, bad]}),
+                                ("e", [None])])
     assert state(client.conn) == before
     assert client.send("q", "e", {"x": None, "y": 1.5}) > 0  # null itself is fine
+    sent = client.send_batch("q", [("e", None), ("e", b'{"a": null}'), ("e", [None, 2.5])])
+    assert len(sent) == 3
 
 
 def nested_list(depth: int) -> Any:
