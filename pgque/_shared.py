@@ -93,18 +93,25 @@ def config_json(config: dict[str, float | timedelta | str]) -> str:
     ).decode()
 
 
-def event_columns(events: Iterable[EventLike],
+def event_columns(events: Sequence[EventLike],
                   ) -> tuple[list[str], list[str], list[str | None], bool]:
     """The types, encoded payloads and partition keys of ``send_batch``'s events,
     and whether any of them is an Event with a delay or an idempotency key."""
-    types: list[str] = []
-    payloads: list[Any] = []
-    keys: list[str | None] = []
+    try:
+        # Every event a (type, payload, key) tuple, the common form: one
+        # transposition in C. Anything else fails it (an Event is not
+        # iterable; a shorter tuple leaves fewer than three columns).
+        types, payloads, keys = (list(column) for column in zip(*events, strict=False))
+    except (TypeError, ValueError):
+        pass
+    else:
+        return types, encode_payloads(payloads), keys, False
+    types = []
+    payloads = []
+    keys = []
     options = False
     for event in events:
-        if type(event) is tuple and len(event) == 3:  # the common form, unpacked at once
-            etype, payload, key = event
-        elif isinstance(event, Event):
+        if isinstance(event, Event):
             etype, payload, key = event.type, event.payload, event.partition_key
             options = options or (event.deliver_at is not None
                                   or event.deliver_after is not None

@@ -426,7 +426,7 @@ class AsyncClient:
                 ids = await self._value(
                     "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
                     (queue, types, payloads, keys), target)
-                return [SentId(i) for i in ids]
+                return list(map(SentId, ids))
             rows = await self._rows(
                 "select event_id, duplicate, deliver_at from pgque.send_batch_with("
                 "%s, %b::text[], %b::text[], %b::text[], %s::timestamptz[], %s::interval[],"
