@@ -399,6 +399,18 @@ def install_0_9(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.9.0"
 
 
+# The install script of pgque 0.10.0 as it landed (8cbaeaa), frozen: migrations
+# 1 to 11, settled ticks and the hot-queue ticker.
+BASELINE_0_10 = Path(__file__).resolve().parent / "data" / "pgque-0.10.0-8cbaeaa.sql"
+
+
+def install_0_10(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.10.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_10.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.10.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

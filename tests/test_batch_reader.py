@@ -407,12 +407,16 @@ def test_a_reader_role_cannot_pin_a_batch_reader_and_block_drop_queue(dsn: str) 
         su.execute(f"grant pgque_reader to {role}")
         su.execute(f"create schema {role} authorization {role}")
         queue_id = scalar(su, "select pgque.create_queue('q')")
+        # Whatever the reader returns (rows since 0.11, an array before).
+        returns = scalar(su, "select pg_get_function_result(p.oid) from pg_proc p"
+                             " where p.pronamespace = 'pgque'::regnamespace"
+                             "   and p.proname = pgque._batch_reader_name(%s)", (queue_id,))
         try:
             with psycopg.connect(make_conninfo(**{**params, "user": role}),
                                  autocommit=True) as r:
                 r.execute(
-                    f"create function {role}.pin() returns pgque.event_template[]"
-                    f" language sql begin atomic select pgque._batch_reader_{queue_id}("
+                    f"create function {role}.pin() returns {returns}"
+                    f" language sql begin atomic select * from pgque._batch_reader_{queue_id}("
                     "null::pgque.read_request); end")
             su.execute("select pgque.drop_queue('q', true)")
         finally:
@@ -753,3 +757,126 @@ def test_concurrent_churn_loses_and_duplicates_nothing(dsn: str) -> None:
             by_slot[int(scalar(c, "select pgque.slot_of(%s, %s)", (key, slots)))].append(ev)
     assert got == by_slot
     assert not [e for e in errors if not e.startswith("worker")], errors
+
+
+# -- receive: the whole batch straight from the reader's rows ------------------------------
+
+
+def cursor_of(conn: psycopg.Connection[Any], consumer: str) -> tuple[Any, ...]:
+    """(cur_batch, cur_pos, cur_handed, cur_end) of consumer's current cursor."""
+    row = conn.execute(
+        "select c.cur_batch, c.cur_pos, c.cur_handed, c.cur_end from pgque.subscription s"
+        " cross join lateral (select * from pgque.cursor c where c.cur_sub = s.sub_id"
+        "                      order by c.cur_seq desc limit 1) c"
+        " where s.sub_consumer = %s", (consumer,)).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def test_a_whole_batch_comes_from_the_reader_and_its_ack_finishes_it(
+        client: pgque.Client) -> None:
+    """receive without max_events hands out the reader's rows as they come and
+    records the batch as handed out whole: received again it is the same, a nack
+    among it retries that event, a piece taken after it starts from the last
+    ack, and every event is acked once."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    sent = client.send_batch("q", [("e", n, f"k{n % 4}") for n in range(20)])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and [m.id for m in batch] == sent
+    whole = scalar(client.conn, "select pgque._handed_whole()")
+    assert cursor_of(client.conn, "c") == (batch.batch_id, 0, whole, whole)
+    again = client.receive("q", "c")
+    assert again is not None and again.batch_id == batch.batch_id
+    assert [m.id for m in again] == sent
+    assert client.ack(again, nack=[sent[5]], retry_after=0) is True
+    assert client.receive("q", "c") is None
+
+    more = client.send_batch("q", [("e", n, None) for n in range(10)])
+    client.tick("q")
+    first = client.receive("q", "c")
+    assert first is not None and [m.id for m in first] == more
+    piece = client.receive("q", "c", max_events=3)
+    assert piece is not None and piece.batch_id == first.batch_id
+    assert [m.id for m in piece] == more[:3]
+    assert client.ack(piece) is False
+    rest = client.receive("q", "c")
+    assert rest is not None and [m.id for m in rest] == more[3:]
+    assert client.ack(rest) is True
+
+    client.maintenance("q")  # the nacked event back into the log
+    client.tick("q")
+    retried = client.receive("q", "c")
+    assert retried is not None
+    assert [(m.id, m.retry_count) for m in retried] == [(sent[5], 1)]
+    assert client.ack(retried) is True
+    assert client.receive("q", "c") is None
+
+
+def test_a_receive_moves_past_batches_that_hold_only_other_consumers_retries(
+        client: pgque.Client) -> None:
+    """A batch whose only events are another consumer's retries is consumed on the
+    spot: the receive returns nothing, and the next batch with events comes with
+    a new batch id."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    client.subscribe("q", "d")
+    first = client.send("q", "e", 1)
+    client.tick("q")
+    for consumer in ("c", "d"):
+        batch = client.receive("q", consumer)
+        assert batch is not None and [m.id for m in batch] == [first]
+        client.ack(batch, nack=[first] if consumer == "d" else (), retry_after=0)
+    client.maintenance("q")  # d's retry into the log, owned by d
+    client.tick("q")
+    assert client.receive("q", "c") is None
+    assert cursor_of(client.conn, "c")[0] is None  # no batch left open
+    second = client.send("q", "e", 2)
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and [m.id for m in batch] == [second]
+    client.ack(batch)
+    retry = client.receive("q", "d")  # its retry and the later event, in one batch
+    assert retry is not None
+    assert [(m.id, m.retry_count) for m in retry] == [(first, 1), (second, 0)]
+
+
+@given(ops=st.lists(st.one_of(st.tuples(st.just("send"), st.integers(1, 6)),
+                              st.just(("tick",)), st.just(("whole",)),
+                              st.tuples(st.just("piece"), st.integers(1, 4)),
+                              st.just(("ack",))),
+                    max_size=30))
+@settings(max_examples=int(os.environ.get("RV_EXAMPLES", "30")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_whole_receives_and_pieces_hand_out_every_event_once_in_order(
+        client: pgque.Client, ops: list[tuple[Any, ...]]) -> None:
+    """Any interleaving of sends, ticks, whole receives, pieces and acks: what the
+    acks acknowledged (each the latest receive's events) is every event sent, in
+    order, once, after a final drain."""
+    client.conn.execute("select pgque.drop_queue(queue_name, true) from pgque.queue")
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    sent: list[int] = []
+    acked: list[int] = []
+    latest: pgque.Batch[Any] | None = None
+    for op in ops:
+        if op[0] == "send":
+            sent += client.send_batch("q", [("e", n, f"k{n}") for n in range(op[1])])
+        elif op[0] == "tick":
+            client.tick("q")
+        elif op[0] in ("whole", "piece"):
+            got = client.receive("q", "c", max_events=op[1] if op[0] == "piece" else None)
+            latest = got if got is not None else latest
+        elif latest is not None:
+            client.ack(latest)
+            acked += [m.id for m in latest]
+            latest = None
+    if latest is not None:
+        client.ack(latest)
+        acked += [m.id for m in latest]
+    client.tick("q")
+    while (batch := client.receive("q", "c")) is not None:
+        acked += [m.id for m in batch]
+        client.ack(batch)
+    assert acked == sent

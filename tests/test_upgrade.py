@@ -28,6 +28,7 @@ from helpers import (
     BASELINE_0_7,
     BASELINE_0_8,
     BASELINE_0_9,
+    BASELINE_0_10,
     BASELINES_0_1,
     catalog,
     drain,
@@ -40,6 +41,7 @@ from helpers import (
     install_0_7,
     install_0_8,
     install_0_9,
+    install_0_10,
     run_cli,
     scalar,
     scratch_database,
@@ -61,6 +63,7 @@ MIGRATIONS_0_6 = 8  # and 0.6.0
 MIGRATIONS_0_7 = 9  # and 0.7.0
 MIGRATIONS_0_8 = 9  # and 0.8.0
 MIGRATIONS_0_9 = 10  # and 0.9.0
+MIGRATIONS_0_10 = 11  # and 0.10.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -553,12 +556,52 @@ def test_a_ticker_of_this_version_ticks_a_database_still_at_0_9_0(empty_dsn: str
         assert scalar(client.conn, "select pgque.version()") == "0.9.0"
 
 
+def test_upgrade_from_0_10_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.10.0 filled as 0.2.0 was: no migration since, its batch
+    readers (arrays then, rows now) written again, every event, cursor, epoch and
+    dead letter kept, and the result is a fresh install."""
+    install_0_10(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.10.0"
+        assert migration_record(conn) == [
+            (m.number, "0.10.0" if m.number <= MIGRATIONS_0_10 else pgque.__version__)
+            for m in migrations()]
+        assert scalar(conn, "select bool_and(pg_get_function_result(p.oid)"
+                            "                = 'SETOF pgque.event_template')"
+                            " from pg_proc p where p.pronamespace = 'pgque'::regnamespace"
+                            "   and p.proname ~ '^_batch_reader_[0-9]+$'")
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
+def test_a_client_of_this_version_drains_a_database_still_at_0_10_0(empty_dsn: str) -> None:
+    """Before its database is upgraded, a Client and Ticker of this version work
+    a 0.10 pgque (batch readers that return arrays): every event once, in order."""
+    install_0_10(empty_dsn)
+    with pgque.connect(empty_dsn, pool_size=0) as client:
+        client.create_queue("q")
+        client.subscribe("q", "c")
+        with pgque.Ticker(empty_dsn) as ticker:
+            assert ticker.wait_active(10)
+            sent = client.send_batch("q", [("e", n, f"k{n % 3}") for n in range(50)])
+            got: list[int] = []
+            while len(got) < len(sent):
+                batch = wait_for(lambda: client.receive("q", "c"), what="a batch", timeout=10)
+                got += [m.id for m in batch]
+                client.ack(batch)
+            assert got == sent
+            assert ticker.error is None
+        assert scalar(client.conn, "select pgque.version()") == "0.10.0"
+
+
 def run_script(dsn: str, script: Path) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
         conn.execute(script.read_bytes())
 
 
 RELEASES = {
+    "0.10.0": [BASELINE_0_10],
     "0.9.0": [BASELINE_0_9],
     "0.8.0": [BASELINE_0_8],
     "0.7.0": [BASELINE_0_7],

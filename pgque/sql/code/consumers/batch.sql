@@ -397,12 +397,27 @@ begin
 end
 $$;
 
+-- pgque._handed_whole(): the position (cur_handed, cur_end) of a batch that
+-- receive handed out whole, its rows straight from the reader (see receive):
+-- past any event id, so the ack that follows finishes the batch.
+create or replace function pgque._handed_whole()
+returns bigint
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$ select 9223372036854775807::bigint $$;
+
 -- pgque.receive(queue, consumer, max_events): the consumer's open batch, or
 -- its next one, as pgque.batch_event rows (epoch null), at most max_events
 -- of them (null: the whole batch).
 -- Blocks while another session holds the same subscription's receive lock,
 -- then returns the same open batch. An open batch with no events left yields
 -- one row with a null ev_id; no rows means no batch is ready.
+-- The whole batch (max_events null) is returned as the queue's batch reader
+-- reads it, row by row, and the cursor then records it as handed out whole
+-- (_handed_whole): collecting the rows into an array first, as pieces and
+-- slots need (_receive), cost twice the read. Its batch id is taken before
+-- the read, so a call that finds only batches with no events for this
+-- consumer (consumed on the spot, as _receive does) leaves a gap in the ids.
 create or replace function pgque.receive(p_queue text, p_consumer text, p_max_events integer default null)
 returns setof pgque.batch_event
 language plpgsql
@@ -411,6 +426,10 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v record;
+    v_cur pgque.cursor;
+    v_rows text;
+    v_count integer := 0;
+    v_steps integer := 0;
 begin
     perform pgque._check_max_events(p_max_events);
     select * into v from pgque._plain_sub(p_queue, p_consumer, false);
@@ -419,7 +438,64 @@ begin
     end if;
     select v.queue, f.sub, f.cur into v
       from pgque._find_subscription(v.queue, p_consumer, true) f;
-    return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events);
+    v_rows := 'pgque.' || pgque._batch_reader_name((v.queue).queue_id);
+    if p_max_events is not null or to_regproc(v_rows) is null then
+        return query select * from pgque._receive(v.queue, v.sub, v.cur, p_max_events);
+        return;
+    end if;
+    -- The reader's plain branch (every reader has one), its rows as they come;
+    -- reader names are pgque's own text.
+    v_rows := format('select $2, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,'
+                     ' r.ev_extra1, null::bigint, null::integer, r.ev_delayed_id'
+                     ' from %s($1) r', v_rows);
+    v_cur := v.cur;
+    if v_cur.cur_batch is not null then
+        return query execute v_rows
+            using pgque._batch_request(
+                      (v.sub).sub_id,
+                      pgque._tick_snapshot((v.queue).queue_id, v_cur.cur_last_tick),
+                      pgque._tick_snapshot((v.queue).queue_id, v_cur.cur_next_tick),
+                      v_cur.cur_pos, null, null, null),
+                  v_cur.cur_batch;
+        get diagnostics v_count = row_count;
+        if v_count = 0 then
+            return query select v_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
+                                null::text, null::text, null::text, null::bigint, null::integer,
+                                null::bigint;
+        end if;
+    else
+        v_cur.cur_batch := nextval('pgque.batch_id_seq');
+        loop
+            v_cur.cur_next_tick := pgque._next_tick(v.queue, v_cur);
+            exit when v_cur.cur_next_tick is null;
+            return query execute v_rows
+                using pgque._batch_request(
+                          (v.sub).sub_id,
+                          pgque._tick_snapshot((v.queue).queue_id, v_cur.cur_last_tick),
+                          pgque._tick_snapshot((v.queue).queue_id, v_cur.cur_next_tick),
+                          0, null, null, null),
+                      v_cur.cur_batch;
+            get diagnostics v_count = row_count;
+            exit when v_count > 0;
+            -- Nothing here for us: consume the batch now instead of a round
+            -- trip to hand out and ack nothing (bounded, to keep calls short).
+            v_cur.cur_last_tick := v_cur.cur_next_tick;
+            v_steps := v_steps + 1;
+            exit when v_steps >= 100;
+        end loop;
+        if v_count = 0 then
+            if v_steps > 0 then
+                v_cur.cur_batch := null;
+                v_cur.cur_next_tick := null;
+                perform pgque._save_cursor(v_cur);
+            end if;
+            return;
+        end if;
+        v_cur.cur_pos := 0;
+    end if;
+    v_cur.cur_handed := pgque._handed_whole();
+    v_cur.cur_end := pgque._handed_whole();
+    perform pgque._save_cursor(v_cur);
 end
 $$;
 

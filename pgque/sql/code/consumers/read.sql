@@ -108,30 +108,51 @@ as $$
                      ' and (%1$s.ids is null or e.ev_id = any(%1$s.ids))', p_req)
 $$;
 
--- pgque._read_statement(req, queue_id, slots): the statement that reads a
--- batch of the queue for a slot of slots (null: a plain consumer): the
--- events of both halves of _batch_where, each read by its own scan, in ev_id
--- order, at most req.max_events (null: all), turned into rows only once
--- limited, so that a piece of 100 does not build the rows of the whole batch.
-create or replace function pgque._read_statement(p_req text, p_queue_id integer,
-                                                 p_slots integer)
+-- pgque._as_array(rows): the statement that collects what the statement
+-- rows returns (pgque.event_template's columns) into one array, as the
+-- readers' callers take events (_run_reader). rows is pgque's own text.
+create or replace function pgque._as_array(p_rows text)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select format('select array(select row(x.*)::pgque.event_template'
-                  ' from (select e.* from pgque.%I e where %s'
-                  '       union all'
-                  '       select e.* from unnest(%s.prev_xip) as x(txid)'
-                  '        cross join lateral (select e.* from pgque.%I e where %s offset 0) e'
-                  '       order by ev_id limit %s.max_events) x)',
+    select format('select array(select row(x.*)::pgque.event_template from (%s) x)', p_rows)
+$$;
+
+-- pgque._read_rows(req, queue_id, slots): the statement that reads a batch
+-- of the queue for a slot of slots (null: a plain consumer), as rows of
+-- pgque.event_template's columns: the events of both halves of
+-- _batch_where, each read by its own scan, in ev_id order, at most
+-- req.max_events (null: all).
+create or replace function pgque._read_rows(p_req text, p_queue_id integer, p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format('select e.* from pgque.%I e where %s'
+                  ' union all'
+                  ' select e.* from unnest(%s.prev_xip) as x(txid)'
+                  '  cross join lateral (select e.* from pgque.%I e where %s offset 0) e'
+                  ' order by ev_id limit %s.max_events',
                   pgque._event_table(p_queue_id), pgque._batch_where(p_req, p_slots, false),
                   p_req,
                   pgque._event_table(p_queue_id), pgque._batch_where(p_req, p_slots, true),
                   p_req)
 $$;
 
--- pgque._span_statement(req, queue_id, slots, limited): the statement that
+-- pgque._read_statement(req, queue_id, slots): _read_rows as one array,
+-- turned into rows of the type only once limited, so that a piece of 100
+-- does not build the rows of the whole batch.
+create or replace function pgque._read_statement(p_req text, p_queue_id integer,
+                                                 p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pgque._as_array(pgque._read_rows(p_req, p_queue_id, p_slots))
+$$;
+
+-- pgque._span_rows(req, queue_id, slots, limited): the statement that
 -- reads a batch of the queue for several slots of a group of slots at once
 -- (receive_slots, slots/sets.sql): both halves of the batch's condition as
 -- _read_statement has them, for the slots req.span_slots (the routing formula
@@ -139,22 +160,22 @@ $$;
 -- req.span_subs, in no particular order (the caller orders what it hands
 -- out); with limited, at most req.max_events events per slot, the first by
 -- ev_id, as each slot's own read has it, so that pieces of max_events do not
--- read whole batches into memory. Built from integers only.
-create or replace function pgque._span_statement(p_req text, p_queue_id integer,
-                                                 p_slots integer, p_limited boolean)
+-- read whole batches into memory. As rows of pgque.event_template's columns;
+-- _span_statement: as one array. Built from integers only.
+create or replace function pgque._span_rows(p_req text, p_queue_id integer,
+                                            p_slots integer, p_limited boolean)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select format('select array(select row(x.ev_id, x.ev_time, x.ev_txid, x.ev_owner, x.ev_retry,'
-                  '                       x.ev_type, x.ev_data, x.ev_extra1,'
-                  '                       x.ev_delayed_id)::pgque.event_template'
+    select format('select x.ev_id, x.ev_time, x.ev_txid, x.ev_owner, x.ev_retry,'
+                  '       x.ev_type, x.ev_data, x.ev_extra1, x.ev_delayed_id'
                   ' from (select e.*%s'
                   '         from (select e.* from pgque.%I e where %s'
                   '               union all'
                   '               select e.* from unnest(%s.prev_xip) as x(txid)'
                   '                cross join lateral (select e.* from pgque.%I e where %s'
-                  '                                     offset 0) e) e) x%s)',
+                  '                                     offset 0) e) e) x%s',
                   case when p_limited
                        then format(', row_number() over (partition by %s order by e.ev_id) as n',
                                    pgque._slot_expr(p_slots)) else '' end,
@@ -170,18 +191,28 @@ as $$
                   case when p_limited then format(' where x.n <= %s.max_events', p_req) else '' end)
 $$;
 
--- pgque._probe_statement(req, queue_id, slots): the statement that finds
--- which of the slots req.span_slots of slots have an event in their batch up
--- to the snapshot req.next: for each of them (with its subscription of
--- req.span_subs and its start of req.probe_prevs), at most one of its events,
--- found by scans (one per half of the condition) that stop at the first.
-create or replace function pgque._probe_statement(p_req text, p_queue_id integer,
-                                                  p_slots integer)
+create or replace function pgque._span_statement(p_req text, p_queue_id integer,
+                                                 p_slots integer, p_limited boolean)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select format('select array(select p.ev'
+    select pgque._as_array(pgque._span_rows(p_req, p_queue_id, p_slots, p_limited))
+$$;
+
+-- pgque._probe_rows(req, queue_id, slots): the statement that finds which
+-- of the slots req.span_slots of slots have an event in their batch up to
+-- the snapshot req.next: for each of them (with its subscription of
+-- req.span_subs and its start of req.probe_prevs), at most one of its
+-- events, found by scans (one per half of the condition) that stop at the
+-- first. As rows of pgque.event_template's columns; _probe_statement: as one
+-- array.
+create or replace function pgque._probe_rows(p_req text, p_queue_id integer, p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select format('select (p.ev).*'
                   ' from unnest(%1$s.span_slots, %1$s.span_subs, %1$s.probe_prevs) s(k, sub, prev)'
                   ' cross join lateral ((select row(e.*)::pgque.event_template as ev'
                   '                        from pgque.%2$I e where %3$s limit 1)'
@@ -191,7 +222,7 @@ as $$
                   '                       cross join lateral (select e.* from pgque.%2$I e'
                   '                                            where %4$s offset 0) e'
                   '                       limit 1)'
-                  '                     limit 1) p)',
+                  '                     limit 1) p',
                   p_req, pgque._event_table(p_queue_id),
                   pgque._dual_filter(p_slots, false, 'pg_snapshot_xmax(s.prev)', 's.sub', 's.k',
                                      p_req),
@@ -199,33 +230,51 @@ as $$
                                      p_req))
 $$;
 
--- pgque._cover_statement(req, queue_id): the statement that finds whether a
+create or replace function pgque._probe_statement(p_req text, p_queue_id integer,
+                                                  p_slots integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pgque._as_array(pgque._probe_rows(p_req, p_queue_id, p_slots))
+$$;
+
+-- pgque._cover_rows(req, queue_id): the statement that finds whether a
 -- committed event of the queue is not covered by the snapshot whose xmax and
 -- in-progress list req.prev_xmax and req.prev_xip hold (the ticker's probe,
 -- _uncovered_events): at most one such event, by one scan of the ev_txid
 -- index from xmax (in ev_txid order: a generic plan, not knowing xmax, took
 -- "ev_txid >= xmax" for a third of the table and read all of it) and one
--- probe per listed id. Built from an integer only.
-create or replace function pgque._cover_statement(p_req text, p_queue_id integer)
+-- probe per listed id. As rows of pgque.event_template's columns;
+-- _cover_statement: as one array. Built from an integer only.
+create or replace function pgque._cover_rows(p_req text, p_queue_id integer)
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select format('select array(select row(x.*)::pgque.event_template'
+    select format('select x.*'
                   ' from ((select e.* from pgque.%1$I e where e.ev_txid >= %2$s.prev_xmax'
                   '         order by e.ev_txid limit 1)'
                   '       union all'
                   '       (select e.* from unnest(%2$s.prev_xip) as x(txid)'
                   '         cross join lateral (select e.* from pgque.%1$I e'
                   '                              where e.ev_txid = x.txid offset 0) e limit 1)'
-                  '       limit 1) x)',
+                  '       limit 1) x',
                   pgque._event_table(p_queue_id), p_req)
 $$;
 
--- pgque._read_dispatch(req, queue_id, slots): the statement that serves the
+create or replace function pgque._cover_statement(p_req text, p_queue_id integer)
+returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pgque._as_array(pgque._cover_rows(p_req, p_queue_id))
+$$;
+
+-- pgque._read_dispatch(req, queue_id, slots): the statements that serve the
 -- read request req for slots (a count: the batch readers write one branch of
--- these per count): the cover probe (a probe of no slots), the probe, the
--- span read (no slot, slots above 1) or the batch read.
+-- these per count), each returned as rows: the cover probe (a probe of no
+-- slots), the probe, the span read (no slot, slots above 1) or the batch read.
 create or replace function pgque._read_dispatch(p_req text, p_queue_id integer,
                                                 p_slots integer)
 returns text
@@ -233,32 +282,48 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select format(E'if %1$s.probe and %1$s.span_slots is null then\n'
-                  '    return (%5$s);\n'
+                  '    return query %5$s;\n'
+                  '    return;\n'
                   'end if;\n'
                   'if %1$s.probe then\n'
-                  '    return (%2$s);\n'
+                  '    return query %2$s;\n'
+                  '    return;\n'
                   'end if;\n'
                   '%3$s'
-                  'return (%4$s);\n',
-                  p_req, pgque._probe_statement(p_req, p_queue_id, p_slots),
+                  'return query %4$s;\n'
+                  'return;\n',
+                  p_req, pgque._probe_rows(p_req, p_queue_id, p_slots),
                   case when p_slots > 1
                        then format(E'if %1$s.slot is null and %1$s.max_events is null then\n'
-                                   '    return (%2$s);\n'
+                                   '    return query %2$s;\n'
+                                   '    return;\n'
                                    'end if;\n'
                                    'if %1$s.slot is null then\n'
-                                   '    return (%3$s);\n'
+                                   '    return query %3$s;\n'
+                                   '    return;\n'
                                    'end if;\n',
-                                   p_req, pgque._span_statement(p_req, p_queue_id, p_slots, false),
-                                   pgque._span_statement(p_req, p_queue_id, p_slots, true))
+                                   p_req, pgque._span_rows(p_req, p_queue_id, p_slots, false),
+                                   pgque._span_rows(p_req, p_queue_id, p_slots, true))
                        else '' end,
-                  pgque._read_statement(p_req, p_queue_id, p_slots),
-                  pgque._cover_statement(p_req, p_queue_id))
+                  pgque._read_rows(p_req, p_queue_id, p_slots),
+                  pgque._cover_rows(p_req, p_queue_id))
+$$;
+
+-- pgque._reader_lacks_branch(events): whether events, as a batch reader
+-- returned them, is its answer to a read for a slot count it has no branch
+-- for: one row of nulls (an event always has an ev_id).
+create or replace function pgque._reader_lacks_branch(p_events pgque.event_template[])
+returns boolean
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select cardinality(p_events) = 1 and (p_events[1]).ev_id is null
 $$;
 
 -- pgque._run_reader(queue_id, req): the events that the read request req
--- asks of the queue (see pgque.read_request): through the queue's batch
--- reader when it has a branch for req.slots, else as dynamic SQL, the same
--- statement with the request as its one parameter.
+-- asks of the queue (see pgque.read_request), as one array: through the
+-- queue's batch reader when it has a branch for req.slots, else as dynamic
+-- SQL, the same statement with the request as its one parameter.
 create or replace function pgque._run_reader(p_queue_id integer, p_req pgque.read_request)
 returns pgque.event_template[]
 language plpgsql stable
@@ -272,8 +337,9 @@ begin
     -- A reader missing (dropped by hand; maintenance writes it again) is one
     -- without the branch: the dynamic statement below reads the same.
     if to_regproc(v_reader) is not null then
-        execute format('select %s($1)', v_reader) into v_events using p_req;
-        if v_events is not null then
+        execute format('select array(select r from %s($1) r)', v_reader)
+           into v_events using p_req;
+        if not pgque._reader_lacks_branch(v_events) then
             return v_events;
         end if;
     end if;
@@ -289,19 +355,19 @@ begin
 end
 $$;
 
--- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
---                     slot, slots):
--- the events of a batch, in ev_id order: those of transactions visible in
+-- pgque._batch_request(sub_id, prev, next, after, upto, max, ids, slot,
+--                      slots): the read request (pgque.read_request) for the
+-- events of a batch, in ev_id order: those of transactions visible in
 -- snapshot next but not in snapshot prev, that are not retries meant for
 -- another subscription, with after < ev_id <= upto (upto null: no bound),
 -- at most max of them (null: all), only ids when given, and only the hash
 -- class slot of slots when slots is given (the condition: _batch_where).
-create or replace function pgque._batch_events(
-    p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
+create or replace function pgque._batch_request(
+    p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
     p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
     p_slot integer default null, p_slots integer default null)
-returns pgque.event_template[]
-language plpgsql stable
+returns pgque.read_request
+language plpgsql immutable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -319,7 +385,25 @@ begin
     v_req.slots := p_slots;
     v_req.max_events := p_max;
     v_req.probe := false;
-    return pgque._run_reader(p_queue_id, v_req);
+    return v_req;
+end
+$$;
+
+-- pgque._batch_events(queue_id, sub_id, prev, next, after, upto, max, ids,
+--                     slot, slots): the events of the batch _batch_request
+-- describes, as one array.
+create or replace function pgque._batch_events(
+    p_queue_id integer, p_sub_id integer, p_prev pg_snapshot, p_next pg_snapshot,
+    p_after bigint, p_upto bigint, p_max integer, p_ids bigint[],
+    p_slot integer default null, p_slots integer default null)
+returns pgque.event_template[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return pgque._run_reader(p_queue_id,
+                             pgque._batch_request(p_sub_id, p_prev, p_next, p_after, p_upto,
+                                                  p_max, p_ids, p_slot, p_slots));
 end
 $$;
 

@@ -12,9 +12,12 @@
 -- The reader has one branch per slot count: the plain one (no routing
 -- filter) and one for each count N above 1 that a group of the queue uses,
 -- with N written out as a literal so that the plan can use the slot index
--- (generated/slot_index.sql). For any other count it returns null and the caller
--- reads with dynamic SQL, as before: a reader that lags behind the groups is
--- slower, never wrong.
+-- (generated/slot_index.sql). For any other count it returns one row of
+-- nulls (_reader_lacks_branch) and the caller reads with dynamic SQL, as
+-- before: a reader that lags behind the groups is slower, never wrong. The
+-- plain branch is always there. A reader returns its events as rows, which
+-- receive hands on as they are (consumers/batch.sql); _run_reader collects
+-- them into one array for everyone else.
 --
 -- Readers follow the protocol of generated code (generator.sql): create_queue
 -- writes a queue's first one, maintenance writes it again when its groups'
@@ -59,7 +62,8 @@ as $$
                   '    p_slots constant integer := p_read.slots;\n'
                   'begin\n'
                   '%s'
-                  '    return null;  -- no branch for this slot count: the caller reads dynamically\n'
+                  '    -- No branch for this slot count: the caller reads dynamically.\n'
+                  '    return query select (null::pgque.event_template).*;\n'
                   'end\n',
                   array_to_string(array_prepend(1, p_slot_counts), ', '),
                   string_agg(format(E'    if p_slots %s then\n%s    end if;\n',
@@ -114,7 +118,7 @@ begin
     end if;
     perform pgque._write_generated(
         pgque._batch_reader_name(p_queue_id), pgque._batch_reader_args(),
-        'returns pgque.event_template[] language plpgsql stable'
+        'returns setof pgque.event_template language plpgsql stable'
         ' set search_path = pg_catalog, pg_temp set plan_cache_mode = force_generic_plan',
         v_signature,
         pgque._batch_reader_source(p_queue_id, pgque._slot_counts_wanted(p_queue_id)));
