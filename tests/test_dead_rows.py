@@ -342,6 +342,46 @@ def test_repeatable_read_across_a_rotation_fails_to_serialize(
     assert client.receive("q", "c") is None
 
 
+def test_repeatable_read_behind_another_sessions_receive_fails_to_serialize(
+        client: pgque.Client, dsn: str) -> None:
+    """A REPEATABLE READ transaction whose snapshot predates another session's
+    receive and ack of the same consumer (no rotation between) reads the cursor
+    as it was and would write the state that session wrote: a serialization
+    failure (40001), not a duplicate key (23505), for a receive and for an ack;
+    retried, the receive gets what came after and the ack finds the batch gone."""
+    client.create_queue("q")
+    client.subscribe("q", "c")
+    for n in range(3):
+        client.send("q", "e", n)
+        client.tick("q")
+    with psycopg.connect(dsn) as handler:
+        handler.execute("set transaction isolation level repeatable read")
+        handler.execute("select 1")  # the snapshot
+        batch = client.receive("q", "c")
+        assert batch is not None and len(batch) == 3
+        client.ack(batch)
+        client.send("q", "e", "after")
+        client.tick("q")
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            handler.execute("select count(*) from pgque.receive('q', 'c')")
+        handler.rollback()
+        opened = handler.execute("select batch_id from pgque.receive('q', 'c')").fetchall()
+        assert len(opened) == 1  # the event sent after, once
+        handler.commit()
+        handler.execute("set transaction isolation level repeatable read")
+        handler.execute("select 1")  # a snapshot with that batch open
+        again = client.receive("q", "c")
+        assert again is not None and again.batch_id == opened[0][0]
+        assert client.ack(again) is True
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            handler.execute("select pgque.ack('q', 'c', %s)", (opened[0][0],))
+        handler.rollback()
+        with pytest.raises(psycopg.Error) as gone:
+            handler.execute("select pgque.ack('q', 'c', %s)", (opened[0][0],))
+        assert gone.value.sqlstate == "PQ003"  # not the open batch any more
+        handler.rollback()
+
+
 @pytest.fixture
 def group_of_16(client: pgque.Client, conn: psycopg.Connection[Any]) -> Iterator[None]:
     client.create_queue("q")

@@ -131,8 +131,29 @@ begin
 end
 $$;
 
+-- pgque._cursor_moved(): raises 40001 (serialization failure): a cursor
+-- state this transaction was about to append is there already. Under the
+-- receive lock a cursor is read by a new statement, so this happens only to
+-- a REPEATABLE READ or SERIALIZABLE transaction whose snapshot predates
+-- another session's receive or ack of the same subscription: it read the
+-- cursor as it was before them. The writers append with ON CONFLICT DO
+-- NOTHING, under which PostgreSQL itself raises 40001 for such a
+-- transaction; this is for any other way to get there.
+create or replace function pgque._cursor_moved()
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    raise exception using errcode = '40001',
+        message = 'a pgque cursor moved after this transaction''s snapshot',
+        hint = 'Retry the transaction.';
+end
+$$;
+
 -- pgque._save_cursor(cursor): appends the next state of a cursor (whose
--- subscription row the caller holds locked).
+-- subscription row the caller holds locked); 40001 when a state of that
+-- number is there already (_cursor_moved).
 create or replace function pgque._save_cursor(p_cur pgque.cursor)
 returns void
 language plpgsql
@@ -143,7 +164,11 @@ begin
                               cur_pos, cur_handed, cur_end, cur_part)
     values (p_cur.cur_sub, p_cur.cur_seq + 1, p_cur.cur_last_tick, p_cur.cur_batch,
             p_cur.cur_next_tick, p_cur.cur_pos, p_cur.cur_handed, p_cur.cur_end,
-            pgque._write_part('cursor'));
+            pgque._write_part('cursor'))
+    on conflict do nothing;
+    if not found then
+        perform pgque._cursor_moved();
+    end if;
 end
 $$;
 

@@ -219,6 +219,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_done boolean[];
+    v_saved integer;
 begin
     with acked as (
         select i, p_curs[i] as cur,
@@ -237,8 +238,15 @@ begin
                case when not a.finished then (a.cur).cur_end end,
                (select pgque._write_part('cursor'))
           from acked a
+        on conflict do nothing
+        returning 1
     )
-    select array_agg(a.finished order by a.i) into v_done from acked a;
+    select array_agg(a.finished order by a.i), (select count(*) from saved)
+      into v_done, v_saved
+      from acked a;
+    if v_saved < coalesce(cardinality(p_curs), 0) then
+        perform pgque._cursor_moved();
+    end if;
     return v_done;
 end
 $$;

@@ -453,6 +453,8 @@ create or replace function pgque._open_span_batches(
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_saved integer;
 begin
     with served as (
         select t.n, nextval('pgque.batch_id_seq') as batch_id,
@@ -467,10 +469,16 @@ begin
                case when p_max_events is null or s.count <= p_max_events then s.last end,
                (select pgque._write_part('cursor'))
           from served s
+        on conflict do nothing
+        returning 1
     )
-    select array_agg(s.batch_id order by s.n), array_agg(s.handed order by s.n)
-      into batch_ids, handed
+    select array_agg(s.batch_id order by s.n), array_agg(s.handed order by s.n),
+           (select count(*) from saved)
+      into batch_ids, handed, v_saved
       from served s;
+    if v_saved < coalesce(cardinality(p_open), 0) then
+        perform pgque._cursor_moved();  -- a cursor written since it was read
+    end if;
 end
 $$;
 
