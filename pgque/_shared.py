@@ -20,9 +20,7 @@ from pgque.errors import InvalidArgument, InvalidDelay, SessionUnstable
 from pgque.info import GroupStatus, SlotOwner
 from pgque.types import Batch, BlockedKey, DeadLetter, Event, Fence, Message
 
-# pg_type's oid of timestamptz, fixed since PostgreSQL's first catalogs, and
-# the time its binary form counts microseconds from.
-_TIMESTAMPTZ_OID = 1184
+# The time a binary timestamptz counts microseconds from.
 _PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
 
 T = TypeVar("T")
@@ -97,15 +95,16 @@ def event_columns(events: Sequence[EventLike],
                   ) -> tuple[list[str], list[str], list[str | None], bool]:
     """The types, encoded payloads and partition keys of ``send_batch``'s events,
     and whether any of them is an Event with a delay or an idempotency key."""
-    try:
-        # Every event a (type, payload, key) tuple, the common form: one
-        # transposition in C. Anything else fails it (an Event is not
-        # iterable; a shorter tuple leaves fewer than three columns).
-        types, payloads, keys = (list(column) for column in zip(*events, strict=False))
-    except (TypeError, ValueError):
-        pass
-    else:
-        return types, encode_payloads(payloads), keys, False
+    if all(type(event) is tuple for event in events):
+        # The common form, (type, payload, key) tuples: one transposition in C.
+        # Tuples only, which the loop below can read again: a shorter one
+        # leaves fewer than three columns.
+        try:
+            types, payloads, keys = (list(column) for column in zip(*events, strict=False))
+        except ValueError:
+            pass
+        else:
+            return types, encode_payloads(payloads), keys, False
     types = []
     payloads = []
     keys = []
@@ -217,7 +216,7 @@ def raw_timestamps(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> No
     microseconds since 2000-01-01 UTC: the same eight bytes as a bigint, read
     by psycopg's C loader for bigints. For the receives: the events of a send
     share its time, so batch_from_rows makes a datetime once per time."""
-    cursor.adapters.register_loader(_TIMESTAMPTZ_OID, Int8BinaryLoader)
+    cursor.adapters.register_loader("timestamptz", Int8BinaryLoader)
 
 
 def batch_from_rows(queue: str, consumer: str, rows: Sequence[Sequence[Any]],

@@ -42,59 +42,52 @@ _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 def encode_payload(payload: Any) -> str:
     """The JSON text for a payload; raises PayloadError if it cannot be encoded."""
-    raw = _raw_json(payload)
-    _check_finite(raw, (payload,), (raw,))
-    return _text(raw)
+    return encode_payloads((payload,))[0]
 
 
 def encode_payloads(payloads: Sequence[Any]) -> list[str]:
     """The JSON text of each payload, in order; raises PayloadError if any of
-    them cannot be encoded. For a batch: the search for NaN runs once over
-    them all."""
+    them cannot be encoded. For a batch: one pass, and one search for NaN over
+    them all (_check_finite)."""
     try:
-        # A dict or list straight to the encoder; anything else the long way.
-        raws = [_encode(payload) if type(payload) in _PLAIN_TYPES else _raw_json(payload)
+        # A dict or list is never pre-encoded JSON: straight to the encoder.
+        raws = [_encode(payload) if type(payload) in _PLAIN_TYPES else _other_json(payload)
                 for payload in payloads]
-    except (TypeError, ValueError, msgspec.EncodeError, RecursionError):
-        raws = [_raw_json(payload) for payload in payloads]  # raises the PayloadError
-    _check_finite(b"\0".join(raws), payloads, raws)
-    return [_text(raw) for raw in raws]
-
-
-def _raw_json(payload: Any) -> bytes:
-    """The payload's JSON as bytes, NaN written as null (see _check_finite)."""
-    try:
-        # A dict or list is never pre-encoded JSON: no need to ask.
-        if type(payload) not in _PLAIN_TYPES and isinstance(
-                payload, (bytes, bytearray, memoryview, msgspec.Raw)):
-            raw = bytes(payload)
-            _check_depth(raw)
-            return raw
-        return _encoder.encode(payload)
+    except PayloadError:
+        raise
     except RecursionError as exc:
         raise PayloadError("payload is nested too deeply to encode as JSON") from exc
     except (TypeError, ValueError, msgspec.EncodeError) as exc:
         raise PayloadError(f"payload cannot be encoded as JSON: {exc}") from exc
+    _check_finite(payloads, raws)
+    try:
+        return [raw.decode("utf-8") for raw in raws]
+    except UnicodeDecodeError as exc:
+        raise PayloadError(f"payload is not UTF-8 JSON: {exc}") from exc
 
 
-def _check_finite(joined: bytes, payloads: Sequence[Any], raws: Sequence[bytes]) -> None:
+def _other_json(payload: Any) -> bytes:
+    """The JSON of a payload that is no plain JSON value: pre-encoded JSON as it
+    is (bytes, memoryview, msgspec.Raw), anything else through the encoder."""
+    if isinstance(payload, (bytes, bytearray, memoryview, msgspec.Raw)):
+        raw = bytes(payload)
+        _check_depth(raw)
+        return raw
+    return _encode(payload)
+
+
+def _check_finite(payloads: Sequence[Any], raws: list[bytes]) -> None:
     """PayloadError if a payload holds NaN or an infinity. msgspec writes them as
     null, and JSON has no such numbers: refuse them rather than store a
     different value. Only a payload whose JSON holds a null can hold one, so
-    most are never walked; ``joined`` is their JSON joined by a byte no JSON
-    holds, one search for them all. Pre-encoded JSON holds no Python floats."""
-    if b"null" not in joined:
+    most are never walked; and one search over their JSON joined by a byte no
+    JSON holds costs less than one search each. Pre-encoded JSON holds no
+    Python floats."""
+    if b"null" not in (raws[0] if len(raws) == 1 else b"\0".join(raws)):
         return
     for payload, raw in zip(payloads, raws, strict=True):
         if b"null" in raw and _has_non_finite(payload):
             raise PayloadError("payload holds NaN or Infinity, which JSON cannot represent")
-
-
-def _text(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PayloadError(f"payload is not UTF-8 JSON: {exc}") from exc
 
 
 # Payload types that are never pre-encoded JSON: encoded without asking.

@@ -433,9 +433,10 @@ create or replace function public.rv_dynamic(p_queue_id integer, p_req pgque.rea
 returns pgque.event_template[] language plpgsql as $$
 declare v pgque.event_template[];
 begin
-    execute case when p_req.probe
-                 then pgque._probe_statement('($1)', p_queue_id, coalesce(p_req.slots, 1))
-                 else pgque._read_statement('($1)', p_queue_id, coalesce(p_req.slots, 1)) end
+    execute pgque._as_array(
+                case when p_req.probe
+                     then pgque._probe_rows('($1)', p_queue_id, coalesce(p_req.slots, 1))
+                     else pgque._read_rows('($1)', p_queue_id, coalesce(p_req.slots, 1)) end)
        into v using p_req;
     return v;
 end $$;
@@ -811,6 +812,33 @@ def test_a_whole_batch_comes_from_the_reader_and_its_ack_finishes_it(
     assert retried is not None
     assert [(m.id, m.retry_count) for m in retried] == [(sent[5], 1)]
     assert client.ack(retried) is True
+    assert client.receive("q", "c") is None
+
+
+@pytest.mark.superuser_install  # it installs again as the superuser
+def test_a_whole_receive_without_its_reader_reads_the_batch_into_an_array(
+        client: pgque.Client) -> None:
+    """With the queue's reader dropped by hand, a whole receive goes the way of
+    pieces (_receive, dynamic SQL): the same events, its cursor at the batch's
+    real last id; once maintenance wrote the reader again, the rows come from
+    it and the cursor says handed out whole."""
+    queue_id = client.create_queue("q")
+    client.subscribe("q", "c")
+    whole = scalar(client.conn, "select pgque._handed_whole()")
+    client.conn.execute(f"drop function pgque._batch_reader_{queue_id}")
+    sent = client.send_batch("q", [("e", n, f"k{n}") for n in range(5)])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and [m.id for m in batch] == sent
+    assert cursor_of(client.conn, "c") == (batch.batch_id, 0, sent[-1], sent[-1])
+    assert client.ack(batch) is True
+    assert "batch_reader" in steps(client)
+    sent = client.send_batch("q", [("e", n, f"k{n}") for n in range(5)])
+    client.tick("q")
+    batch = client.receive("q", "c")
+    assert batch is not None and [m.id for m in batch] == sent
+    assert cursor_of(client.conn, "c") == (batch.batch_id, 0, whole, whole)
+    assert client.ack(batch) is True
     assert client.receive("q", "c") is None
 
 

@@ -410,9 +410,13 @@ $$;
 -- past any event id, so the ack that follows finishes the batch.
 create or replace function pgque._handed_whole()
 returns bigint
-language sql immutable
+language plpgsql immutable
 set search_path = pg_catalog, pg_temp
-as $$ select 9223372036854775807::bigint $$;
+as $$
+begin
+    return 9223372036854775807;  -- PL/pgSQL: on the hot path (design-notes.md)
+end
+$$;
 
 -- pgque.receive(queue, consumer, max_events): the consumer's open batch, or
 -- its next one, as pgque.batch_event rows (epoch null), at most max_events
@@ -436,6 +440,7 @@ declare
     v record;
     v_cur pgque.cursor;
     v_rows text;
+    v_opening boolean;
     v_count integer := 0;
     v_steps integer := 0;
 begin
@@ -456,8 +461,20 @@ begin
     v_rows := format('select $2, r.ev_id, r.ev_time, r.ev_retry, r.ev_type, r.ev_data,'
                      ' r.ev_extra1, null::bigint, null::integer, r.ev_delayed_id'
                      ' from %s($1) r', v_rows);
+    -- An open batch is read again from its position; else the next batch,
+    -- past those with nothing for this consumer, consumed on the spot as
+    -- _receive does (bounded, to keep calls short).
     v_cur := v.cur;
-    if v_cur.cur_batch is not null then
+    v_opening := v_cur.cur_batch is null;
+    if v_opening then
+        v_cur.cur_batch := nextval('pgque.batch_id_seq');
+        v_cur.cur_pos := 0;
+    end if;
+    loop
+        if v_opening then
+            v_cur.cur_next_tick := pgque._next_tick(v.queue, v_cur);
+            exit when v_cur.cur_next_tick is null;
+        end if;
         return query execute v_rows
             using pgque._batch_request(
                       (v.sub).sub_id,
@@ -466,43 +483,27 @@ begin
                       v_cur.cur_pos, null, null, null),
                   v_cur.cur_batch;
         get diagnostics v_count = row_count;
-        if v_count = 0 then
-            return query select v_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
-                                null::text, null::text, null::text, null::bigint, null::integer,
-                                null::bigint;
+        exit when v_count > 0 or not v_opening;
+        v_cur.cur_last_tick := v_cur.cur_next_tick;
+        v_steps := v_steps + 1;
+        exit when v_steps >= 100;
+    end loop;
+    if v_count = 0 and v_opening then
+        if v_steps > 0 then  -- the batches passed, with no batch open
+            v_cur.cur_batch := null;
+            v_cur.cur_next_tick := null;
+            v_cur.cur_pos := (v.cur).cur_pos;
+            perform pgque._save_cursor(v_cur);
         end if;
-    else
-        v_cur.cur_batch := nextval('pgque.batch_id_seq');
-        loop
-            v_cur.cur_next_tick := pgque._next_tick(v.queue, v_cur);
-            exit when v_cur.cur_next_tick is null;
-            return query execute v_rows
-                using pgque._batch_request(
-                          (v.sub).sub_id,
-                          pgque._tick_snapshot((v.queue).queue_id, v_cur.cur_last_tick),
-                          pgque._tick_snapshot((v.queue).queue_id, v_cur.cur_next_tick),
-                          0, null, null, null),
-                      v_cur.cur_batch;
-            get diagnostics v_count = row_count;
-            exit when v_count > 0;
-            -- Nothing here for us: consume the batch now instead of a round
-            -- trip to hand out and ack nothing (bounded, to keep calls short).
-            v_cur.cur_last_tick := v_cur.cur_next_tick;
-            v_steps := v_steps + 1;
-            exit when v_steps >= 100;
-        end loop;
-        if v_count = 0 then
-            if v_steps > 0 then
-                v_cur.cur_batch := null;
-                v_cur.cur_next_tick := null;
-                perform pgque._save_cursor(v_cur);
-            end if;
-            return;
-        end if;
-        v_cur.cur_pos := 0;
+        return;
+    end if;
+    if v_count = 0 then  -- an open batch with nothing left
+        return query select v_cur.cur_batch, null::bigint, null::timestamptz, null::integer,
+                            null::text, null::text, null::text, null::bigint, null::integer,
+                            null::bigint;
     end if;
     v_cur.cur_handed := pgque._handed_whole();
-    v_cur.cur_end := pgque._handed_whole();
+    v_cur.cur_end := v_cur.cur_handed;
     perform pgque._save_cursor(v_cur);
 end
 $$;

@@ -35,12 +35,12 @@ $$;
 -- used. Three reads take one:
 --   a batch      one subscription's events (one slot's when slots > 1), in
 --                ev_id order, at most max_events, after < ev_id <= upto,
---                only ids when given (_read_statement);
+--                only ids when given (_read_rows);
 --   a span       the same for the slots span_slots of a group of slots, with
 --                the retries of their subscriptions span_subs, at most
---                max_events per slot (_span_statement, receive_slots);
+--                max_events per slot (_span_rows, receive_slots);
 --   a probe      which of span_slots have an event between probe_prevs (each
---                slot's own start) and next (_probe_statement).
+--                slot's own start) and next (_probe_rows).
 create type pgque.read_request as (
     prev_xmax   xid8,          -- the snapshot at the batch's start (its last tick): xmax
     prev_xip    xid8[],        --   and its transactions in progress
@@ -89,7 +89,7 @@ $$;
 -- tables. The halves are disjoint and are read as two scans, the second one
 -- probe per listed id (a lateral subquery behind "offset 0", so that the
 -- planner cannot turn it into a hash join over the whole slot; see
--- _read_statement): as one condition, "range or in list", a generic plan of
+-- _read_rows): as one condition, "range or in list", a generic plan of
 -- PostgreSQL 15 used the slot index for the slot alone and read every row of
 -- the slot in the table. With slots above 1 the routing formula is spelled
 -- out with its count as a literal, so the planner can use the tables' slot
@@ -110,7 +110,9 @@ $$;
 
 -- pgque._as_array(rows): the statement that collects what the statement
 -- rows returns (pgque.event_template's columns) into one array, as the
--- readers' callers take events (_run_reader). rows is pgque's own text.
+-- readers' callers take events (_run_reader runs it when a reader lacks the
+-- branch), turned into values of the type only once limited, so that a piece
+-- of 100 does not build the rows of the whole batch. rows is pgque's own text.
 create or replace function pgque._as_array(p_rows text)
 returns text
 language sql immutable
@@ -140,28 +142,16 @@ as $$
                   p_req)
 $$;
 
--- pgque._read_statement(req, queue_id, slots): _read_rows as one array,
--- turned into rows of the type only once limited, so that a piece of 100
--- does not build the rows of the whole batch.
-create or replace function pgque._read_statement(p_req text, p_queue_id integer,
-                                                 p_slots integer)
-returns text
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$
-    select pgque._as_array(pgque._read_rows(p_req, p_queue_id, p_slots))
-$$;
-
 -- pgque._span_rows(req, queue_id, slots, limited): the statement that
 -- reads a batch of the queue for several slots of a group of slots at once
 -- (receive_slots, slots/sets.sql): both halves of the batch's condition as
--- _read_statement has them, for the slots req.span_slots (the routing formula
+-- _read_rows has them, for the slots req.span_slots (the routing formula
 -- of slots among them) and with the retries of any of their subscriptions
 -- req.span_subs, in no particular order (the caller orders what it hands
 -- out); with limited, at most req.max_events events per slot, the first by
 -- ev_id, as each slot's own read has it, so that pieces of max_events do not
--- read whole batches into memory. As rows of pgque.event_template's columns;
--- _span_statement: as one array. Built from integers only.
+-- read whole batches into memory. As rows of pgque.event_template's columns.
+-- Built from integers only.
 create or replace function pgque._span_rows(p_req text, p_queue_id integer,
                                             p_slots integer, p_limited boolean)
 returns text
@@ -191,22 +181,12 @@ as $$
                   case when p_limited then format(' where x.n <= %s.max_events', p_req) else '' end)
 $$;
 
-create or replace function pgque._span_statement(p_req text, p_queue_id integer,
-                                                 p_slots integer, p_limited boolean)
-returns text
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$
-    select pgque._as_array(pgque._span_rows(p_req, p_queue_id, p_slots, p_limited))
-$$;
-
 -- pgque._probe_rows(req, queue_id, slots): the statement that finds which
 -- of the slots req.span_slots of slots have an event in their batch up to
 -- the snapshot req.next: for each of them (with its subscription of
 -- req.span_subs and its start of req.probe_prevs), at most one of its
 -- events, found by scans (one per half of the condition) that stop at the
--- first. As rows of pgque.event_template's columns; _probe_statement: as one
--- array.
+-- first. As rows of pgque.event_template's columns.
 create or replace function pgque._probe_rows(p_req text, p_queue_id integer, p_slots integer)
 returns text
 language sql immutable
@@ -230,23 +210,14 @@ as $$
                                      p_req))
 $$;
 
-create or replace function pgque._probe_statement(p_req text, p_queue_id integer,
-                                                  p_slots integer)
-returns text
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$
-    select pgque._as_array(pgque._probe_rows(p_req, p_queue_id, p_slots))
-$$;
-
 -- pgque._cover_rows(req, queue_id): the statement that finds whether a
 -- committed event of the queue is not covered by the snapshot whose xmax and
 -- in-progress list req.prev_xmax and req.prev_xip hold (the ticker's probe,
 -- _uncovered_events): at most one such event, by one scan of the ev_txid
 -- index from xmax (in ev_txid order: a generic plan, not knowing xmax, took
 -- "ev_txid >= xmax" for a third of the table and read all of it) and one
--- probe per listed id. As rows of pgque.event_template's columns;
--- _cover_statement: as one array. Built from an integer only.
+-- probe per listed id. As rows of pgque.event_template's columns. Built from
+-- an integer only.
 create or replace function pgque._cover_rows(p_req text, p_queue_id integer)
 returns text
 language sql immutable
@@ -261,14 +232,6 @@ as $$
                   '                              where e.ev_txid = x.txid offset 0) e limit 1)'
                   '       limit 1) x',
                   pgque._event_table(p_queue_id), p_req)
-$$;
-
-create or replace function pgque._cover_statement(p_req text, p_queue_id integer)
-returns text
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$
-    select pgque._as_array(pgque._cover_rows(p_req, p_queue_id))
 $$;
 
 -- pgque._read_dispatch(req, queue_id, slots): the statements that serve the
@@ -309,17 +272,6 @@ as $$
                   pgque._cover_rows(p_req, p_queue_id))
 $$;
 
--- pgque._reader_lacks_branch(events): whether events, as a batch reader
--- returned them, is its answer to a read for a slot count it has no branch
--- for: one row of nulls (an event always has an ev_id).
-create or replace function pgque._reader_lacks_branch(p_events pgque.event_template[])
-returns boolean
-language sql immutable
-set search_path = pg_catalog, pg_temp
-as $$
-    select cardinality(p_events) = 1 and (p_events[1]).ev_id is null
-$$;
-
 -- pgque._run_reader(queue_id, req): the events that the read request req
 -- asks of the queue (see pgque.read_request), as one array: through the
 -- queue's batch reader when it has a branch for req.slots, else as dynamic
@@ -339,17 +291,20 @@ begin
     if to_regproc(v_reader) is not null then
         execute format('select array(select r from %s($1) r)', v_reader)
            into v_events using p_req;
-        if not pgque._reader_lacks_branch(v_events) then
+        -- One row of nulls: the reader has no branch for this slot count (an
+        -- event always has an ev_id).
+        if not (cardinality(v_events) = 1 and (v_events[1]).ev_id is null) then
             return v_events;
         end if;
     end if;
-    execute case when p_req.probe and p_req.span_slots is null
-                      then pgque._cover_statement('($1)', p_queue_id)
-                 when p_req.probe then pgque._probe_statement('($1)', p_queue_id, v_slots)
-                 when v_slots > 1 and p_req.slot is null
-                      then pgque._span_statement('($1)', p_queue_id, v_slots,
-                                                 p_req.max_events is not null)
-                 else pgque._read_statement('($1)', p_queue_id, v_slots) end
+    execute pgque._as_array(
+                case when p_req.probe and p_req.span_slots is null
+                          then pgque._cover_rows('($1)', p_queue_id)
+                     when p_req.probe then pgque._probe_rows('($1)', p_queue_id, v_slots)
+                     when v_slots > 1 and p_req.slot is null
+                          then pgque._span_rows('($1)', p_queue_id, v_slots,
+                                                p_req.max_events is not null)
+                     else pgque._read_rows('($1)', p_queue_id, v_slots) end)
        into v_events using p_req;
     return v_events;
 end

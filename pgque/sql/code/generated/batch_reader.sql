@@ -13,7 +13,7 @@
 -- filter) and one for each count N above 1 that a group of the queue uses,
 -- with N written out as a literal so that the plan can use the slot index
 -- (generated/slot_index.sql). For any other count it returns one row of
--- nulls (_reader_lacks_branch) and the caller reads with dynamic SQL, as
+-- nulls and the caller (_run_reader) reads with dynamic SQL, as
 -- before: a reader that lags behind the groups is slower, never wrong. The
 -- plain branch is always there. A reader returns its events as rows, which
 -- receive hands on as they are (consumers/batch.sql); _run_reader collects

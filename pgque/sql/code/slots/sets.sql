@@ -55,7 +55,7 @@ $$;
 -- group (else each slot's own read, by its slot index, costs less). together
 -- holds their positions in ks (none: the read is null), lasts their last
 -- ticks at the same positions; last_tick is the oldest of those. req is the
--- read request of their span from last_tick (_span_statement), which the
+-- read request of their span from last_tick (_span_rows), which the
 -- caller runs and routes (_route_span); when their last ticks differ it
 -- carries each slot's start in probe_prevs (an event is a slot's only if
 -- that snapshot did not see it) and reads the span whole.
