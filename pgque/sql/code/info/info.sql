@@ -22,18 +22,23 @@ as $$
 declare
     v_time timestamptz;
 begin
-    execute format(
-        'select e.ev_time from pgque.%I e'
-        ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
-        '   and (e.ev_owner is null or e.ev_owner = $3)%s'
-        ' order by e.ev_txid limit 1',
-        pgque._event_table(p_queue_id), pgque._slot_filter(p_slots, '$4'))
-       into v_time
-      using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
-    return v_time;
-exception when undefined_table or lock_not_available then
-    -- The queue was dropped after the caller's statement began, or is being
-    -- dropped (see _sequence_value).
+    begin
+        execute format(
+            'select e.ev_time from pgque.%I e'
+            ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
+            '   and (e.ev_owner is null or e.ev_owner = $3)%s'
+            ' order by e.ev_txid limit 1',
+            pgque._event_table(p_queue_id), pgque._slot_filter(p_slots, '$4'))
+           into v_time
+          using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
+        return v_time;
+    exception when undefined_table or lock_not_available then
+        -- The queue was dropped after the caller's statement began, or is being
+        -- dropped (see _sequence_value).
+        null;  -- (a lock timeout left pending is raised here: see pgque._seq_before)
+    end;
+    return null;
+exception when lock_not_available then
     return null;
 end
 $$;
@@ -54,9 +59,14 @@ set search_path = pg_catalog, pg_temp
 set lock_timeout = '100ms'
 as $$
 begin
-    return pg_sequence_last_value(p_seq);
-exception when undefined_table or internal_error or lock_not_available then
-    -- "could not open relation with OID": the sequence is gone.
+    begin
+        return pg_sequence_last_value(p_seq);
+    exception when undefined_table or internal_error or lock_not_available then
+        -- "could not open relation with OID": the sequence is gone.
+        null;  -- (a lock timeout left pending is raised here: see pgque._seq_before)
+    end;
+    return null;
+exception when lock_not_available then
     return null;
 end
 $$;
@@ -106,20 +116,25 @@ declare
     v_snapshot pg_snapshot;
     v_found boolean;
 begin
-    if p_tick_age <= p_after then
-        return false;
-    end if;
-    if p_tick_id is null then
-        execute format('select exists (select 1 from pgque.%I)', pgque._event_table(p_queue_id))
-           into v_found;
-        return v_found;
-    end if;
-    select t.tick_snapshot into v_snapshot
-      from pgque.tick t
-     where t.tick_queue = p_queue_id and t.tick_id = p_tick_id;
-    return coalesce(pgque._uncovered_events(p_queue_id, v_snapshot), false);
-exception when undefined_table or lock_not_available then
+    begin
+        if p_tick_age <= p_after then
+            return false;
+        end if;
+        if p_tick_id is null then
+            execute format('select exists (select 1 from pgque.%I)', pgque._event_table(p_queue_id))
+               into v_found;
+            return v_found;
+        end if;
+        select t.tick_snapshot into v_snapshot
+          from pgque.tick t
+         where t.tick_queue = p_queue_id and t.tick_id = p_tick_id;
+        return coalesce(pgque._uncovered_events(p_queue_id, v_snapshot), false);
+    exception when undefined_table or lock_not_available then
+        null;  -- (a lock timeout left pending is raised here: see pgque._seq_before)
+    end;
     return false;  -- the queue is being dropped, or was (see _sequence_value)
+exception when lock_not_available then
+    return false;
 end
 $$;
 
@@ -217,18 +232,23 @@ as $$
 declare
     v_count bigint;
 begin
-    execute format(
-        'select count(*) from (select 1 from pgque.%I e'
-        ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
-        '   and (e.ev_owner is null or e.ev_owner = $3)%s'
-        ' limit 1000000) pending',
-        pgque._event_table(p_queue_id), pgque._slot_filter(p_slots, '$4'))
-       into v_count
-      using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
-    return v_count;
-exception when undefined_table or lock_not_available then
-    -- The queue was dropped after the caller's statement began, or is being
-    -- dropped (see _sequence_value).
+    begin
+        execute format(
+            'select count(*) from (select 1 from pgque.%I e'
+            ' where e.ev_txid >= $1 and not pg_visible_in_snapshot(e.ev_txid, $2)'
+            '   and (e.ev_owner is null or e.ev_owner = $3)%s'
+            ' limit 1000000) pending',
+            pgque._event_table(p_queue_id), pgque._slot_filter(p_slots, '$4'))
+           into v_count
+          using pg_snapshot_xmin(p_snapshot), p_snapshot, p_sub_id, p_slot, p_slots;
+        return v_count;
+    exception when undefined_table or lock_not_available then
+        -- The queue was dropped after the caller's statement began, or is being
+        -- dropped (see _sequence_value).
+        null;  -- (a lock timeout left pending is raised here: see pgque._seq_before)
+    end;
+    return null;
+exception when lock_not_available then
     return null;
 end
 $$;

@@ -143,6 +143,16 @@ begin
 end
 $$;
 
+-- Looks that must neither wait nor fail (_seq_before, _tick_wanted_nowait,
+-- _settle_ready, _ticker_look, _maint_due; the info views' reads wait 100 ms)
+-- wait for a lock at most lock_timeout and take an error for "cannot tell".
+-- A wait whose lock is granted (a drop_queue commits) just as the timeout
+-- fires leaves the timeout's cancel pending while the look fails on the
+-- relation dropped meanwhile; PostgreSQL raises that cancel (55P03) at the
+-- next statement, the first of the handler. So each such look is two blocks:
+-- the inner one catches the look's error, the outer one the lock timeout its
+-- handler may raise.
+
 -- pgque._seq_before(queue): the position of the queue's sequence, read now,
 -- for a tick's seq_before (see the top): null when this transaction has an
 -- id already. Neither waits nor fails (null instead): a drop_queue in
@@ -158,8 +168,13 @@ begin
     if pg_current_xact_id_if_assigned() is not null then
         return null;
     end if;
-    return coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
-exception when others then
+    begin
+        return coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
+    exception when others then
+        null;  -- (a lock timeout left pending is raised here: see above)
+    end;
+    return null;
+exception when lock_not_available then
     return null;
 end
 $$;
@@ -278,8 +293,13 @@ set search_path = pg_catalog, pg_temp
 set lock_timeout = '1ms'
 as $$
 begin
-    return pgque._tick_wanted(p_queue, p_overdue);
-exception when others then
+    begin
+        return pgque._tick_wanted(p_queue, p_overdue);
+    exception when others then
+        null;  -- (a lock timeout left pending is raised here: see _seq_before)
+    end;
+    return true;
+exception when lock_not_available then
     return true;
 end
 $$;
@@ -434,14 +454,19 @@ set search_path = pg_catalog, pg_temp
 set lock_timeout = '1ms'
 as $$
 begin
-    -- (Due by the tick's time at least: a clock set back leaves it ahead.)
-    return coalesce(pg_snapshot_xmin(pg_current_snapshot()) > p_tick.tick_settle_xid
-                    and not pgque._uncovered_events(p_queue_id, p_tick.tick_snapshot)
-                    and not (exists (select from pgque.delayed_event)
-                             and pgque._delayed_due(p_queue_id, p_tick,
-                                                    greatest(clock_timestamp(), p_tick.tick_time))),
-                    false);
-exception when others then
+    begin
+        -- (Due by the tick's time at least: a clock set back leaves it ahead.)
+        return coalesce(pg_snapshot_xmin(pg_current_snapshot()) > p_tick.tick_settle_xid
+                        and not pgque._uncovered_events(p_queue_id, p_tick.tick_snapshot)
+                        and not (exists (select from pgque.delayed_event)
+                                 and pgque._delayed_due(p_queue_id, p_tick,
+                                                        greatest(clock_timestamp(), p_tick.tick_time))),
+                        false);
+    exception when others then
+        null;  -- (a lock timeout left pending is raised here: see _seq_before)
+    end;
+    return false;
+exception when lock_not_available then
     return false;
 end
 $$;
@@ -507,16 +532,25 @@ declare
     v_wanted boolean[];
     v_settle boolean[];
     v_count integer;
+    v_looked boolean := false;
 begin
     ticks := 0;
     ticked := '{}';
     begin
-        select coalesce(array_agg(l.queue_id order by l.queue_id), '{}'),
-               array_agg(l.seq order by l.queue_id), array_agg(l.wanted order by l.queue_id),
-               array_agg(l.settle order by l.queue_id)
-          into v_ids, v_seqs, v_wanted, v_settle
-          from pgque._ticker_look(p_overdue, p_after, p_max_queues, p_queues) l;
-    exception when others then
+        begin
+            select coalesce(array_agg(l.queue_id order by l.queue_id), '{}'),
+                   array_agg(l.seq order by l.queue_id), array_agg(l.wanted order by l.queue_id),
+                   array_agg(l.settle order by l.queue_id)
+              into v_ids, v_seqs, v_wanted, v_settle
+              from pgque._ticker_look(p_overdue, p_after, p_max_queues, p_queues) l;
+            v_looked := true;
+        exception when others then
+            null;  -- (a lock timeout left pending is raised here: see _seq_before)
+        end;
+    exception when lock_not_available then
+        null;
+    end;
+    if not v_looked then
         -- A queue being dropped, most likely: every queue of the chunk is
         -- looked at by itself, as _tick_if_wanted does without waiting.
         v_ids := array(select q.queue_id from pgque.queue q
@@ -526,7 +560,7 @@ begin
         v_seqs := null;
         v_wanted := array_fill(true, array[cardinality(v_ids)]);
         v_settle := array_fill(false, array[cardinality(v_ids)]);
-    end;
+    end if;
     -- One queue more than asked: whether any is left after the chunk.
     v_count := cardinality(v_ids);
     if v_count > p_max_queues then
