@@ -113,9 +113,11 @@ begin
             v_settle_xid)
     returning * into v_tick;
     -- The delayed events this tick passes, into the log for the next tick (the
-    -- probes first: the move is planned at each call). This transaction's own
-    -- events are not in the tick: it is not settled after all.
-    if pgque._delayed_due(p_queue.queue_id, v_prev, v_tick.tick_time) then
+    -- probes first: the move is planned at each call; where no queue has any,
+    -- one look at the empty table). This transaction's own events are not in
+    -- the tick: it is not settled after all.
+    if exists (select from pgque.delayed_event)
+       and pgque._delayed_due(p_queue.queue_id, v_prev, v_tick.tick_time) then
         if pgque._move_delayed(p_queue, v_prev, v_tick) > 0 and v_tick.tick_settled then
             update pgque.tick t set tick_settled = false
              where t.tick_queue = v_tick.tick_queue and t.tick_id = v_tick.tick_id
@@ -312,9 +314,12 @@ $$;
 -- a queue dropped meanwhile is not touched. Without wait, a queue whose tick
 -- lock is taken (being ticked or dropped elsewhere) is skipped at once.
 -- Returns the new tick id, or null when none was made. seq_before: as for
--- _make_tick.
+-- _make_tick. sure: the caller has just seen that the thresholds ask for a
+-- tick by the sequence alone (_ticker_look), so the look before the lock,
+-- which would say so again, is skipped.
 create or replace function pgque._tick_if_wanted(p_queue_id integer, p_overdue interval,
-                                                 p_wait boolean, p_seq_before bigint default null)
+                                                 p_wait boolean, p_seq_before bigint default null,
+                                                 p_sure boolean default false)
 returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -326,7 +331,7 @@ begin
     if not found then
         return null;
     end if;
-    if not pgque._tick_wanted_nowait(v_queue, p_overdue) then
+    if not p_sure and not pgque._tick_wanted_nowait(v_queue, p_overdue) then
         return null;
     end if;
     if not pgque._lock_queue(p_queue_id, 'tick', p_wait) then
@@ -381,7 +386,9 @@ as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null, null) s $$;
 -- sequence's position (seq), whether a tick may be wanted (a superset of
 -- _tick_wanted's answer, which decides under the lock: pending events by the
 -- sequence, a threshold, the idle period, a delayed event due since the last
--- tick, or a last tick not settled, which only a probe can judge) and whether
+-- tick, or a last tick not settled, which only a probe can judge), whether
+-- _tick_wanted would say yes now by the sequence and the clock alone (sure:
+-- no probe needed; it says so again under the lock) and whether
 -- its last tick may be settled now (settle: nothing pending by the sequence,
 -- and the oldest transaction running is past its tick_settle_xid; see the
 -- top). Reads only. Locks are waited for at most 1 ms: a drop_queue holds the
@@ -389,7 +396,7 @@ as $$ select s.ticks from pgque._ticker_some(p_overdue, null, null, null) s $$;
 -- per queue when this fails.
 create or replace function pgque._ticker_look(p_overdue interval, p_after integer,
                                               p_max_queues integer, p_queues integer[])
-returns table (queue_id integer, seq bigint, wanted boolean, settle boolean)
+returns table (queue_id integer, seq bigint, wanted boolean, sure boolean, settle boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set lock_timeout = '1ms'
@@ -398,16 +405,7 @@ as $$
 begin
     -- PL/pgSQL for its cached plan: the Ticker calls it every few milliseconds.
     return query
-        select q.queue_id, s.seq,
-               case when p_overdue is null
-                    then t.tick_id is null
-                         or s.seq - t.tick_event_seq >= q.queue_ticker_max_count
-                         or (s.seq > t.tick_event_seq and now() - t.tick_time >= q.queue_ticker_max_lag)
-                         or now() - t.tick_time >= q.queue_ticker_idle_period
-                         or not t.tick_settled or d.due
-                    else (t.tick_id is null or now() - t.tick_time >= p_overdue)
-                         and (s.seq > coalesce(t.tick_event_seq, 0) or not t.tick_settled or d.due)
-               end,
+        select q.queue_id, s.seq, w.sure or w.maybe, w.sure,
                coalesce(s.seq <= t.tick_event_seq and not t.tick_settled
                         and pg_snapshot_xmin(pg_current_snapshot()) > t.tick_settle_xid, false)
           -- The queues named, by the primary key (one condition for both ways
@@ -436,6 +434,23 @@ begin
                                                  where e.de_queue = q.queue_id
                                                    and e.de_due > coalesce(t.tick_time, '-infinity')
                                                    and e.de_due <= clock_timestamp()) as due) d
+         -- _tick_due's thresholds by the sequence (sure), or what a probe may
+         -- find (maybe); with overdue, _tick_wanted's pending_only the same way.
+         cross join lateral (select case when p_overdue is null
+                                         then coalesce(t.tick_id is null
+                                                       or s.seq - t.tick_event_seq >= q.queue_ticker_max_count
+                                                       or (s.seq > t.tick_event_seq
+                                                           and now() - t.tick_time >= q.queue_ticker_max_lag)
+                                                       or now() - t.tick_time >= q.queue_ticker_idle_period,
+                                                       false)
+                                         else coalesce((t.tick_id is null or now() - t.tick_time >= p_overdue)
+                                                       and s.seq > coalesce(t.tick_event_seq, 0), false)
+                                    end as sure,
+                                    coalesce(case when p_overdue is null
+                                                  then not t.tick_settled or d.due
+                                                  else (t.tick_id is null or now() - t.tick_time >= p_overdue)
+                                                       and (not t.tick_settled or d.due)
+                                             end, false) as maybe) w
          order by q.queue_id;
 end
 $$;
@@ -530,6 +545,7 @@ declare
     v_ids integer[];
     v_seqs bigint[];
     v_wanted boolean[];
+    v_sure boolean[];
     v_settle boolean[];
     v_count integer;
     v_looked boolean := false;
@@ -540,8 +556,8 @@ begin
         begin
             select coalesce(array_agg(l.queue_id order by l.queue_id), '{}'),
                    array_agg(l.seq order by l.queue_id), array_agg(l.wanted order by l.queue_id),
-                   array_agg(l.settle order by l.queue_id)
-              into v_ids, v_seqs, v_wanted, v_settle
+                   array_agg(l.sure order by l.queue_id), array_agg(l.settle order by l.queue_id)
+              into v_ids, v_seqs, v_wanted, v_sure, v_settle
               from pgque._ticker_look(p_overdue, p_after, p_max_queues, p_queues) l;
             v_looked := true;
         exception when others then
@@ -559,6 +575,7 @@ begin
                         order by q.queue_id limit p_max_queues + 1);
         v_seqs := null;
         v_wanted := array_fill(true, array[cardinality(v_ids)]);
+        v_sure := null;
         v_settle := array_fill(false, array[cardinality(v_ids)]);
     end if;
     -- One queue more than asked: whether any is left after the chunk.
@@ -570,7 +587,8 @@ begin
     for i in 1 .. v_count loop
         if v_wanted[i] then
             if pgque._tick_if_wanted(v_ids[i], p_overdue, false,
-                                     case when v_fresh then v_seqs[i] end) is not null then
+                                     case when v_fresh then v_seqs[i] end,
+                                     coalesce(v_sure[i], false)) is not null then
                 ticks := ticks + 1;
                 ticked := ticked || v_ids[i];
                 continue;
