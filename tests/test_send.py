@@ -194,7 +194,7 @@ def test_send_is_security_definer_with_its_search_path_pinned(
     assert len(rows) == 2
     for signature, definer, config in rows:
         assert definer, signature
-        assert config == ["search_path=pg_catalog, pg_temp"], (signature, config)
+        assert config == ["search_path=pg_catalog, pg_temp", "jit=off"], (signature, config)
     # A caller's objects named like pgque's cannot divert it: a temporary table
     # named as the event table, a caller's schema first in its search_path.
     conn.execute("select pgque.create_queue('q')")

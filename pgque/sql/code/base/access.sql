@@ -275,6 +275,7 @@ returns boolean
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque._change_queue_grant(p_queue, p_role, p_privilege, true) $$;
 
 -- pgque.revoke_queue(queue, role, privilege): takes privilege on the queue
@@ -286,6 +287,7 @@ returns boolean
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque._change_queue_grant(p_queue, p_role, p_privilege, false) $$;
 
 -- pgque.queue_grants(queue): the roles granted each privilege on the queue,
@@ -295,6 +297,7 @@ returns table (privilege text, role_name text)
 language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select g.privilege, coalesce(r.rolname::text, g.role::text)
       from pgque._queue_row(p_queue) q
@@ -384,6 +387,7 @@ returns boolean
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque._change_consumer_grant(p_queue, p_consumer, p_role, true) $$;
 
 -- pgque.revoke_consumer(queue, consumer, role): takes that access back; true
@@ -394,4 +398,5 @@ returns boolean
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque._change_consumer_grant(p_queue, p_consumer, p_role, false) $$;

@@ -11,6 +11,7 @@ create or replace function pgque.version()
 returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select '@PGQUE_VERSION@'::text $$;
 
 -- pgque._name_for_message(text): a caller-supplied name (or other text) as

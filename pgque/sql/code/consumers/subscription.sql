@@ -49,6 +49,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue;
@@ -96,6 +97,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);

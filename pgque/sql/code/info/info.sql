@@ -429,6 +429,7 @@ returns setof pgque._queue_info
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_me record;
@@ -467,6 +468,7 @@ returns setof pgque._consumer_info
 language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select i.* from pgque._consumer_info i
       join pgque.queue q on q.queue_name = i.queue_name
@@ -487,6 +489,7 @@ returns setof pgque._partition_slot_status
 language plpgsql volatile
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     r pgque._partition_slot_status;
@@ -518,6 +521,7 @@ returns setof pgque._group_info
 language sql volatile
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select pg_stat_clear_snapshot();  -- sessions that started since the transaction did
     select i.* from pgque._group_info i
@@ -537,6 +541,7 @@ create or replace function pgque.get_ticker_info(out active_pid integer, out act
 language sql volatile
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select t.pid, nullif(a.application_name, '')
       from (select pgque.active_ticker() as pid) t
@@ -556,6 +561,7 @@ returns setof record
 language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     -- Who the caller is and what it may do at all, judged once, not per row.
     with me as materialized (

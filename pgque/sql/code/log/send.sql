@@ -93,6 +93,7 @@ returns bigint
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue;
@@ -142,6 +143,7 @@ returns bigint
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque.send(p_queue, p_type, p_payload::text, p_partition_key) $$;
 
 -- pgque.send_batch(queue, types, payloads, partition_keys): appends several
@@ -154,6 +156,7 @@ returns bigint[]
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
@@ -298,6 +301,7 @@ returns pgque.sent_event
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue;
@@ -372,6 +376,7 @@ returns setof pgque.sent_event
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select s.* from pgque._send_events(p_queue, p_types, p_payloads, p_partition_keys,
                                        p_deliver_ats, p_deliver_afters, p_idempotency_keys) s

@@ -55,6 +55,7 @@ returns text
 language sql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque._tick_channel((pgque._queue_row(p_queue)).queue_id) $$;
 
 -- pgque._make_tick(queue, seq_before): makes a tick for the queue now,
@@ -137,6 +138,7 @@ returns bigint
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
@@ -356,6 +358,7 @@ returns bigint
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
@@ -617,6 +620,7 @@ create or replace function pgque.ticker_some(p_after integer, p_max_queues integ
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 begin
     if p_max_queues is null or p_max_queues < 1 then
@@ -637,6 +641,7 @@ returns integer
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 begin
     return pgque._ticker(null);
@@ -654,6 +659,7 @@ returns integer
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 begin
     if p_after is null or p_after < interval '0' then

@@ -214,6 +214,7 @@ returns void
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;

@@ -9,6 +9,7 @@ returns bigint
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -80,6 +81,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -99,6 +101,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;

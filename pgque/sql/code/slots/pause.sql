@@ -762,6 +762,7 @@ returns void
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
@@ -781,6 +782,7 @@ create or replace function pgque.failure_policy(
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_group pgque.consumer_group := pgque._group(pgque._queue_row(p_queue), p_consumer, null);
@@ -805,6 +807,7 @@ returns table (slot integer, key text, ev_id bigint, ev_time timestamptz, ev_typ
 language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
@@ -902,6 +905,7 @@ returns void
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -922,6 +926,7 @@ returns bigint
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -941,6 +946,7 @@ returns bigint
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;

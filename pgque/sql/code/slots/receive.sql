@@ -131,6 +131,7 @@ returns setof pgque.batch_event
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -150,6 +151,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -172,6 +174,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -196,6 +199,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;
@@ -279,6 +283,7 @@ returns setof pgque.batch_event
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select * from pgque._ack_receive_slot(p_queue, p_consumer, p_slot, p_slots, p_batch_id,
                                           p_nack_ids, p_nack_reasons, p_retry_after, null,
@@ -298,6 +303,7 @@ returns setof pgque.batch_event
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select * from pgque._ack_receive_slot(p_queue, p_consumer, p_slot, p_slots, p_batch_id,
                                           p_nack_ids, p_nack_reasons, p_retry_after,
@@ -315,6 +321,7 @@ returns integer
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v record;

@@ -26,6 +26,7 @@ create or replace function pgque.pin_session(p_token text)
 returns integer
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 begin
     if p_token is null or length(p_token) not between 1 and 64 then
@@ -49,6 +50,7 @@ create or replace function pgque.session_checked(p_value text, p_pid integer, p_
 returns text
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_token text := coalesce(current_setting('pgque.session_token', true), '');

@@ -293,6 +293,7 @@ returns table (slot integer, batch_id bigint, ev_id bigint, ev_time timestamptz,
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 #variable_conflict use_column
 declare
@@ -497,6 +498,7 @@ returns boolean[]
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
@@ -583,6 +585,7 @@ returns table (slot integer, batch_id bigint, ev_id bigint, ev_time timestamptz,
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);

@@ -66,6 +66,7 @@ returns bigint
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_job bigint;
@@ -90,6 +91,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_found boolean;

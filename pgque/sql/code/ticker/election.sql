@@ -36,6 +36,7 @@ returns boolean
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 begin
     if not pgque._may_tick(pgque._session_role()) then
@@ -57,6 +58,7 @@ returns boolean
 language sql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque._unlock_key(pgque._ticker_key()) $$;
 
 -- pgque.active_ticker(): the backend pid of the active ticker, or null. Only
@@ -66,6 +68,7 @@ returns integer
 language sql volatile
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
     select k.pid from pgque._key_sessions(pgque._ticker_key()) k
      where k.granted and k.mode = 'ExclusiveLock' and pgque._may_tick(k.role)

@@ -260,6 +260,7 @@ returns table (queue_name text, step text, amount bigint)
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 #variable_conflict use_column
 declare

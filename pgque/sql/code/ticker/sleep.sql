@@ -51,6 +51,7 @@ returns text
 language sql immutable
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$ select pgque._ticker_channel() $$;
 
 -- pgque._wake_ticker(queue_id): notifies the ticker channel at the caller's
@@ -116,6 +117,7 @@ returns integer
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_count integer;
@@ -144,6 +146,7 @@ returns integer
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
+set jit = off
 as $$
 declare
     v_count integer;
