@@ -113,7 +113,7 @@ system-deps:
 		(apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "$$@" >/dev/null 2>&1); \
 	}; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
-		echo "system-deps: needs root and apt-get; pg_cron, pgbouncer and nftables tests will skip"; \
+		echo "system-deps: needs root and apt-get; pg_cron, pgbouncer, nftables and gdb tests will skip"; \
 		exit 0; \
 	fi; \
 	for bindir in /usr/lib/postgresql/*/bin; do \
@@ -138,6 +138,10 @@ system-deps:
 	if ! command -v nft >/dev/null && [ ! -x /usr/sbin/nft ]; then \
 		echo "installing nftables"; \
 		apt_install nftables || echo "nftables not installed; the network-fault tests will skip"; \
+	fi; \
+	if ! command -v gdb >/dev/null; then \
+		echo "installing gdb (tests/late_grant.py stops a backend between two lines of its lock wait)"; \
+		apt_install gdb || echo "gdb not installed; the lock-timeout race tests will skip"; \
 	fi
 
 demo: venv

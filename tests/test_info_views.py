@@ -8,8 +8,8 @@ list."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 import uuid
+from typing import Any
 
 import psycopg
 import pytest

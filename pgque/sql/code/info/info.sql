@@ -58,9 +58,12 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set lock_timeout = '100ms'
 as $$
+declare
+    v_value bigint;
 begin
     begin
-        return pg_sequence_last_value(p_seq);
+        v_value := pg_sequence_last_value(p_seq);
+        return v_value;  -- (a statement of its own: see pgque._seq_before)
     exception when undefined_table or internal_error or lock_not_available then
         -- "could not open relation with OID": the sequence is gone.
         null;  -- (a lock timeout left pending is raised here: see pgque._seq_before)
@@ -128,7 +131,8 @@ begin
         select t.tick_snapshot into v_snapshot
           from pgque.tick t
          where t.tick_queue = p_queue_id and t.tick_id = p_tick_id;
-        return coalesce(pgque._uncovered_events(p_queue_id, v_snapshot), false);
+        v_found := coalesce(pgque._uncovered_events(p_queue_id, v_snapshot), false);
+        return v_found;  -- (a statement of its own: see pgque._seq_before)
     exception when undefined_table or lock_not_available then
         null;  -- (a lock timeout left pending is raised here: see pgque._seq_before)
     end;

@@ -155,7 +155,10 @@ $$;
 -- relation dropped meanwhile; PostgreSQL raises that cancel (55P03) at the
 -- next statement, the first of the handler. So each such look is two blocks:
 -- the inner one catches the look's error, the outer one the lock timeout its
--- handler may raise.
+-- handler may raise. And when the wait ends without an error (the holder
+-- rolled back), the look's value is returned by a statement of its own inside
+-- the inner block, which raises the cancel there: a RETURN of the look itself
+-- left it to the caller's next statement.
 
 -- pgque._seq_before(queue): the position of the queue's sequence, read now,
 -- for a tick's seq_before (see the top): null when this transaction has an
@@ -168,12 +171,15 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set lock_timeout = '1ms'
 as $$
+declare
+    v_seq bigint;
 begin
     if pg_current_xact_id_if_assigned() is not null then
         return null;
     end if;
     begin
-        return coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
+        v_seq := coalesce(pg_sequence_last_value(p_queue.queue_event_seq), 0);
+        return v_seq;  -- (a statement of its own: see above)
     exception when others then
         null;  -- (a lock timeout left pending is raised here: see above)
     end;
@@ -296,9 +302,12 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set lock_timeout = '1ms'
 as $$
+declare
+    v_wanted boolean;
 begin
     begin
-        return pgque._tick_wanted(p_queue, p_overdue);
+        v_wanted := pgque._tick_wanted(p_queue, p_overdue);
+        return v_wanted;  -- (a statement of its own: see _seq_before)
     exception when others then
         null;  -- (a lock timeout left pending is raised here: see _seq_before)
     end;
@@ -471,15 +480,18 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set lock_timeout = '1ms'
 as $$
+declare
+    v_ready boolean;
 begin
     begin
         -- (Due by the tick's time at least: a clock set back leaves it ahead.)
-        return coalesce(pg_snapshot_xmin(pg_current_snapshot()) > p_tick.tick_settle_xid
+        v_ready := coalesce(pg_snapshot_xmin(pg_current_snapshot()) > p_tick.tick_settle_xid
                         and not pgque._uncovered_events(p_queue_id, p_tick.tick_snapshot)
                         and not (exists (select from pgque.delayed_event)
                                  and pgque._delayed_due(p_queue_id, p_tick,
                                                         greatest(clock_timestamp(), p_tick.tick_time))),
                         false);
+        return v_ready;  -- (a statement of its own: see _seq_before)
     exception when others then
         null;  -- (a lock timeout left pending is raised here: see _seq_before)
     end;
