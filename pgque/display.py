@@ -161,6 +161,16 @@ def policy(group: GroupInfo) -> Text:
     return Text(f"pause ({', '.join(b for b in bounds if b)})")
 
 
+def _total(counts: Iterable[int | None]) -> int | None:
+    """The sum of counts, or None when one of them could not be counted."""
+    total = 0
+    for count in counts:
+        if count is None:
+            return None
+        total += count
+    return total
+
+
 def state(stalled: bool) -> Text:
     """The state cell of a queue or slot: STALLED, or ok."""
     return Text("STALLED", style="bold red") if stalled else Text("ok", style="dim")
@@ -233,7 +243,7 @@ def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
         ["queue", "group", "slots", "members", "owned", "pending", "stalled slots",
          "newest epoch", "policy", "blocked keys", "oldest blocked", "dead letters"],
         ([g.queue_name, g.consumer_name, g.slots, g.members, f"{g.owned_slots}/{g.slots}",
-          sum(s.pending_events for s in slots_of.get((g.queue_name, g.consumer_name), [])),
+          _total(s.pending_events for s in slots_of.get((g.queue_name, g.consumer_name), [])),
           sum(s.stalled for s in slots_of.get((g.queue_name, g.consumer_name), [])),
           g.newest_epoch, policy(g),
           g.blocked_keys, max((s.oldest_blocked_age

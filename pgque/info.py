@@ -83,7 +83,10 @@ class SlotStatus(msgspec.Struct, frozen=True):
     name its session set: a Worker's lane is ``<worker name>-lane<n>``), its
     current fencing epoch, its backlog, whether it looks stalled (an event
     waited longer than ``stalled_after`` while nobody owns or moves the slot),
-    and its blocked keys under the pause policy with the oldest one's wait."""
+    and its blocked keys under the pause policy with the oldest one's wait.
+    ``pending_events`` is None when the slot's backlog could not be counted: a
+    ``drop_queue`` in progress holds the queue's tables (the view waits 100 ms
+    for them, then says so)."""
 
     queue_name: str
     consumer_name: str
@@ -92,7 +95,7 @@ class SlotStatus(msgspec.Struct, frozen=True):
     owner_pid: int | None
     owner_name: str | None
     epoch: int | None
-    pending_events: int
+    pending_events: int | None
     ticks_behind: int
     oldest_unconsumed_age: timedelta | None
     lag: timedelta | None

@@ -1045,3 +1045,30 @@ def test_status_never_prints_the_dsns_password(bad_dsn: str, debug: bool) -> Non
     shown = result.stdout + result.stderr
     assert result.returncode == 1
     assert "hunter2-pw" not in shown and "s3cret-pw" not in shown, shown
+
+
+def test_status_answers_while_a_queue_with_a_group_is_being_dropped(
+        capsys: pytest.CaptureFixture[str], client: pgque.Client, dsn: str) -> None:
+    """While a drop_queue holds the queue's tables, the slot view cannot count a
+    slot's backlog (it waits 100 ms, then says so with a null); the client's
+    SlotStatus took only an int, and `pgque status` (table and JSON) failed
+    with a ValidationError (found by the review of 26898a4)."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    client.send("q", "e", 1, partition_key="k")
+    client.tick("q")
+    client.create_queue("other")
+    client.subscribe_slots("other", "g", slots=2)
+    client.send("other", "e", 1, partition_key="k")
+    client.tick("other")
+    with psycopg.connect(dsn) as holder:
+        holder.execute("select pgque.drop_queue('q', true)")  # open: holds q's tables
+        slots = client.partition_slot_status()
+        pending = {(s.queue_name, s.slot): s.pending_events for s in slots}
+        assert pending[("q", 0)] is None and pending[("q", 1)] is None
+        assert sum(pending[("other", k)] or 0 for k in (0, 1)) == 1
+        table = status(capsys, dsn)
+        assert "other" in table
+        document = status_json(capsys, dsn)
+        assert {s["queue_name"] for s in document["slots"]} == {"q", "other"}
+        holder.rollback()

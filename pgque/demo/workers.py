@@ -338,7 +338,8 @@ class RollingRestart:
                 return
             self.halfway.wait()  # releases the producers into the barrier's second round
             self.slots = workers.owned(self.admin).get(self.leaving, [])
-            pending = sum(s.pending_events for s in self.admin.partition_slot_status(workers.queue)
+            pending = sum(s.pending_events or 0  # (None: a drop in progress; not in the demo)
+                          for s in self.admin.partition_slot_status(workers.queue)
                           if s.slot in self.slots)
             self.note(f"halfway: worker {self.joining} has joined; SIGTERM to worker "
                       f"{self.leaving}, which owns slots {','.join(map(str, self.slots))} "
