@@ -57,9 +57,18 @@ gdb.execute("continue")
 """
 
 
-def gdb_available() -> bool:
-    """Whether gdb is on PATH (the tests that need it skip without it)."""
-    return shutil.which("gdb") is not None
+def cannot_trace(backend_pid: int) -> str | None:
+    """Why gdb cannot stop backend_pid here (the tests that need it skip), or None:
+    no gdb, a server elsewhere (PGQUE_TEST_DSN), or a kernel that lets only root
+    trace a process that is not its child (Yama's ptrace_scope)."""
+    if shutil.which("gdb") is None:
+        return "needs gdb (make system-deps)"
+    if not Path(f"/proc/{backend_pid}").exists():
+        return "the server's processes are not on this machine"
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if os.geteuid() != 0 and scope.exists() and scope.read_text().strip() != "0":
+        return "only root may trace the server's processes here (kernel.yama.ptrace_scope)"
+    return None
 
 
 def _wait_for(path: Path, alive: Callable[[], bool], what: str, timeout: float = 30) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import dump_state, long_variant, run_in_thread, scalar, wait_for
+from helpers import drain, dump_state, long_variant, run_in_thread, scalar, wait_for
 from psycopg.conninfo import make_conninfo
 
 import pgque
@@ -644,3 +644,27 @@ def test_ticks_maintenance_and_info_never_fail_beside_queues_being_dropped(
             t.join(30)
     assert errors == [], f"{len(errors)} failed calls ({counts}): {errors[:3]}"
     assert min(counts.values()) > 0, counts
+
+
+def test_a_queue_found_due_is_ticked_once_when_another_ticker_ticks_it_first(
+        client: pgque.Client, dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A ticker that found a queue due by its sequence alone (_ticker_look's sure)
+    goes straight to the queue's tick lock: while another ticker's tick is in
+    progress it skips the queue, and once that tick committed the look under the
+    lock says no. Every event is in exactly one batch."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe("q", "c")
+    ids = [client.send("q", "e", i) for i in range(3)]
+    queue_id = scalar(conn, "select queue_id from pgque.queue where queue_name = 'q'")
+    count = "select count(*) from pgque.tick where tick_queue = %s"
+    ticks_before = scalar(conn, count, (queue_id,))
+    # What the second ticker's look said before the first one ticked.
+    sure = "select pgque._tick_if_wanted(%s, null, false, null, true)"
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn, autocommit=True) as second:
+        made = first.execute("select pgque.ticker('q')").fetchone()
+        assert made is not None and made[0] is not None  # ticked, not committed yet
+        assert second.execute(sure, (queue_id,)).fetchone() == (None,)  # its lock is taken
+        first.commit()
+        assert second.execute(sure, (queue_id,)).fetchone() == (None,)  # ticked already
+    assert scalar(conn, count, (queue_id,)) == ticks_before + 1
+    assert [m.id for m in drain(client, "q", "c", tick=False)] == ids

@@ -574,7 +574,7 @@ begin
                    array_agg(l.sure order by l.queue_id), array_agg(l.settle order by l.queue_id)
               into v_ids, v_seqs, v_wanted, v_sure, v_settle
               from pgque._ticker_look(p_overdue, p_after, p_max_queues, p_queues) l;
-            v_looked := true;
+            v_looked := true;  -- (also a statement of its own: see _seq_before)
         exception when others then
             null;  -- (a lock timeout left pending is raised here: see _seq_before)
         end;
