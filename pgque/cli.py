@@ -30,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -609,6 +610,9 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
                              "silent (at least 2).", minimum=2, min_open=False)
 @click.option("--name", help="Name in logs, threads and session names "
                              "[default: pgque-worker-QUEUE-CONSUMER].")
+@click.option("--record", is_flag=True,
+              help="Record every handler call (event, slot, epoch, start, end, outcome) "
+                   "for `pgque verify`: one more statement per ack.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               default="info", show_default=True)
 @_worker_db_options
@@ -780,6 +784,69 @@ def status(state: State, queue_name: str | None, stalled_after: float | str | No
                 live.update(display.status_view(*look()), refresh=True)
     except KeyboardInterrupt:  # the way to leave --watch
         return
+
+
+def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an ISO 8601 time, such as "
+                                 "2026-12-06T10:00:00+00:00") from None
+    return moment if moment.tzinfo is not None else moment.astimezone()  # local time
+
+
+@cli.command()
+@click.option("--queue", "queue_name", required=True, help="Queue of the group.")
+@click.option("--group", "consumer", required=True, help="Consumer group whose record to check.")
+@click.option("--since", callback=_since, metavar="TIME",
+              help="Check the calls and events from this ISO 8601 time on (no zone: local "
+                   "time) [default: when the group's recording began].")
+@click.option("--clock-skew", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              metavar="SECONDS",
+              help="How far the clocks of the group's workers may differ: overlaps shorter "
+                   "than this are not counted.")
+@click.option("--strict", is_flag=True,
+              help="Count zombie windows (the previous owner's call still running when its "
+                   "slot moved) as violations too.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document.")
+@db_options
+@pass_state
+def verify(state: State, queue_name: str, consumer: str, since: datetime | None,
+           clock_skew: float, strict: bool, as_json: bool) -> None:
+    """Check a consumer group's record of handler calls against pgque's promises.
+
+    The group's workers must run with record=True (pgque worker --record). The
+    check: every call in the slot its key routes to; each key's events first
+    handled in delivery order (and, under the pause policy, nothing of a key
+    handled while it waits for a failed event); no two calls of one key at
+    once; every event the slots have passed handled, dead-lettered or still to
+    be retried. Prints what it checked and each violation with the events
+    involved; exits 1 when there is one, 0 otherwise.
+    """
+    result = state.client().verify(queue_name, consumer, since=since, clock_skew=clock_skew)
+    violations = result.findings if strict else result.violations
+    summary = result.summary
+    if as_json:
+        click.echo(display.dumps({"summary": msgspec.structs.asdict(summary),
+                                  "findings": [msgspec.structs.asdict(f)
+                                               for f in result.findings],
+                                  "violations": len(violations)}))
+    else:
+        click.echo(f"{queue_name}/{consumer}: {summary.calls} handler calls of "
+                   f"{summary.events} events ({summary.keys} keys, {summary.workers} workers) "
+                   f"since {summary.since.isoformat()}")
+        for finding in result.findings:
+            label = "VIOLATION" if finding in violations else "note"
+            click.echo(f"  {label} {finding.kind}: event {finding.ev_id} (key "
+                       f"{finding.partition_key!r}, slot {finding.slot}) at "
+                       f"{finding.at.isoformat()}: {finding.detail}")
+        click.echo(f"{len(violations)} violation{'' if len(violations) == 1 else 's'}"
+                   + ("" if violations else ": per-key order, one handler per key at a time "
+                                            "and no loss held"))
+    if violations:
+        sys.exit(1)
 
 
 # -- dead letters ------------------------------------------------------------------------

@@ -60,12 +60,15 @@ from pgque.codec import encode_payload
 from pgque.errors import ConnectError, translated
 from pgque.info import (
     ConsumerInfo,
+    Finding,
     GeneratedCode,
     GroupInfo,
     GroupStatus,
+    HandlingSummary,
     QueueInfo,
     SlotStatus,
     TickerInfo,
+    Verification,
     from_row,
 )
 from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message, SentId
@@ -80,6 +83,8 @@ Duration = float | timedelta | str
 
 # An optional interval argument, from (text, seconds): either or neither is given.
 _STALLED_AFTER = "coalesce(%s::interval, make_interval(secs => %s::float8))"
+#: The record of handler calls goes to the server as JSON (see _record_calls).
+_JSON = msgspec.json.Encoder()
 
 
 def _interval_params(value: Duration | None) -> tuple[str | None, float | None]:
@@ -1060,6 +1065,61 @@ class AsyncClient:
         return await self._records(
             GroupInfo, "select * from pgque.group_info where %s::text is null "
             "or queue_name = %s order by queue_name, consumer_name", (queue, queue))
+
+    # -- the record of handler calls (pgque verify) ------------------------
+
+    async def start_recording(self, queue: str, consumer: str, slots: int) -> datetime:
+        """Mark the group's handler calls as recorded from now on, unless they
+        already are (the earlier start stays); returns that start. A Worker with
+        ``record=True`` calls it; :meth:`verify` checks the events sent since."""
+        start: datetime = await self._value("select pgque.start_recording(%s, %s, %s)",
+                                            (queue, consumer, slots))
+        return start
+
+    async def forget_handling(self, queue: str, consumer: str, slots: int) -> int:
+        """Delete the group's record of handler calls and its start; returns
+        how many calls it held."""
+        return int(await self._value("select pgque.forget_handling(%s, %s, %s)",
+                                     (queue, consumer, slots)))
+
+    async def _record_calls(self, worker: str,
+                            calls: Sequence[tuple[Batch[Any], Message[Any], float, float, str]],
+                            ) -> int:
+        """Append handler calls (the batch, the message, start and end by
+        ``time.time()``, outcome) of one group to its record, in one statement
+        (their JSON: see pgque.record_handling)."""
+        batch = calls[0][0]
+        assert batch.slots is not None and all(
+            (b.queue, b.consumer, b.slots) == (batch.queue, batch.consumer, batch.slots)
+            for b, *_ in calls)
+        rows = [(b.slot, m.id, b.batch_id, m.retry_count, m.partition_key,
+                 None if b.fence is None else b.fence.epoch, started, ended, outcome)
+                for b, m, started, ended, outcome in calls]
+        return int(await self._value("select pgque.record_handling(%s, %s, %s, %s, %s::jsonb)",
+                                     (batch.queue, batch.consumer, batch.slots, worker,
+                                      _JSON.encode(rows).decode())))
+
+    async def verify(self, queue: str, consumer: str, *, since: datetime | None = None,
+                     clock_skew: float | timedelta = 0.0) -> Verification:
+        """Check the group's record of handler calls (its workers ran with
+        ``record=True``) against pgque's promises: routing, per-key order (and
+        the pause policy's hold), one handler per key at a time, and no event
+        its slots passed left without a call that returned, a dead letter or a
+        retry to come. ``since`` (default: when recording began) bounds the
+        calls and events looked at; ``clock_skew`` is how far the clocks of the
+        group's workers may differ (overlaps shorter than that are not counted).
+        Raises NotRecorded for a group that has no record."""
+        skew = clock_skew if isinstance(clock_skew, timedelta) else timedelta(seconds=clock_skew)
+        async with translated(), self.conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(b"select * from pgque.handling_summary(%s, %s, %s)",
+                              (queue, consumer, since))
+            row = await cur.fetchone()
+            assert row is not None
+            summary = from_row(HandlingSummary, row)
+            await cur.execute(b"select * from pgque.verify_handling(%s, %s, %s, %s)",
+                              (queue, consumer, summary.since, skew))
+            findings = [from_row(Finding, found) for found in await cur.fetchall()]
+        return Verification(summary, findings)
 
     # -- dead letters ----------------------------------------------------
 

@@ -73,6 +73,7 @@ __all__ = [
     "KeyNotBlocked",
     "NewerSchema",
     "NotReadCommitted",
+    "NotRecorded",
     "PartitionKeyTooLong",
     "PayloadError",
     "PgqueError",
@@ -308,6 +309,12 @@ class InvalidDelay(PgqueError, ValueError, sqlstate="PQ031"):
 
 class InvalidIdempotencyKey(PgqueError, ValueError, sqlstate="PQ032"):
     """An idempotency key is empty or longer than 512 bytes (PQ032)."""
+
+
+class NotRecorded(PgqueError, sqlstate="PQ033"):
+    """``verify`` was asked about a consumer group that has no record of
+    handler calls: none of its workers ran with ``record=True`` since its
+    record was last forgotten (PQ033)."""
 
 
 class HandlerEndedTransaction(PgqueError):

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-__all__ = ["ConsumerInfo", "GroupInfo", "GroupStatus", "QueueInfo", "SlotOwner", "SlotStatus",
-           "TickerInfo", "from_row"]
+__all__ = ["ConsumerInfo", "Finding", "GroupInfo", "GroupStatus", "HandlingSummary", "QueueInfo",
+           "SlotOwner", "SlotStatus", "TickerInfo", "Verification", "from_row"]
 
 R = TypeVar("R", bound=msgspec.Struct)
 
@@ -179,3 +179,59 @@ class GroupStatus(msgspec.Struct, frozen=True):
             return 0
         count = len(self.slots)
         return count // self.members + (1 if self.my_rank < count % self.members else 0)
+
+
+class HandlingSummary(msgspec.Struct, frozen=True):
+    """What a group's record of handler calls holds from ``since`` on (when its
+    recording began, unless the verifier was given a time): how many calls, of
+    how many events and keys, by how many workers, from the first call's start
+    to the last one's end."""
+
+    since: datetime
+    calls: int
+    events: int
+    keys: int
+    workers: int
+    first_call: datetime | None
+    last_call: datetime | None
+
+
+class Finding(msgspec.Struct, frozen=True):
+    """One thing ``verify`` found in a group's record of handler calls.
+
+    ``kind``: ``misrouted`` (a key's event handled in a slot it does not route
+    to), ``reorder`` (an event first handled after one of its key with a larger
+    id from the same batch or a later one),
+    ``paused`` (an event of a key handled while the key was held behind a
+    failure, pause policy), ``overlap`` (two calls of one key at once),
+    ``zombie_window`` (the previous owner's call still running when the new
+    owner started one of its key: documented, not a violation) or ``lost``
+    (an event the slot passed with no call that returned, no dead letter and
+    no retry to come). ``ev_id`` is the event found, ``other_ev_id`` the one
+    it came after, overlapped or was held behind; ``at`` when it happened."""
+
+    kind: str
+    violation: bool
+    slot: int
+    partition_key: str | None
+    ev_id: int
+    other_ev_id: int | None
+    at: datetime
+    detail: str
+
+
+class Verification(msgspec.Struct, frozen=True):
+    """The result of ``verify``: what was checked and what was found."""
+
+    summary: HandlingSummary
+    findings: list[Finding]
+
+    @property
+    def violations(self) -> list[Finding]:
+        """The findings that break a promise (all but zombie windows)."""
+        return [finding for finding in self.findings if finding.violation]
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing breaks a promise."""
+        return not self.violations

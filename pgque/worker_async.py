@@ -91,7 +91,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections import deque
@@ -200,6 +202,13 @@ class AsyncWorker(AsyncService, Generic[T]):
     Ticker says so once (at INFO) and ends, and the worker runs without
     ticking: another process must tick.
 
+    With ``record=True`` the worker writes each handler call (the event, its
+    slot and epoch, start and end by this machine's clock, the outcome) to the
+    group's record, before the ack of its piece, for ``pgque verify``
+    (:meth:`AsyncClient.verify`) to check per-key order, one handler per key
+    at a time and that nothing was lost: one more statement per ack. Every
+    worker of the group must record for the check to hold.
+
     ``run()`` blocks until :meth:`stop` (or SIGTERM / SIGINT when run in the
     main thread) and raises the error that stopped the worker, if any;
     ``start()`` runs the same loop in a background thread. A Worker is also a
@@ -240,6 +249,7 @@ class AsyncWorker(AsyncService, Generic[T]):
         connect_timeout: float = 30.0,
         network_timeout: float = 30.0,
         name: str | None = None,
+        record: bool = False,
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
@@ -307,6 +317,9 @@ class AsyncWorker(AsyncService, Generic[T]):
         self._wake = asyncio.Event()  # a lane ended or failed, or stop
         self.handled = 0  # events whose handler returned
         self.failed = 0  # events whose handler raised (nacked)
+        self.record = record
+        # The record's name for this worker: its calls and which process made them.
+        self.record_name = f"{self.name}@{socket.gethostname()}:{os.getpid()}"[:200]
 
     # -- public control ----------------------------------------------------
 
@@ -351,6 +364,8 @@ class AsyncWorker(AsyncService, Generic[T]):
                 await client.pin_session(settings)
                 await client.subscribe_slots(self.queue, self.consumer, slots=self.slots,
                                              policy=self.failure_policy)
+                if self.record:
+                    await client.start_recording(self.queue, self.consumer, self.slots)
                 self._pause = await self._group_pauses(client)
                 await client.join_group(self.queue, self.consumer)
                 if self.listen:
@@ -929,6 +944,8 @@ class _Lane(Generic[T]):
         batches: list[Batch[Any]]
         ahead: set[int]
         acked = [piece.batch for piece in acks or ()]
+        await self._record(session, [(piece.batch, piece.failures) for piece in acks or ()
+                                     if piece.failures is not None])
         try:
             with session.call() as client:
                 batches, ahead = await client._receive_slot_pieces(
@@ -964,6 +981,21 @@ class _Lane(Generic[T]):
             if slot not in got_slots and slot in self.slots:
                 self._idle_until[slot] = idle_until
 
+    async def _record(self, session: _Session, done: list[tuple[Batch[T], _Failures]]) -> None:
+        """Write the handler calls of these pieces to the group's record
+        (Worker(record=True)), in one call and a transaction of its own (or the
+        one open on the session: a transactional handler's), before their ack:
+        an acked event has its call on record, and a worker that dies in
+        between has its events handled again and recorded again."""
+        calls = []
+        for batch, failures in done:
+            if failures.calls:
+                calls += [(batch, *call) for call in failures.calls]
+            failures.calls = None  # written once, whatever comes of the ack
+        if calls:
+            with session.call() as client:
+                await client._record_calls(self.worker.record_name, calls)
+
     async def _ack_pieces(self, session: _Session, pieces: list[_Piece[T]], *,
                           fuse: bool = False) -> Batch[T] | list[bool]:
         """Ack finished pieces (and nack their failures) in one transaction; for
@@ -972,6 +1004,8 @@ class _Lane(Generic[T]):
         there is one. A slot found no longer ours is let go (its piece comes
         again to its new owner) and counts as ended."""
         worker = self.worker
+        await self._record(session, [(piece.batch, piece.failures) for piece in pieces
+                                     if piece.failures is not None])
         try:
             with session.call() as client:
                 if fuse and len(pieces) == 1:
@@ -1090,12 +1124,14 @@ class _Lane(Generic[T]):
                     # status alone looks the same): then HandlerEndedTransaction,
                     # not an ack in the handler's transaction. One statement a batch.
                     await _on_savepoint(conn, "release savepoint pgque_event")
+                await self._record(session, [(batch, failures)])  # in the ack's transaction
                 with session.call() as client:
                     await client.ack(batch, nack=failures.reasons,
                                      retry_after=failures.retry_after, dead=failures.dead)
             return True
         while True:
             failures = await self._handle(batch, session, None, self._keys)
+            await self._record(session, [(batch, failures)])
             with session.call() as client:
                 if not self._stays_on(slot):
                     await client.ack(batch, nack=failures.reasons,
@@ -1133,7 +1169,8 @@ class _Lane(Generic[T]):
         when the session was seen gone between events: whoever owns the slot
         next gets the batch again."""
         worker = self.worker
-        result = _Failures(worker.retry_after)
+        result = _Failures(worker.retry_after, record=worker.record)
+        calls = result.calls
         failures = result.reasons
         handled: list[int] = []  # ids; appended from the runner's threads (atomic)
         # Under the pause policy, the keys with a failed event in this piece: their
@@ -1154,6 +1191,7 @@ class _Lane(Generic[T]):
                 failures[message.id] = f"held: event {blocked[key]} of its key failed"
                 held += 1
                 return
+            started = time.time()
             try:
                 if conn is None:
                     await ahandler_result(worker.handler(message))  # type: ignore[call-arg]
@@ -1169,10 +1207,12 @@ class _Lane(Generic[T]):
                     raise
                 if conn is not None and conn.broken:
                     raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
+                dead = isinstance(exc, worker.non_retryable)
+                if calls is not None:
+                    calls.append((message, started, time.time(), "dead" if dead else "failed"))
                 # Expected under the skip policy, hence a warning. The traceback
                 # is what a developer needs to fix the handler: logged at the
                 # event's first failure only, its retries get one line each.
-                dead = isinstance(exc, worker.non_retryable)
                 worker.log.warning(
                     "%s: handler failed for event %s (key %r, slot %s, retry %s%s): %r",
                     self.name, message.id, message.partition_key, batch.slot,
@@ -1182,6 +1222,8 @@ class _Lane(Generic[T]):
                 if worker._pause and key is not None:
                     blocked[key] = message.id
             else:
+                if calls is not None:
+                    calls.append((message, started, time.time(), "ok"))
                 handled.append(message.id)
 
         # One event at a time, or with key_concurrency up to that many keys at
@@ -1250,7 +1292,11 @@ class _Failures:
     one's delay when the Worker's retry_after depends on the event (a Backoff,
     or by exception class), and those not to retry."""
 
-    def __init__(self, retry_after: RetryDelay) -> None:
+    def __init__(self, retry_after: RetryDelay, *, record: bool = False) -> None:
+        # The handler calls for the record (Worker(record=True)): each
+        # (message, started, ended, outcome), times by time.time(); None once
+        # written, or when not recording.
+        self.calls: list[tuple[Message[Any], float, float, str]] | None = [] if record else None
         self.reasons: dict[int, str] = {}
         self.dead: list[int] = []
         self._retry_after = retry_after

@@ -213,6 +213,8 @@ def main() -> int:
     if config.get("failure_policy", "skip") != "skip":
         kwargs["failure_policy"] = config["failure_policy"]
     accepted = inspect.signature(pgque.Worker).parameters
+    if "record" in accepted:  # pgque verify checks the record (faults.py)
+        kwargs["record"] = True
     if config.get("network_timeout") is not None and "network_timeout" in accepted:
         kwargs["network_timeout"] = config["network_timeout"]
     if config.get("ticker_dsn"):

@@ -1465,6 +1465,15 @@ class FaultRun:
                                                             - start).total_seconds())
                 heapq.heappush(active, (end, call))
 
+        # pgque verify over the workers' own record: it must find what the
+        # checks above find (nothing, or they failed already), and no more.
+        findings = self.db.rows("select kind, violation, ev_id, other_ev_id, detail"
+                                " from pgque.verify_handling(%s, %s)", (self.queue, CONSUMER))
+        violations = [f for f in findings if f[1]]
+        if violations:
+            failures.append(f"pgque verify found {len(violations)} violations, e.g. "
+                            f"{violations[:3]}")
+
         # Per fault: slot moves, zombie starts, healthy latency.
         fault_reports = []
         for fault in self.faults:
@@ -1488,6 +1497,8 @@ class FaultRun:
             "failure_policy": w.failure_policy,
             "held_breaks": len(held_breaks),
             "lost": len(lost),
+            "verify_violations": len(violations),
+            "zombie_windows": len(findings) - len(violations),
             "transactional": w.transactional,
             "effects_duplicated": effects_duplicated,
             "effects_lost": effects_lost,

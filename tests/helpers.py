@@ -411,6 +411,19 @@ def install_0_10(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.10.0"
 
 
+# The install script of pgque 0.11.0 as it last landed (05850e1), frozen: migrations
+# 1 to 11 (its earlier commits differ from it in code only, which every
+# install replaces), batch readers that return rows.
+BASELINE_0_11 = Path(__file__).resolve().parent / "data" / "pgque-0.11.0-05850e1.sql"
+
+
+def install_0_11(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.11.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_11.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.11.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

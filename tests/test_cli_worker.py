@@ -77,12 +77,12 @@ def test_worker_passes_every_option_with_the_librarys_defaults(
         "--max-events", "7", "--poll-interval", "0.5", "--retry-after", "1.5",
         "--rebalance-interval", "2", "--no-ticker", "--no-listen", "--connect-timeout", "7",
         "--network-timeout", "12", "--name", "w1", "--failure-policy", "pause",
-        "--non-retryable", "cli_handlers:Refused",
+        "--non-retryable", "cli_handlers:Refused", "--record",
     ) == {**base, "transactional": False, "concurrency": 1, "key_concurrency": 3,
           "payload_type": cli_handlers.Job, "max_events": 7, "poll_interval": 0.5,
           "retry_after": 1.5, "rebalance_interval": 2.0, "ticker": False, "listen": False,
           "connect_timeout": 7.0, "network_timeout": 12.0, "name": "w1",
-          "failure_policy": "pause", "non_retryable": (cli_handlers.Refused,)}
+          "failure_policy": "pause", "non_retryable": (cli_handlers.Refused,), "record": True}
 
 
 @pytest.mark.parametrize(("options", "says"), [

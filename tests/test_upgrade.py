@@ -29,6 +29,7 @@ from helpers import (
     BASELINE_0_8,
     BASELINE_0_9,
     BASELINE_0_10,
+    BASELINE_0_11,
     BASELINES_0_1,
     catalog,
     drain,
@@ -42,6 +43,7 @@ from helpers import (
     install_0_8,
     install_0_9,
     install_0_10,
+    install_0_11,
     run_cli,
     scalar,
     scratch_database,
@@ -64,6 +66,7 @@ MIGRATIONS_0_7 = 9  # and 0.7.0
 MIGRATIONS_0_8 = 9  # and 0.8.0
 MIGRATIONS_0_9 = 10  # and 0.9.0
 MIGRATIONS_0_10 = 11  # and 0.10.0
+MIGRATIONS_0_11 = 11  # and 0.11.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -575,6 +578,23 @@ def test_upgrade_from_0_10_0_loses_nothing_and_equals_a_fresh_install(
     check_upgraded(empty_dsn, pg_server, seen)
 
 
+def test_upgrade_from_0_11_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.11.0 filled as 0.2.0 was: migration 12 (the record of handler
+    calls) applied, every event, cursor, epoch and dead letter kept, and the
+    result is a fresh install; its groups start without a record."""
+    install_0_11(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.11.0"
+        assert migration_record(conn) == [
+            (m.number, "0.11.0" if m.number <= MIGRATIONS_0_11 else pgque.__version__)
+            for m in migrations()]
+        assert scalar(conn, "select count(*) from pgque.consumer_group"
+                            " where cg_recorded_since is not null") == 0
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
 def test_a_client_of_this_version_drains_a_database_still_at_0_10_0(empty_dsn: str) -> None:
     """Before its database is upgraded, a Client and Ticker of this version work
     a 0.10 pgque (batch readers that return arrays): every event once, in order."""
@@ -601,6 +621,7 @@ def run_script(dsn: str, script: Path) -> None:
 
 
 RELEASES = {
+    "0.11.0": [BASELINE_0_11],
     "0.10.0": [BASELINE_0_10],
     "0.9.0": [BASELINE_0_9],
     "0.8.0": [BASELINE_0_8],

@@ -37,6 +37,7 @@ __all__ = [
     "CHECK_STOPPED",
     "CHECK_THROUGHPUT",
     "CHECK_TITLES",
+    "CHECK_VERIFIED",
     "DOOMED_REASON",
     "HANDLING_COLUMNS",
     "Check",
@@ -61,8 +62,9 @@ CHECK_EFFECTS = "effects applied exactly once"  # transactional runs only
 CHECK_SPREAD = "slots spread over workers"
 CHECK_THROUGHPUT = "throughput"
 CHECK_STOPPED = "workers stopped cleanly"
+CHECK_VERIFIED = "pgque verify found no violation"  # the workers' own record, checked by pgque
 CHECK_TITLES = (CHECK_HANDLED, CHECK_ORDER, CHECK_EXCLUSIVE, CHECK_RETRIES, CHECK_DEAD_LETTER,
-                CHECK_EFFECTS, CHECK_SPREAD, CHECK_THROUGHPUT, CHECK_STOPPED)
+                CHECK_EFFECTS, CHECK_SPREAD, CHECK_THROUGHPUT, CHECK_STOPPED, CHECK_VERIFIED)
 
 
 # -- records -----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from rich.text import Text
 import pgque
 from pgque.demo.checks import (
     CHECK_STOPPED,
+    CHECK_VERIFIED,
     HANDLING_COLUMNS,
     Check,
     Effects,
@@ -215,6 +216,7 @@ class Demo:
         checks.append(Check(CHECK_STOPPED, clean,
                             f"{len(codes)} workers finished their batches, released their slots "
                             f"and exited with {', '.join(map(str, codes))} on SIGTERM"))
+        checks.append(_verified(admin.verify(self.queue, GROUP)))
         return checks
 
     def _wait_settled(self, admin: pgque.Client, timeout: float = 60.0) -> None:
@@ -392,3 +394,19 @@ class Demo:
             mark = "[green]✔[/]" if check.passed else "[red]✘[/]"
             table.add_row(mark, check.title, escape(check.detail))
         self.console.print(table)
+
+
+def _verified(result: pgque.Verification) -> Check:
+    """The check of the workers' own record (Worker(record=True)) by pgque verify."""
+    summary = result.summary
+    detail = (f"{summary.calls:,} recorded handler calls of {summary.events:,} events by "
+              f"{summary.workers} workers: ")
+    if result.ok:
+        detail += "per-key order, one handler per key at a time and no loss held"
+    else:
+        detail += "; ".join(f"{v.kind} of event {v.ev_id} (key {v.partition_key})"
+                            for v in result.violations[:3])
+    windows = len(result.findings) - len(result.violations)
+    if windows:
+        detail += f" ({windows} zombie windows, which are no violation)"
+    return Check(CHECK_VERIFIED, result.ok, detail)

@@ -204,7 +204,8 @@ def _worker_main(config: WorkerConfig) -> None:
         # Frequent maintenance brings retries back soon after retry_after.
         ticker=pgque.Ticker(config.dsn, maintenance_interval=0.2,
                             name=f"demo-ticker-{config.number}"),
-        name=f"demo-worker-{config.number}")
+        name=f"demo-worker-{config.number}",
+        record=True)  # for pgque verify, the demo's last check
     worker.run()  # until SIGTERM: finishes its batches and releases its slots
     recorder.close()
     for conn in clocks:

@@ -75,7 +75,11 @@ declare
         'slot_of(text,integer)',
         'max_slots()', 'tick_channel(text)',
         'grant_consumer(text,text,text)', 'revoke_consumer(text,text,text)',
-        'queue_grants(text)', 'check_fence(text,text,integer,bigint)'];
+        'queue_grants(text)', 'check_fence(text,text,integer,bigint)',
+        'start_recording(text,text,integer)',
+        'record_handling(text,text,integer,text,jsonb)',
+        'forget_handling(text,text,integer)', 'handling_summary(text,text,timestamptz)',
+        'verify_handling(text,text,timestamptz,interval)'];
     v_fn text;
 begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then

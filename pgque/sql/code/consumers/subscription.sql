@@ -69,8 +69,9 @@ end
 $$;
 
 -- pgque._unsubscribe(queue_id, consumers): deletes the subscriptions (retries
--- go by cascade); returns how many. Their cursor rows stay until the next
--- rotations empty their partitions (no row of the cursor log is deleted).
+-- go by cascade) and their record of handler calls (slots/handling.sql);
+-- returns how many. Their cursor rows stay until the next rotations empty
+-- their partitions (no row of the cursor log is deleted).
 create or replace function pgque._unsubscribe(p_queue_id integer, p_consumers text[])
 returns integer
 language plpgsql
@@ -84,6 +85,7 @@ begin
          where sub_queue = p_queue_id and sub_consumer = any(p_consumers)
         returning sub_id)
     select array_agg(sub_id) into v_ids from gone;
+    delete from pgque.handling where hd_sub = any(v_ids);
     return coalesce(cardinality(v_ids), 0);
 end
 $$;
