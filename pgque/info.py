@@ -202,8 +202,8 @@ class Finding(msgspec.Struct, frozen=True):
     ``kind``: ``misrouted`` (a key's event handled in a slot it does not route
     to), ``reorder`` (an event first handled after one of its key with a larger
     id from the same batch or a later one),
-    ``paused`` (an event of a key handled while the key was held behind a
-    failure, pause policy), ``overlap`` (two calls of one key at once),
+    ``paused`` (an event of a key handled while the key was held behind an
+    earlier event's failure, pause policy), ``overlap`` (two calls of one key at once),
     ``zombie_window`` (the previous owner's call still running when the new
     owner started one of its key: documented, not a violation) or ``lost``
     (an event the slot passed with no call that returned, no dead letter and

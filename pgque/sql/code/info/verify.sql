@@ -11,9 +11,9 @@
 --   one. (An event of a later batch with a smaller id may come after:
 --   its transaction committed later, or it was held under the pause policy,
 --   whose pieces take a batch id when first handed out and keep it when
---   handed out again.) Under the pause policy also that no other event of a
---   key started after a failure of one of its events and before that event's
---   next call or its dead letter;
+--   handed out again.) Under the pause policy also that no event of a key
+--   delivered after one that failed (by batch, then id) started after the
+--   failure and before the failed event's next call or its dead letter;
 -- * one handler per key at a time: no two calls of a key overlap in time. An
 --   overlap where the earlier call ran under an older epoch than the later
 --   (the previous owner's call in flight when its slot moved, docs/guarantees.md
@@ -184,8 +184,10 @@ begin
                       and a.hd_started > f.hd_started),
                   (select min(d.dl_time) from pgque.dead_letter d
                     where d.dl_sub = f.hd_sub and d.ev_id = f.hd_ev_id)) as until) r
+          -- (An event delivered before it may come again after it: a piece
+          -- handed out again after its worker died.)
           join calls x
-            on x.hd_key = f.hd_key and x.hd_ev_id <> f.hd_ev_id
+            on x.hd_key = f.hd_key and (x.hd_batch, x.hd_ev_id) > (f.hd_batch, f.hd_ev_id)
            and x.hd_started > f.hd_ended + p_clock_skew
            and (r.until is null or x.hd_started < r.until)
          where v_group.cg_policy = 'pause' and f.hd_outcome = 'f' and f.hd_key is not null
