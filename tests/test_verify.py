@@ -278,7 +278,9 @@ def test_bad_records_and_roles_without_the_group_are_refused_and_write_nothing(
                 _record(client, *calls)
         for calls_json in ['{"slot": 0}', '[[0, 1, 1, 0, "k", null, 1, 2]]',
                            '[[0, 1, 1, 0, "k", null, 2, 1, "ok"]]',  # ends before it starts
-                           '[[0, null, 1, 0, "k", null, 1, 2, "ok"]]']:
+                           '[[0, null, 1, 0, "k", null, 1, 2, "ok"]]',
+                           '[[0, 1, 1, 0, "k", null, 1, "Infinity", "ok"]]',
+                           '[[0, 1, 1, 0, "k", null, "NaN", 2, "ok"]]']:
             with pytest.raises(pgque.InvalidArgument), translated():
                 client.conn.execute("select pgque.record_handling(%s, %s, %s, 'w', %s)",
                                     (QUEUE, GROUP, SLOTS, calls_json))

@@ -122,7 +122,8 @@ end
 $$;
 
 -- pgque._handling_calls(calls): the calls of record_handling's JSON as rows,
--- numbered from 1 (i).
+-- numbered from 1 (i); a time that is not a finite number of seconds within
+-- some 30,000 years of 1970 (NaN, Infinity) is null.
 create or replace function pgque._handling_calls(p_calls jsonb)
 returns table (i bigint, slot integer, ev_id bigint, batch bigint, retry integer, key text,
                epoch bigint, started timestamptz, ended timestamptz, outcome text)
@@ -130,9 +131,14 @@ language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select c.i, (c.v->>0)::integer, (c.v->>1)::bigint, (c.v->>2)::bigint, (c.v->>3)::integer,
-           c.v->>4, (c.v->>5)::bigint, pg_catalog.to_timestamp((c.v->>6)::float8),
-           pg_catalog.to_timestamp((c.v->>7)::float8), c.v->>8
+           c.v->>4, (c.v->>5)::bigint,
+           case when t.started > -1e12 and t.started < 1e12
+                then pg_catalog.to_timestamp(t.started) end,
+           case when t.ended > -1e12 and t.ended < 1e12
+                then pg_catalog.to_timestamp(t.ended) end,
+           c.v->>8
       from pg_catalog.jsonb_array_elements(p_calls) with ordinality as c(v, i)
+     cross join lateral (select (c.v->>6)::float8 as started, (c.v->>7)::float8 as ended) t
 $$;
 
 -- pgque._group_subs(group): the group's slots and their subscriptions (slots
