@@ -802,14 +802,15 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> dat
 @click.option("--group", "consumer", required=True, help="Consumer group whose record to check.")
 @click.option("--since", callback=_since, metavar="TIME",
               help="Check the calls and events from this ISO 8601 time on (no zone: local "
-                   "time) [default: when the group's recording began].")
+                   "time), if it is later than when the group's recording began.")
 @click.option("--clock-skew", type=click.FloatRange(min=0), default=0.0, show_default=True,
               metavar="SECONDS",
               help="How far the clocks of the group's workers may differ: overlaps shorter "
-                   "than this are not counted.")
+                   "than this, and first calls closer than this, are not judged.")
 @click.option("--strict", is_flag=True,
               help="Count zombie windows (the previous owner's call still running when its "
-                   "slot moved) as violations too.")
+                   "slot moved) and calls while their key was paused (which an operator's "
+                   "resume_key or skip_head allows) as violations too.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document.")
 @db_options
 @pass_state

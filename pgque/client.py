@@ -1104,9 +1104,10 @@ class Client:
         ``record=True``) against pgque's promises: routing, per-key order (and
         the pause policy's hold), one handler per key at a time, and no event
         its slots passed left without a call that returned, a dead letter or a
-        retry to come. ``since`` (default: when recording began) bounds the
-        calls and events looked at; ``clock_skew`` is how far the clocks of the
-        group's workers may differ (overlaps shorter than that are not counted).
+        retry to come. ``since``, when later than the recording start (the
+        default), bounds the calls and events looked at; ``clock_skew`` is how
+        far the clocks of the group's workers may differ (overlaps shorter than
+        that, and first calls of a key closer than that, are not judged).
         Raises NotRecorded for a group that has no record."""
         skew = clock_skew if isinstance(clock_skew, timedelta) else timedelta(seconds=clock_skew)
         with translated(), self.conn.cursor(row_factory=dict_row) as cur:

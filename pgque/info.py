@@ -203,7 +203,9 @@ class Finding(msgspec.Struct, frozen=True):
     to), ``reorder`` (an event first handled after one of its key with a larger
     id from the same batch or a later one),
     ``paused`` (an event of a key handled while the key was held behind an
-    earlier event's failure, pause policy), ``overlap`` (two calls of one key at once),
+    earlier event's failure, pause policy: not a violation by itself, since an
+    operator's ``resume_key`` or ``skip_head`` releases a key and the record
+    does not hold that), ``overlap`` (two calls of one key at once),
     ``zombie_window`` (the previous owner's call still running when the new
     owner started one of its key: documented, not a violation) or ``lost``
     (an event the slot passed with no call that returned, no dead letter and
@@ -228,7 +230,8 @@ class Verification(msgspec.Struct, frozen=True):
 
     @property
     def violations(self) -> list[Finding]:
-        """The findings that break a promise (all but zombie windows)."""
+        """The findings that break a promise (all but zombie windows and calls
+        while their key was paused)."""
         return [finding for finding in self.findings if finding.violation]
 
     @property

@@ -363,7 +363,12 @@ class Worker(Service, Generic[T]):
                 client.subscribe_slots(self.queue, self.consumer, slots=self.slots,
                                        policy=self.failure_policy)
                 if self.record:
-                    client.start_recording(self.queue, self.consumer, self.slots)
+                    try:
+                        client.start_recording(self.queue, self.consumer, self.slots)
+                    except psycopg.errors.UndefinedFunction:  # (fatal: the worker stops)
+                        raise psycopg.errors.UndefinedFunction(
+                            "record=True needs pgque 0.12.0 or later installed in the "
+                            "database: run pgque install") from None
                 self._pause = self._group_pauses(client)
                 client.join_group(self.queue, self.consumer)
                 if self.listen:
@@ -1189,7 +1194,10 @@ class _Lane(Generic[T]):
                 failures[message.id] = f"held: event {blocked[key]} of its key failed"
                 held += 1
                 return
-            started = time.time()
+            # The record's times: the start by the clock, the end by the start
+            # and the call's length on the monotonic clock (a clock step during
+            # the call moves both).
+            started, began = time.time(), time.monotonic()
             try:
                 if conn is None:
                     handler_result(worker.handler(message))  # type: ignore[call-arg]
@@ -1207,7 +1215,8 @@ class _Lane(Generic[T]):
                     raise _ConnectionLost(f"session gone during a handler: {exc}") from exc
                 dead = isinstance(exc, worker.non_retryable)
                 if calls is not None:
-                    calls.append((message, started, time.time(), "dead" if dead else "failed"))
+                    calls.append((message, started, started + time.monotonic() - began,
+                                  "dead" if dead else "failed"))
                 # Expected under the skip policy, hence a warning. The traceback
                 # is what a developer needs to fix the handler: logged at the
                 # event's first failure only, its retries get one line each.
@@ -1221,7 +1230,7 @@ class _Lane(Generic[T]):
                     blocked[key] = message.id
             else:
                 if calls is not None:
-                    calls.append((message, started, time.time(), "ok"))
+                    calls.append((message, started, started + time.monotonic() - began, "ok"))
                 handled.append(message.id)
 
         # One event at a time, or with key_concurrency up to that many keys at

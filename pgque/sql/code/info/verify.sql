@@ -11,9 +11,12 @@
 --   one. (An event of a later batch with a smaller id may come after:
 --   its transaction committed later, or it was held under the pause policy,
 --   whose pieces take a batch id when first handed out and keep it when
---   handed out again.) Under the pause policy also that no event of a key
---   delivered after one that failed (by batch, then id) started after the
---   failure and before the failed event's next call or its dead letter;
+--   handed out again.) Calls less than clock_skew apart are not judged.
+--   Under the pause policy, the events of a key delivered after one that
+--   failed (by batch, then id) that started after the failure and before the
+--   failed event's next call or its dead letter are reported, not as
+--   violations: an operator's resume_key, skip_head, or a dead letter
+--   replayed or purged releases the key, and the record does not hold those;
 -- * one handler per key at a time: no two calls of a key overlap in time. An
 --   overlap where the earlier call ran under an older epoch than the later
 --   (the previous owner's call in flight when its slot moved, docs/guarantees.md
@@ -28,8 +31,10 @@
 -- a validation tool, not a hot path.
 
 -- pgque._recorded_group(queue, consumer, since): the group (checked as a
--- receive checks it, without a slot count) and the start of the window: since,
--- else the group's recording start; PQ033 when neither is known.
+-- receive checks it, without a slot count) and the start of the window: the
+-- group's recording start, or since when that is later; PQ033 for a group
+-- that has no recording start (none of its workers recorded since its record
+-- was last forgotten), whatever since.
 create or replace function pgque._recorded_group(
     p_queue pgque.queue, p_consumer text, p_since timestamptz,
     out grp pgque.consumer_group, out since timestamptz)
@@ -38,8 +43,8 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     grp := pgque._group(p_queue, p_consumer, null);
-    since := coalesce(p_since, grp.cg_recorded_since);
-    if since is null then
+    since := greatest(p_since, grp.cg_recorded_since);  -- (greatest ignores a null)
+    if grp.cg_recorded_since is null then
         raise exception using errcode = 'PQ033',
             message = format('consumer group %L of queue %L has no record of handler calls',
                              pgque._name_for_message(p_consumer), p_queue.queue_name),
@@ -76,9 +81,9 @@ $$;
 
 -- pgque.verify_handling(queue, consumer, since, clock_skew): the findings of
 -- the checks above on the group's record since since (default: its recording
--- start), ordered by time. kind is 'misrouted', 'reorder', 'paused',
--- 'overlap', 'zombie_window' or 'lost'; violation is false for a zombie window
--- only. slot, partition_key and ev_id name the call or event found, other_ev_id
+-- start, or since when that is later), ordered by time. kind is 'misrouted',
+-- 'reorder', 'paused', 'overlap', 'zombie_window' or 'lost'; violation is
+-- false for a zombie window and a call while its key was paused. slot, partition_key and ev_id name the call or event found, other_ev_id
 -- the other event involved (the one it came after, overlapped or was held
 -- behind), at the time of the finding, detail says it in words. No row: the
 -- record shows nothing wrong. PQ033 for a group without a record; PQ001,
@@ -114,7 +119,10 @@ begin
     return query
     with calls as materialized (
         select g.slot, h.*,
-               row_number() over (order by h.hd_started, h.hd_sub, h.hd_ev_id) as n
+               row_number() over (order by h.hd_started, h.hd_sub, h.hd_ev_id) as n,
+               -- the next call of the same event, if any
+               lead(h.hd_started) over (partition by h.hd_sub, h.hd_ev_id
+                                        order by h.hd_started) as next_call
           from pgque._group_subs(v_group) g
           join pgque.handling h on h.hd_sub = g.sub_id
          where h.hd_started >= v_since
@@ -136,7 +144,8 @@ begin
          order by c.hd_sub, c.hd_ev_id, c.hd_started, c.n
     ),
     firsts_in_turn as (
-        select f.*, lag(f.hd_batch) over w as prev_batch, lag(f.hd_ev_id) over w as prev_ev
+        select f.*, lag(f.hd_batch) over w as prev_batch, lag(f.hd_ev_id) over w as prev_ev,
+               lag(f.hd_started) over w as prev_started
           from firsts f
         window w as (partition by f.hd_key order by f.hd_started, f.n)
     ),
@@ -146,6 +155,7 @@ begin
                       'after it (this one is of batch %s)', f.prev_ev, f.prev_batch, f.hd_batch)
           from firsts_in_turn f
          where f.hd_ev_id < f.prev_ev and f.hd_batch <= f.prev_batch
+           and f.hd_started > f.prev_started + p_clock_skew  -- (else the clocks may tell)
     ),
     -- One at a time: each call against the latest end of the key's calls that
     -- started before it.
@@ -170,27 +180,36 @@ begin
                                order by p.n limit 1) p
          where e.busy_until - p_clock_skew > e.hd_started
     ),
-    -- Pause: after a failure of an event, nothing else of its key until that
-    -- event is called again or dead-lettered.
-    paused as (
-        select 'paused'::text, true, x.slot, x.hd_key, x.hd_ev_id, f.hd_ev_id, x.hd_started,
-               format('started while its key was paused behind event %s, which failed at %s',
-                      f.hd_ev_id, f.hd_ended)
+    -- Pause: after a failure of an event, nothing delivered after it of its
+    -- key until that event is called again or dead-lettered. (An event
+    -- delivered before it may come again after it: a piece handed out again
+    -- after its worker died.) Not a violation by itself: an operator's
+    -- resume_key, skip_head, or a dead letter replayed or purged, releases
+    -- the hold, and the record does not hold those.
+    holds as (
+        select f.*, least(f.next_call, d.dl_time) as until
           from calls f
-          cross join lateral (
-              select least(
-                  (select min(a.hd_started) from calls a
-                    where a.hd_sub = f.hd_sub and a.hd_ev_id = f.hd_ev_id
-                      and a.hd_started > f.hd_started),
-                  (select min(d.dl_time) from pgque.dead_letter d
-                    where d.dl_sub = f.hd_sub and d.ev_id = f.hd_ev_id)) as until) r
-          -- (An event delivered before it may come again after it: a piece
-          -- handed out again after its worker died.)
+          left join (select dl.dl_sub, dl.ev_id, min(dl.dl_time) as dl_time
+                       from pgque.dead_letter dl
+                      where dl.dl_sub = any(array(select g.sub_id
+                                                    from pgque._group_subs(v_group) g))
+                      group by dl.dl_sub, dl.ev_id) d
+            on d.dl_sub = f.hd_sub and d.ev_id = f.hd_ev_id
+         where v_group.cg_policy = 'pause' and f.hd_outcome = 'f' and f.hd_key is not null
+    ),
+    paused as (
+        -- (Each call once, with the first hold it broke.)
+        select distinct on (x.n)
+               'paused'::text, false, x.slot, x.hd_key, x.hd_ev_id, f.hd_ev_id, x.hd_started,
+               format('started while its key was paused behind event %s, which failed at %s '
+                      '(a violation unless an operator released the key)',
+                      f.hd_ev_id, f.hd_ended)
+          from holds f
           join calls x
             on x.hd_key = f.hd_key and (x.hd_batch, x.hd_ev_id) > (f.hd_batch, f.hd_ev_id)
            and x.hd_started > f.hd_ended + p_clock_skew
-           and (r.until is null or x.hd_started < r.until)
-         where v_group.cg_policy = 'pause' and f.hd_outcome = 'f' and f.hd_key is not null
+           and (f.until is null or x.hd_started < f.until)
+         order by x.n, f.hd_ended
     )
     select * from misrouted
     union all select * from reorder
@@ -226,7 +245,10 @@ begin
         '   and not exists (select from pgque._retry_waiting r'
         '                    where r.ev_owner = o.sub and r.ev_id = e.ev_id)'
         '   and not exists (select from pgque.held_event x'
-        '                    where x.he_sub = o.sub and x.ev_id = e.ev_id)'
+        '                     join pgque.blocked_key b'
+        '                       on b.bk_sub = x.he_sub and b.bk_key = x.he_key'
+        '                    where x.he_sub = o.sub and x.ev_id = e.ev_id'
+        '                      and x.he_seq > b.bk_done_seq)'
         '   and not exists (select from pgque.%1$I x'
         '                    where x.ev_owner = o.sub and x.ev_id = e.ev_id'
         '                      and not pg_visible_in_snapshot(x.ev_txid, o.snap))'

@@ -102,8 +102,9 @@ begin
     exception when not_null_violation or check_violation then
         select r.i, r.slot, r.key into v_bad
           from pgque._handling_calls(p_calls) r
-         where r.slot is null or r.slot < 0 or r.slot >= v_group.cg_slots
-            or v_subs[r.slot + 1] is null or octet_length(r.key) > 512
+         where r.slot is not null
+           and (r.slot < 0 or r.slot >= v_group.cg_slots or v_subs[r.slot + 1] is null
+                or octet_length(r.key) > 512)
          order by r.i limit 1;
         if v_bad.i is not null then
             perform pgque._check_slot(v_bad.slot, v_group.cg_slots);  -- PQ023
@@ -122,15 +123,16 @@ end
 $$;
 
 -- pgque._handling_calls(calls): the calls of record_handling's JSON as rows,
--- numbered from 1 (i); a time that is not a finite number of seconds within
--- some 30,000 years of 1970 (NaN, Infinity) is null.
+-- numbered from 1 (i); a call that is not an array of nine values has a null
+-- slot, and a time that is not a finite number of seconds within some 30,000
+-- years of 1970 (NaN, Infinity) is null (record_handling refuses nulls).
 create or replace function pgque._handling_calls(p_calls jsonb)
 returns table (i bigint, slot integer, ev_id bigint, batch bigint, retry integer, key text,
                epoch bigint, started timestamptz, ended timestamptz, outcome text)
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select c.i, (c.v->>0)::integer, (c.v->>1)::bigint, (c.v->>2)::bigint, (c.v->>3)::integer,
+    select c.i, case when pg_catalog.jsonb_array_length(c.v) = 9 then (c.v->>0)::integer end, (c.v->>1)::bigint, (c.v->>2)::bigint, (c.v->>3)::integer,
            c.v->>4, (c.v->>5)::bigint,
            case when t.started > -1e12 and t.started < 1e12
                 then pg_catalog.to_timestamp(t.started) end,
