@@ -65,6 +65,7 @@ from pgque.info import (
     GroupInfo,
     GroupStatus,
     HandlingSummary,
+    KeyLag,
     QueueInfo,
     SlotStatus,
     TickerInfo,
@@ -1121,6 +1122,14 @@ class AsyncClient:
                               (queue, consumer, summary.since, skew))
             findings = [from_row(Finding, found) for found in await cur.fetchall()]
         return Verification(summary, findings)
+
+    async def key_lag(self, queue: str, consumer: str, *, top: int = 10) -> list[KeyLag]:
+        """The ``top`` keys of group ``consumer`` with the most events waiting
+        (not consumed by their slot yet), most first, then oldest first: the hot
+        keys, and how long their oldest event has waited. One read of the
+        queue's pending events (not of the whole log)."""
+        return await self._records(KeyLag, "select * from pgque.key_lag(%s, %s, %s)",
+                                   (queue, consumer, top))
 
     # -- dead letters ----------------------------------------------------
 

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-__all__ = ["ConsumerInfo", "Finding", "GroupInfo", "GroupStatus", "HandlingSummary", "QueueInfo",
-           "SlotOwner", "SlotStatus", "TickerInfo", "Verification", "from_row"]
+__all__ = ["ConsumerInfo", "Finding", "GroupInfo", "GroupStatus", "HandlingSummary", "KeyLag",
+           "QueueInfo", "SlotOwner", "SlotStatus", "TickerInfo", "Verification", "from_row"]
 
 R = TypeVar("R", bound=msgspec.Struct)
 
@@ -238,3 +238,15 @@ class Verification(msgspec.Struct, frozen=True):
     def ok(self) -> bool:
         """True when nothing breaks a promise."""
         return not self.violations
+
+
+class KeyLag(msgspec.Struct, frozen=True):
+    """A key of a consumer group with events waiting: its slot, how many of its
+    events the slot has not consumed yet (its open batch included), and when
+    the oldest of them was sent. ``partition_key`` None: events sent without
+    a key (slot 0)."""
+
+    partition_key: str | None
+    slot: int
+    pending: int
+    oldest: datetime
