@@ -723,18 +723,24 @@ class _Status(NamedTuple):
     groups: list[pgque.GroupInfo]
     slots: list[pgque.SlotStatus]
     generated: list[pgque.GeneratedCode]
+    # With --keys: each group's keys with the most events waiting (key_lag).
+    keys: list[dict[str, Any]] | None = None
 
 
 def _status(client: pgque.Client, queue_name: str | None,
-            stalled_after: float | str | None) -> _Status:
+            stalled_after: float | str | None, keys: int | None = None) -> _Status:
     queues = client.queue_info(queue_name, stalled_after=stalled_after)
     if queue_name is not None and not queues:
         raise pgque.QueueNotFound(f"queue {queue_name!r} does not exist")
-    return _Status(client.ticker_info(), queues, client.consumer_info(queue_name),
-                   client.group_info(queue_name),
+    groups = client.group_info(queue_name)
+    hot = None if keys is None else [
+        {"queue_name": g.queue_name, "consumer_name": g.consumer_name,
+         **msgspec.structs.asdict(lag)}
+        for g in groups for lag in client.key_lag(g.queue_name, g.consumer_name, top=keys)]
+    return _Status(client.ticker_info(), queues, client.consumer_info(queue_name), groups,
                    client.partition_slot_status(queue_name, stalled_after=stalled_after),
                    [g for g in client.generated_code()
-                    if queue_name is None or g.queue_name in (None, queue_name)])
+                    if queue_name is None or g.queue_name in (None, queue_name)], hot)
 
 
 @cli.command()
@@ -747,10 +753,13 @@ def _status(client: pgque.Client, queue_name: str | None,
               help="One JSON document (with --watch: one per line and refresh).")
 @click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
               help="Refresh every SECONDS until Ctrl-C.")
+@click.option("--keys", type=click.IntRange(1, 1000), metavar="N",
+              help="Also list each group's N keys with the most events waiting (the hot "
+                   "keys; one read of the group's pending events).")
 @db_options
 @pass_state
 def status(state: State, queue_name: str | None, stalled_after: float | str | None,
-           as_json: bool, watch: float | None) -> None:
+           as_json: bool, watch: float | None, keys: int | None) -> None:
     """What the queues, consumers and consumer groups you may use are doing.
 
     A summary (counts, and the active ticker), then queues (STALLED: events
@@ -764,18 +773,24 @@ def status(state: State, queue_name: str | None, stalled_after: float | str | No
     client = state.client()
 
     def look() -> _Status:
-        return _status(client, queue_name, stalled_after)
+        return _status(client, queue_name, stalled_after, keys)
+
+    def document() -> dict[str, Any]:
+        found = look()._asdict()
+        if found["keys"] is None:
+            del found["keys"]  # (asked for with --keys only)
+        return found
 
     if watch is None:
         if as_json:
-            click.echo(display.dumps(look()._asdict()))
+            click.echo(display.dumps(document()))
         else:
             display.console().print(display.status_view(*look()))
         return
     try:
         if as_json:
             while True:
-                click.echo(display.dumps(look()._asdict(), indent=None))
+                click.echo(display.dumps(document(), indent=None))
                 time.sleep(watch)
         with Live(display.status_view(*look()), console=display.console(),
                   auto_refresh=False) as live:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import unicodedata
-from collections.abc import Iterable, Sequence
-from datetime import date, datetime, timedelta
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -209,10 +209,13 @@ def _generated_cell(generated: Sequence[GeneratedCode]) -> RenderableType:
 def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
                 consumers: Sequence[ConsumerInfo], groups: Sequence[GroupInfo],
                 slots: Sequence[SlotStatus],
-                generated: Sequence[GeneratedCode] = ()) -> RenderableType:
+                generated: Sequence[GeneratedCode] = (),
+                keys: Sequence[Mapping[str, Any]] | None = None) -> RenderableType:
     """The tables of ``pgque status``: a summary (counts of what the caller may see,
     and the active ticker), queues, plain consumers, consumer groups and their
-    slots (owners by name); generated code that lags is named in the summary."""
+    slots (owners by name), and with ``keys`` (rows of key_lag with their queue
+    and group) the keys with the most events waiting; generated code that lags
+    is named in the summary."""
     # Slot subscriptions (group#k/N) are shown per slot below, not as consumers.
     plain = [c for c in consumers if "#" not in c.consumer_name]
     stalled_queues = sum(q.stalled for q in queues)
@@ -272,6 +275,14 @@ def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
         parts.append(group_table)
     if slots:
         parts.append(slot_table)
+    if keys:
+        now = datetime.now(timezone.utc)
+        parts.append(table(
+            "keys waiting",
+            ["queue", "group", "key", "slot", "pending", "oldest"],
+            ([k["queue_name"], k["consumer_name"],
+              "(none)" if k["partition_key"] is None else k["partition_key"], k["slot"],
+              k["pending"], now - k["oldest"]] for k in keys)))
     return Group(*parts)
 
 

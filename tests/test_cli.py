@@ -680,6 +680,26 @@ def test_status_json_shows_owners_and_pending_per_slot(client: pgque.Client, dsn
     assert len(headers) == 5 and all(all(header) for header in headers), headers
 
 
+def test_status_keys_lists_each_groups_keys_with_the_most_waiting(
+        client: pgque.Client, dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    client.send_batch("q", [("e", {}, key) for key in ["<b>hot</b>"] * 4 + ["warm"] * 2 + [None]])
+    text = status(capsys, dsn, "q", "--keys", "2")
+    rows = table_rows(text, "keys waiting")
+    assert [(r["group"], r["key"], r["pending"]) for r in rows] == [
+        ("g", "<b>hot</b>", "4"), ("g", "warm", "2")]  # a key shown as sent, not as markup
+    document = json.loads(status(capsys, dsn, "q", "--keys", "5", "--json"))
+    assert [(k["consumer_name"], k["partition_key"], k["slot"], k["pending"])
+            for k in document["keys"]] == [
+        ("g", "<b>hot</b>", client.conn.execute("select pgque.slot_of('<b>hot</b>', 2)")
+         .fetchone()[0], 4),  # type: ignore[index]
+        ("g", "warm", client.conn.execute("select pgque.slot_of('warm', 2)")
+         .fetchone()[0], 2),  # type: ignore[index]
+        ("g", None, 0, 1)]
+    assert "keys waiting" not in status(capsys, dsn, "q")  # only when asked
+
+
 def test_status_names_the_workers_and_shows_members_and_epochs(
         client: pgque.Client, dsn: str, conn: psycopg.Connection[Any],
         capsys: pytest.CaptureFixture[str]) -> None:
