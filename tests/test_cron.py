@@ -38,6 +38,9 @@ def test_loop_and_python_ticker_share_the_election(client: pgque.Client, dsn: st
         assert client.active_ticker() == ticker.backend_pid
     # With no other ticker, the loop wins the election and gives it up when it ends.
     with pgque.connect(dsn) as watcher:
+        # (The stopped Ticker's backend lets the election go as it exits, a moment
+        # after its client closed: a loop started before that returns at once.)
+        wait_for(lambda: watcher.active_ticker() is None, what="the Ticker's session to end")
         loop = threading.Thread(target=lambda: client.conn.execute("call pgque.ticker_loop(1, 50)"))
         loop.start()
         wait_for(lambda: watcher.active_ticker() is not None, what="the loop to be elected")
