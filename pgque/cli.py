@@ -854,7 +854,7 @@ def verify(state: State, queue_name: str, consumer: str, since: datetime | None,
                    f"{summary.events} events ({summary.keys} keys, {summary.workers} workers) "
                    f"since {summary.since.isoformat()}")
         for finding in result.findings:
-            label = "VIOLATION" if finding in violations else "note"
+            label = "VIOLATION" if strict or finding.violation else "note"
             click.echo(f"  {label} {finding.kind}: event {finding.ev_id} (key "
                        f"{finding.partition_key!r}, slot {finding.slot}) at "
                        f"{finding.at.isoformat()}: {finding.detail}")

@@ -947,8 +947,9 @@ class _Lane(Generic[T]):
         batches: list[Batch[Any]]
         ahead: set[int]
         acked = [piece.batch for piece in acks or ()]
-        self._record(session, [(piece.batch, piece.failures) for piece in acks or ()
-                               if piece.failures is not None])
+        if worker.record and acks:
+            self._record(session, [(piece.batch, piece.failures) for piece in acks
+                                   if piece.failures is not None])
         try:
             with session.call() as client:
                 batches, ahead = client._receive_slot_pieces(
@@ -1007,8 +1008,9 @@ class _Lane(Generic[T]):
         there is one. A slot found no longer ours is let go (its piece comes
         again to its new owner) and counts as ended."""
         worker = self.worker
-        self._record(session, [(piece.batch, piece.failures) for piece in pieces
-                               if piece.failures is not None])
+        if worker.record:
+            self._record(session, [(piece.batch, piece.failures) for piece in pieces
+                                   if piece.failures is not None])
         try:
             with session.call() as client:
                 if fuse and len(pieces) == 1:
@@ -1127,14 +1129,16 @@ class _Lane(Generic[T]):
                     # status alone looks the same): then HandlerEndedTransaction,
                     # not an ack in the handler's transaction. One statement a batch.
                     _on_savepoint(conn, "release savepoint pgque_event")
-                self._record(session, [(batch, failures)])  # in the ack's transaction
+                if worker.record:  # in the ack's transaction
+                    self._record(session, [(batch, failures)])
                 with session.call() as client:
                     client.ack(batch, nack=failures.reasons,
                                retry_after=failures.retry_after, dead=failures.dead)
             return True
         while True:
             failures = self._handle(batch, session, None, self._keys)
-            self._record(session, [(batch, failures)])
+            if worker.record:
+                self._record(session, [(batch, failures)])
             with session.call() as client:
                 if not self._stays_on(slot):
                     client.ack(batch, nack=failures.reasons,

@@ -949,8 +949,9 @@ class _Lane(Generic[T]):
         batches: list[Batch[Any]]
         ahead: set[int]
         acked = [piece.batch for piece in acks or ()]
-        await self._record(session, [(piece.batch, piece.failures) for piece in acks or ()
-                                     if piece.failures is not None])
+        if worker.record and acks:
+            await self._record(session, [(piece.batch, piece.failures) for piece in acks
+                                         if piece.failures is not None])
         try:
             with session.call() as client:
                 batches, ahead = await client._receive_slot_pieces(
@@ -1009,8 +1010,9 @@ class _Lane(Generic[T]):
         there is one. A slot found no longer ours is let go (its piece comes
         again to its new owner) and counts as ended."""
         worker = self.worker
-        await self._record(session, [(piece.batch, piece.failures) for piece in pieces
-                                     if piece.failures is not None])
+        if worker.record:
+            await self._record(session, [(piece.batch, piece.failures) for piece in pieces
+                                         if piece.failures is not None])
         try:
             with session.call() as client:
                 if fuse and len(pieces) == 1:
@@ -1129,14 +1131,16 @@ class _Lane(Generic[T]):
                     # status alone looks the same): then HandlerEndedTransaction,
                     # not an ack in the handler's transaction. One statement a batch.
                     await _on_savepoint(conn, "release savepoint pgque_event")
-                await self._record(session, [(batch, failures)])  # in the ack's transaction
+                if worker.record:  # in the ack's transaction
+                    await self._record(session, [(batch, failures)])
                 with session.call() as client:
                     await client.ack(batch, nack=failures.reasons,
                                      retry_after=failures.retry_after, dead=failures.dead)
             return True
         while True:
             failures = await self._handle(batch, session, None, self._keys)
-            await self._record(session, [(batch, failures)])
+            if worker.record:
+                await self._record(session, [(batch, failures)])
             with session.call() as client:
                 if not self._stays_on(slot):
                     await client.ack(batch, nack=failures.reasons,

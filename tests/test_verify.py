@@ -336,6 +336,19 @@ def test_forgetting_the_record_starts_it_anew(recorded: Recorded) -> None:
         raise_rollback(client.conn)
 
 
+def test_a_worker_still_recording_after_a_forget_starts_the_record_anew(
+        recorded: Recorded) -> None:
+    """forget_handling while the group's workers run: their next record starts a
+    new one, as start_recording at their start did, so it can be verified."""
+    with pgque.connect(recorded.team_dsn()) as client, client.conn.transaction():
+        client.forget_handling(QUEUE, GROUP, SLOTS)
+        slot = int(scalar(client.conn, "select pgque.slot_of(%s, %s)", (KEYS[2], SLOTS)))
+        _record(client, (slot, 900_100, KEYS[2], "ok", "100"))  # a worker's next ack
+        summary = client.verify(QUEUE, GROUP).summary
+        assert (summary.calls, summary.events) == (1, 1)
+        raise_rollback(client.conn)
+
+
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())

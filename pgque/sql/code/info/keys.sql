@@ -20,38 +20,29 @@ as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group;
-    v_slots integer[];
-    v_subs integer[];
-    v_snaps pg_snapshot[];
-    v_from xid8;
+    v_at record;
 begin
     if p_top is null or p_top < 1 or p_top > 10000 then
         raise exception using errcode = '22023',
             message = format('key_lag: top must be from 1 to 10000, not %s', p_top);
     end if;
     v_group := pgque._group(v_queue, p_consumer, null);
-    select array_agg(g.slot order by g.slot), array_agg(g.sub_id order by g.slot),
-           array_agg(t.tick_snapshot order by g.slot), min(pg_snapshot_xmin(t.tick_snapshot))
-      into v_slots, v_subs, v_snaps, v_from
-      from pgque._group_subs(v_group) g
-      cross join lateral pgque._current_cursor(g.sub_id) c
-      join pgque.tick t on t.tick_queue = v_queue.queue_id and t.tick_id = c.cur_last_tick;
-    if v_slots is null then
+    v_at := pgque._group_positions(v_queue, v_group);
+    if v_at.slots is null then
         return;
     end if;
     return query execute format(
         'select e.ev_extra1, o.k, count(*), min(e.ev_time)'
         '  from pgque.%I e'
         '  join unnest($2, $3, $4) as o(k, sub, snap)'
-        '    on o.k = case when e.ev_extra1 is null then 0'
-        '                  else (hashtextextended(e.ev_extra1, 0) %% $5 + $5) %% $5 end'
+        '    on o.k = %2$s'
         ' where e.ev_txid >= $1'
         '   and not pg_visible_in_snapshot(e.ev_txid, o.snap)'
         '   and (e.ev_owner is null or e.ev_owner = o.sub)'
         ' group by e.ev_extra1, o.k'
         ' order by count(*) desc, min(e.ev_time), e.ev_extra1 nulls first'
-        ' limit $6',
-        pgque._event_table(v_queue.queue_id))
-    using v_from, v_slots, v_subs, v_snaps, v_group.cg_slots, p_top;
+        ' limit $5',
+        pgque._event_table(v_queue.queue_id), pgque._slot_expr(v_group.cg_slots))
+    using v_at.floor, v_at.slots, v_at.subs, v_at.snaps, p_top;
 end
 $$;

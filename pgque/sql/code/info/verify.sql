@@ -104,9 +104,7 @@ declare
     v_recorded record;
     v_group pgque.consumer_group;
     v_since timestamptz;
-    v_slots integer[];
-    v_subs integer[];
-    v_snaps pg_snapshot[];
+    v_at record;
 begin
     if p_clock_skew is null or p_clock_skew < interval '0' then
         raise exception using errcode = '22023',
@@ -219,13 +217,8 @@ begin
 
     -- Nothing lost: each slot's events that its cursor passed (visible in the
     -- snapshot of its last finished batch's tick), sent since the start.
-    select array_agg(g.slot order by g.slot), array_agg(g.sub_id order by g.slot),
-           array_agg(t.tick_snapshot order by g.slot)
-      into v_slots, v_subs, v_snaps
-      from pgque._group_subs(v_group) g
-      cross join lateral pgque._current_cursor(g.sub_id, false) c
-      join pgque.tick t on t.tick_queue = v_queue.queue_id and t.tick_id = c.cur_last_tick;
-    if v_slots is null then
+    v_at := pgque._group_positions(v_queue, v_group);
+    if v_at.slots is null then
         return;
     end if;
     return query execute format(
@@ -233,8 +226,7 @@ begin
         '       ''its slot passed it, but no call returned, no dead letter or retry holds it'''
         '  from pgque.%1$I e'
         '  join unnest($2, $3, $4) as o(k, sub, snap)'
-        '    on o.k = case when e.ev_extra1 is null then 0'
-        '                  else (hashtextextended(e.ev_extra1, 0) %% $5 + $5) %% $5 end'
+        '    on o.k = %2$s'
         ' where e.ev_owner is null and e.ev_time >= $1'
         '   and pg_visible_in_snapshot(e.ev_txid, o.snap)'
         '   and not exists (select from pgque.handling h'
@@ -253,7 +245,7 @@ begin
         '                    where x.ev_owner = o.sub and x.ev_id = e.ev_id'
         '                      and not pg_visible_in_snapshot(x.ev_txid, o.snap))'
         ' order by e.ev_time, e.ev_id',
-        pgque._event_table(v_queue.queue_id))
-    using v_since, v_slots, v_subs, v_snaps, v_group.cg_slots;
+        pgque._event_table(v_queue.queue_id), pgque._slot_expr(v_group.cg_slots))
+    using v_since, v_at.slots, v_at.subs, v_at.snaps;
 end
 $$;

@@ -533,3 +533,38 @@ begin
     return v_open;
 end
 $$;
+
+-- pgque._group_subs(group): the group's slots and their subscriptions (slots
+-- a group made slot by slot may lack), ascending by slot.
+create or replace function pgque._group_subs(p_group pgque.consumer_group)
+returns table (slot integer, sub_id integer)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select k, s.sub_id
+      from generate_series(0, p_group.cg_slots - 1) k
+      -- _slot_name, written out (as in _slot_subs)
+      join pgque.subscription s
+        on s.sub_queue = p_group.cg_queue
+       and s.sub_consumer = p_group.cg_consumer || '#' || k::text || '/' || p_group.cg_slots::text
+     order by k
+$$;
+
+-- pgque._group_positions(queue, group): where the group's slots are: their
+-- slots and subscriptions ascending by slot (_group_subs), the snapshots of
+-- their last finished ticks (an event is consumed by its slot once visible in
+-- it) and the lowest xmin of those (below it, every slot has consumed
+-- everything). Nulls for a group without slots. For the reads of a group's
+-- pending window (key_lag) and of what it passed (verify_handling).
+create or replace function pgque._group_positions(
+    p_queue pgque.queue, p_group pgque.consumer_group,
+    out slots integer[], out subs integer[], out snaps pg_snapshot[], out floor xid8)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array_agg(g.slot order by g.slot), array_agg(g.sub_id order by g.slot),
+           array_agg(t.tick_snapshot order by g.slot), min(pg_snapshot_xmin(t.tick_snapshot))
+      from pgque._group_subs(p_group) g
+      cross join lateral pgque._current_cursor(g.sub_id) c
+      join pgque.tick t on t.tick_queue = p_queue.queue_id and t.tick_id = c.cur_last_tick
+$$;

@@ -45,7 +45,9 @@ $$;
 -- worker named worker, from started to ended (seconds since 1970-01-01 UTC),
 -- its outcome "ok" (returned), "failed" (raised: nacked) or "dead" (raised,
 -- not retryable). Returns how many calls. Does not ask for the slots'
--- ownership: a worker that lost a slot records its calls too. Raises 22023
+-- ownership: a worker that lost a slot records its calls too. A group whose
+-- record was forgotten while its workers ran starts a new record here, as
+-- start_recording would, so their calls from then on can be verified. Raises 22023
 -- for calls that are not an array of such arrays (a value missing or null
 -- where one is due, an unknown outcome, a call that ends before it starts) or
 -- a worker name over 200 characters; 22P02 for a value of the wrong type;
@@ -74,6 +76,10 @@ begin
     if p_worker is null or length(p_worker) > 200 then
         raise exception using errcode = '22023',
             message = 'record_handling: the worker name must be given, at most 200 characters';
+    end if;
+    if v_group.cg_recorded_since is null then  -- forgotten meanwhile (rare: one update)
+        update pgque.consumer_group g set cg_recorded_since = coalesce(g.cg_recorded_since, now())
+         where g.cg_id = v_group.cg_id;
     end if;
     if jsonb_typeof(p_calls) is distinct from 'array' then
         raise exception using errcode = '22023',
@@ -141,22 +147,6 @@ as $$
            c.v->>8
       from pg_catalog.jsonb_array_elements(p_calls) with ordinality as c(v, i)
      cross join lateral (select (c.v->>6)::float8 as started, (c.v->>7)::float8 as ended) t
-$$;
-
--- pgque._group_subs(group): the group's slots and their subscriptions (slots
--- a group made slot by slot may lack), ascending by slot.
-create or replace function pgque._group_subs(p_group pgque.consumer_group)
-returns table (slot integer, sub_id integer)
-language sql stable
-set search_path = pg_catalog, pg_temp
-as $$
-    select k, s.sub_id
-      from generate_series(0, p_group.cg_slots - 1) k
-      -- _slot_name, written out (as in _slot_subs)
-      join pgque.subscription s
-        on s.sub_queue = p_group.cg_queue
-       and s.sub_consumer = p_group.cg_consumer || '#' || k::text || '/' || p_group.cg_slots::text
-     order by k
 $$;
 
 -- pgque.forget_handling(queue, consumer, slots): deletes the group's record
