@@ -20,7 +20,8 @@ __all__ = ["Suite", "SuiteContext", "SuiteResult", "all_suites", "register"]
 _SUITE_MODULES = (
     "bench.engine", "bench.partition", "bench.latency", "bench.peers", "bench.ownership",
     "bench.bloat", "bench.held_horizon", "bench.pause", "bench.delayed", "bench.jobs",
-    "bench.curves", "bench.dimensions", "bench.verify")
+    "bench.curves", "bench.dimensions", "bench.verify", "bench.metrics",
+    "bench.exporter")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,10 @@ the Worker's start (which the warm-up and the run's size make small).
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -27,21 +30,29 @@ KEYS = 64
 TICK_EVERY = 1_000
 
 
-class _Drain:
-    """A queue and group drained by a fresh Worker per run, recording or not."""
+class Drain:
+    """A queue and group drained by a fresh Worker per run, made with the
+    options given (record=True, say); the metrics suite drains it too."""
 
     def __init__(self, dsn: str, conn: psycopg.Connection[object], name: str,
-                 record: bool) -> None:
+                 **options: Any) -> None:
         self.dsn = dsn
         self.conn = conn
         self.queue = name
-        self.record = record
+        self.options = options
+        self.worker: pgque.Worker[object] | None = None
         conn.execute("select pgque.create_queue(%s, %s)",
                      (name, f'{{"ticker_max_count": {TICK_EVERY}}}'))
         conn.execute("select pgque.subscribe_slots(%s, 'g', %s)", (name, SLOTS))
 
     def prepare(self, count: int) -> None:
-        self.conn.execute("select pgque.forget_handling(%s, 'g', %s)", (self.queue, SLOTS))
+        if self.worker is not None:  # the last run's, asked to stop as its timer ended
+            self.worker.stop()
+            if self.worker.error is not None:
+                raise self.worker.error
+            self.worker = None
+        if self.options.get("record"):
+            self.conn.execute("select pgque.forget_handling(%s, 'g', %s)", (self.queue, SLOTS))
         for start in range(0, count, TICK_EVERY):
             n = min(TICK_EVERY, count - start)
             self.conn.execute(
@@ -51,15 +62,27 @@ class _Drain:
             self.conn.execute("select pgque.tick(%s)", (self.queue,))
 
     def run(self, count: int) -> int:
-        def handle(message: pgque.Message[object]) -> None:
-            pass
+        """Start a Worker and time it until its handler has seen ``count`` events
+        (its start in the time, not its stop: the next prepare waits for that)."""
+        calls = itertools.count(1)
+        done = threading.Event()
 
-        worker = pgque.Worker(self.dsn, queue=self.queue, consumer="g", slots=SLOTS,
-                              handler=handle, ticker=False, poll_interval=0.05,
-                              record=self.record, name=f"bench-{self.queue}")
-        with worker:
-            worker.wait(lambda: worker.handled >= count, timeout=600)
-        return worker.handled
+        def handle(message: pgque.Message[object]) -> None:
+            if next(calls) == count:  # (atomic under the GIL: no lock in the no-op)
+                done.set()
+
+        self.worker = pgque.Worker(self.dsn, queue=self.queue, consumer="g", slots=SLOTS,
+                                   handler=handle, ticker=False, poll_interval=0.05,
+                                   name=f"bench-{self.queue}", **self.options)
+        self.worker.start()
+        if not done.wait(600):
+            raise RuntimeError(f"the worker handled {next(calls) - 1} of {count} events")
+        self.worker.request_stop()
+        return count
+
+    def close(self) -> None:
+        """Stop the last run's worker."""
+        self.prepare(0)
 
 
 def _verify_rate(conn: psycopg.Connection[object], queue: str) -> Callable[[int], int]:
@@ -77,14 +100,16 @@ def _verify_rate(conn: psycopg.Connection[object], queue: str) -> Callable[[int]
 def run(ctx: SuiteContext) -> SuiteResult:
     events = EVENTS // 5 if ctx.quick else EVENTS
     with psycopg.connect(ctx.dsn, autocommit=True) as conn:
-        plain = _Drain(ctx.dsn, conn, "plain", record=False)
-        recorded = _Drain(ctx.dsn, conn, "recorded", record=True)
+        plain = Drain(ctx.dsn, conn, "plain")
+        recorded = Drain(ctx.dsn, conn, "recorded", record=True)
         drains = measure([
             Case("drain", "Worker, 16 slots, no-op handler", events, plain.run,
                  warmup=events // 10, prepare=plain.prepare),
             Case("drain.record", "the same with record=True", events, recorded.run,
                  warmup=events // 10, prepare=recorded.prepare, baseline="drain"),
         ], ctx.repeats)
+        plain.close()
+        recorded.close()  # its last acks, and their record, are in once it stopped
         # The last recorded run's record stays (prepare forgets at the next run):
         # its check, timed by the same harness.
         checked = measure([Case("verify", "verify_handling over the recorded run, events checked",

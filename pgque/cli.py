@@ -1,5 +1,5 @@
-"""The ``pgque`` command line: install, queues, send, tail, workers, ticker, status, dead letters,
-blocked keys.
+"""The ``pgque`` command line: install, queues, send, tail, workers, ticker, status, verify,
+skew, the Prometheus exporter, dead letters, blocked keys.
 
 Every command that talks to a database takes ``--dsn`` (default: the
 ``PGQUE_DSN`` environment variable) and ``--connect-timeout``. Errors end as one
@@ -12,7 +12,8 @@ the library does without; missing one, it ends with a line that says so.
 
 Here are the commands and their options; how things are shown is in
 :mod:`pgque.display`, and the long-running commands are services
-(:mod:`pgque.lifecycle`): ``tail`` (:mod:`pgque.tail`), ``worker`` and ``ticker``.
+(:mod:`pgque.lifecycle`): ``tail`` (:mod:`pgque.tail`), ``worker`` and ``ticker``;
+``exporter`` serves :mod:`pgque.exporter`.
 """
 
 from __future__ import annotations
@@ -613,6 +614,11 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
 @click.option("--record", is_flag=True,
               help="Record every handler call (event, slot, epoch, start, end, outcome) "
                    "for `pgque verify`: one more statement per ack.")
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535),
+              help="Serve the worker's metrics for Prometheus on this port "
+                   "(needs pgque[prometheus]).")
+@click.option("--metrics-host", default=_WORKER_DEFAULTS["metrics_host"], show_default=True,
+              help="The address --metrics-port listens on (0.0.0.0: every interface).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               default="info", show_default=True)
 @_worker_db_options
@@ -642,6 +648,8 @@ def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, s
                                connect_timeout=state.connect_timeout,
                                non_retryable=non_retryable, **options)
     except ValueError as exc:  # the library's word on the options, e.g. two that conflict
+        raise click.UsageError(str(exc), click.get_current_context()) from None
+    except ImportError as exc:  # --metrics-port without prometheus-client
         raise click.UsageError(str(exc), click.get_current_context()) from None
     # Check the DSN, the queue and the slot count before logging starts, so a
     # mistake is one line; the worker stops on such errors by itself too (run()
@@ -863,6 +871,135 @@ def verify(state: State, queue_name: str, consumer: str, since: datetime | None,
                                             "and no loss held"))
     if violations:
         sys.exit(1)
+
+
+@cli.command()
+@click.option("--queue", "queue_name", required=True, help="Queue of the group.")
+@click.option("--group", "consumer", required=True, help="Consumer group whose spread to show.")
+@click.option("--window", callback=_duration, default="60", show_default=True,
+              metavar="DURATION",
+              help="Count the events sent this long ago and since (seconds or interval); "
+                   "no further back than the queue's oldest tick, kept a minute or more.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document.")
+@db_options
+@pass_state
+def skew(state: State, queue_name: str, consumer: str, window: float | str,
+         as_json: bool) -> None:
+    """How evenly a consumer group's work spreads over its slots.
+
+    Per slot: the events sent in the window that route to it, the distinct
+    keys among them, its share of the events and its load (its events over
+    the mean per slot: 1 is an even share). The summary's largest load is the
+    max/mean ratio: a slot at 3x does three slots' work while others idle,
+    from few keys (more keys, or a larger N, spread better) or from a hot key
+    (see 'pgque status --keys'). One read of the window's events.
+    """
+    from datetime import timedelta
+
+    interval = timedelta(seconds=window) if isinstance(window, float) else window
+    conn = state.client().conn
+    with translated():
+        rows = conn.execute("select slot, events, keys, share, load, since"
+                            "  from pgque.slot_skew(%s, %s, %s::interval)",
+                            (queue_name, consumer, interval)).fetchall()
+    events = sum(row[1] for row in rows)
+    keys = sum(row[2] for row in rows)
+    since: datetime = rows[0][5]
+    busiest = max(rows, key=lambda row: (row[4] or 0, -row[0]))
+    largest = busiest[4]
+    idle = sum(1 for row in rows if row[1] == 0)
+    if as_json:
+        click.echo(display.dumps({
+            "queue_name": queue_name, "consumer_name": consumer, "since": since,
+            "events": events, "keys": keys, "max_over_mean": largest,
+            "busiest_slot": busiest[0] if largest is not None else None,
+            "slots_without_events": idle,
+            "slots": [{"slot": slot, "events": n, "keys": k, "share": share, "load": load}
+                      for slot, n, k, share, load, _ in rows]}))
+        return
+    click.echo(f"{queue_name}/{consumer}: {events} events of {keys} keys in {len(rows)} slots "
+               f"since {since.astimezone().isoformat(sep=' ', timespec='seconds')}")
+    display.console().print(display.table(
+        None, ["slot", "events", "keys", "share", "load"],
+        ([slot, n, k, "-" if share is None else f"{share:.1%}",
+          "-" if load is None else f"{load:.2f}"] for slot, n, k, share, load, _ in rows)))
+    if largest is None:
+        click.echo("no events in the window: nothing to judge")
+    else:
+        click.echo(f"largest load {largest:.2f}x the mean (slot {busiest[0]}); "
+                   f"{idle} slot{'' if idle == 1 else 's'} without events")
+
+
+@cli.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=9187, show_default=True,
+              help="Port of http://HOST:PORT/metrics (0: a free one, printed at start).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface: the metrics name "
+                   "queues and groups, so only where the network is trusted).")
+@click.option("--statement-timeout", type=click.FloatRange(min=0.1), default=10.0,
+              show_default=True, metavar="SECONDS", help="Bound of a scrape's query.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+              default="info", show_default=True)
+@db_options
+@pass_state
+def exporter(state: State, port: int, host: str, statement_timeout: float,
+             log_level: str) -> None:
+    """Serve pgque's database-side metrics to Prometheus until SIGTERM or Ctrl-C.
+
+    Each scrape of http://HOST:PORT/metrics runs one query, pgque.metrics():
+    events sent per queue, and per slot of every group its backlog, lag,
+    ticks behind, owner, epoch, retries, dead letters and blocked keys, plus
+    rotation, table sizes, the ticker and stall flags, of every queue and
+    group the DSN's role may see (give it pgque_reader, or pgque_admin for
+    all). Needs the prometheus extra: pip install 'pgque[prometheus]'.
+    """
+    import threading
+
+    from pgque import _signals
+
+    try:
+        from pgque.exporter import Exporter, ProblemWithDatabase
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "prometheus_client":
+            raise
+        raise click.ClickException("pgque exporter needs prometheus-client, which the "
+                                   "prometheus extra installs: pip install "
+                                   "'pgque[prometheus]'") from None
+    service = Exporter(state.require_dsn(), host=host, port=port,
+                       connect_timeout=state.connect_timeout,
+                       statement_timeout=statement_timeout)
+    down: pgque.ConnectError | None = None
+    try:
+        service.check()  # fail fast where no scrape could succeed
+    except ProblemWithDatabase as exc:
+        raise click.ClickException(str(exc)) from exc
+    except pgque.ConnectError as exc:
+        if not exc.transient:
+            raise
+        down = exc  # a server down now may be up at the next scrape: pgque_up says
+    _setup_logging(log_level)
+    if down is not None:
+        logging.getLogger("pgque.exporter").warning("%s; serving pgque_up 0 until it answers",
+                                                    down)
+
+    class _Stop:
+        """Set by SIGTERM or SIGINT (see pgque._signals)."""
+
+        def __init__(self) -> None:
+            self.event = threading.Event()
+
+        def _on_signal(self, signum: int) -> None:
+            self.event.set()
+
+    stop = _Stop()
+    _signals.register(stop)
+    try:
+        with service:
+            click.echo(f"pgque exporter: serving {service.url}", err=True)
+            while not stop.event.wait(1):
+                pass
+    finally:
+        _signals.unregister(stop)
 
 
 # -- dead letters ------------------------------------------------------------------------

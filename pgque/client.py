@@ -71,6 +71,7 @@ from pgque.info import (
     Verification,
     from_row,
 )
+from pgque.metrics import ProducerMetrics
 from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message, SentId
 
 __all__ = ["Client", "connect", "open_connection", "redact"]
@@ -390,18 +391,24 @@ class Client:
         own, through the producer pool when there is one.
         """
         data = encode_payload(payload)
+        began = time.perf_counter()
         if deliver_at is None and deliver_after is None and idempotency_key is None:
             with self._producer(conn) as target:
-                return SentId(self._value("select pgque.send(%s, %s, %s::text, %s)",
+                sent = SentId(self._value("select pgque.send(%s, %s, %s::text, %s)",
                                           (queue, type, data, partition_key), target))
-        check_deliver_at(deliver_at)
-        with self._producer(conn) as target:
-            rows = self._rows(
-                "select event_id, duplicate, deliver_at from pgque.send_with("
-                "%s, %s, %s::text, %s, %s, %s, %s)",
-                (queue, type, data, partition_key, deliver_at, delay(deliver_after),
-                 idempotency_key), target)
-        return SentId.of(*rows[0])
+        else:
+            check_deliver_at(deliver_at)
+            with self._producer(conn) as target:
+                rows = self._rows(
+                    "select event_id, duplicate, deliver_at from pgque.send_with("
+                    "%s, %s, %s::text, %s, %s, %s, %s)",
+                    (queue, type, data, partition_key, deliver_at, delay(deliver_after),
+                     idempotency_key), target)
+            sent = SentId.of(*rows[0])
+        metrics = ProducerMetrics.get()
+        if metrics is not None:
+            metrics.sent(queue, "send", 1, began)
+        return sent
 
     def send_batch(self, queue: str, events: Iterable[EventLike], *,
                    deliver_at: datetime | None = None,
@@ -425,19 +432,25 @@ class Client:
         options = (send_options(events, deliver_at, deliver_after)
                    if own_options or deliver_at is not None or deliver_after is not None
                    else None)
+        began = time.perf_counter()
         with self._producer(conn) as target:
             if options is None or options == (None, None, None):
                 # Binary (%b) arrays: psycopg encodes them several times faster than text.
                 ids = self._value(
                     "select pgque.send_batch(%s, %b::text[], %b::text[], %b::text[])",
                     (queue, types, payloads, keys), target)
-                return list(map(SentId, ids))
-            rows = self._rows(
-                "select event_id, duplicate, deliver_at from pgque.send_batch_with("
-                "%s, %b::text[], %b::text[], %b::text[], %s::timestamptz[], %s::interval[],"
-                " %s::text[])",
-                (queue, types, payloads, keys, *options), target)
-        return [SentId.of(*row) for row in rows]
+                sent = list(map(SentId, ids))
+            else:
+                rows = self._rows(
+                    "select event_id, duplicate, deliver_at from pgque.send_batch_with("
+                    "%s, %b::text[], %b::text[], %b::text[], %s::timestamptz[],"
+                    " %s::interval[], %s::text[])",
+                    (queue, types, payloads, keys, *options), target)
+                sent = [SentId.of(*row) for row in rows]
+        metrics = ProducerMetrics.get()
+        if metrics is not None:
+            metrics.sent(queue, "send_batch", len(sent), began)
+        return sent
 
     # -- ticks and maintenance -------------------------------------------
 

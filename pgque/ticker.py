@@ -53,6 +53,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
@@ -66,6 +68,10 @@ from pgque.lifecycle import (
     client_keepalives,
     server_timeouts,
 )
+from pgque.metrics import Metrics, TickerMetrics
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
 
 __all__ = ["Ticker"]
 
@@ -95,6 +101,7 @@ class Ticker(Service):
         network_timeout: float = 30.0,
         name: str = "pgque-ticker",
         required: bool = True,
+        meter_provider: MeterProvider | None = None,
     ) -> None:
         super().__init__(name, connect_timeout=connect_timeout)
         #: Whether a role that may not tick is an error (True) or ends the ticker
@@ -112,6 +119,9 @@ class Ticker(Service):
         self.looks = 0  # its looks for ticks due (ticker_some rounds, every queue or some)
         self.backend_pid: int | None = None  # of its current session
         self._active = threading.Event()
+        metrics = Metrics.of(meter_provider)
+        #: Its instruments (pgque.metrics): None without OpenTelemetry.
+        self.metrics = None if metrics is None else TickerMetrics(metrics, name)
 
     @property
     def active(self) -> bool:
@@ -166,13 +176,21 @@ class Ticker(Service):
             if elected:
                 self.log.info("%s: active (backend pid %s)", self.name, self.backend_pid)
                 self._active.set()
-                self._tick_loop(client, watch)
+                if self.metrics is not None:
+                    self.metrics.active(True)
+                try:
+                    self._tick_loop(client, watch)
+                finally:
+                    if self.metrics is not None:
+                        self.metrics.active(False)
                 return
             # Standing by: cover for an active ticker that holds the lock but
             # does not tick (frozen, or cut off without its session ending).
             with watch.call():
                 overdue = client.tick_overdue(self.overdue_after)
             self.ticks += overdue
+            if self.metrics is not None:
+                self.metrics.ticked(overdue)
             now = time.monotonic()
             if overdue and now >= next_maintenance:
                 # The active ticker is not doing its job: its maintenance (retries
@@ -219,19 +237,13 @@ class Ticker(Service):
                             client.conn.execute("unlisten *")
                         self._poll_loop(client, watch)
                         return
-                    with watch.call():
-                        ticked = client.ticker_ids()
-                    self.looks += 1
-                    self.ticks += len(ticked)
+                    ticked = self._look(client, watch, None)
                     if elected:
                         self._heat(client, watch, hot, ticked, now)
                         elected = False
                     next_look = now + self.idle_interval
                 elif hot:
-                    with watch.call():
-                        ticked = client.ticker_ids(hot)
-                    self.looks += 1
-                    self.ticks += len(ticked)
+                    ticked = self._look(client, watch, hot)
                     for queue_id in ticked:
                         hot[queue_id] = now
                 quiet = [queue_id for queue_id, last in hot.items()
@@ -242,10 +254,7 @@ class Ticker(Service):
                     with watch.call():
                         client.ticker_sleep(hot)
                     # A send may have read its queue's flag before it was set.
-                    with watch.call():
-                        ticked = client.ticker_ids(quiet)
-                    self.looks += 1
-                    self.ticks += len(ticked)
+                    ticked = self._look(client, watch, quiet)
                     self._heat(client, watch, hot, ticked, now)
                 # A queue whose look for a notification ticked nothing (its
                 # ticker_max_lag holds the tick back, or anyone's NOTIFY) is
@@ -267,10 +276,7 @@ class Ticker(Service):
                             due.append(queue_id)
                 if due:
                     now = time.monotonic()
-                    with watch.call():
-                        ticked = client.ticker_ids(due)
-                    self.looks += 1
-                    self.ticks += len(ticked)
+                    ticked = self._look(client, watch, due)
                     self._heat(client, watch, hot, ticked, now)
                     for queue_id in set(due) - set(ticked):
                         later[queue_id] = (now + _UNSLEEPING_INTERVAL, False)
@@ -279,6 +285,19 @@ class Ticker(Service):
                 # Sends would go on notifying nobody until the next election.
                 with contextlib.suppress(psycopg.Error), watch.call():
                     client.ticker_wake()
+
+    def _look(self, client: Client, watch: CallWatch,
+              queue_ids: Collection[int] | None) -> list[int]:
+        """Tick the queues of ``queue_ids`` (None: every queue) whose thresholds
+        ask for it; returns the ids of those it ticked."""
+        began = time.monotonic()
+        with watch.call():
+            ticked = client.ticker_ids(queue_ids)
+        self.looks += 1
+        self.ticks += len(ticked)
+        if self.metrics is not None:
+            self.metrics.looked(len(ticked), time.monotonic() - began)
+        return ticked
 
     def _heat(self, client: Client, watch: CallWatch, hot: dict[int, float],
               ticked: list[int], now: float) -> None:
@@ -303,9 +322,12 @@ class Ticker(Service):
                 with watch.call():
                     client.maintenance()
                 next_maintenance = now + self.maintenance_interval
+            began = time.monotonic()
             with watch.call():
                 made = client.ticker()
             self.ticks += made
+            if self.metrics is not None:
+                self.metrics.looked(made, time.monotonic() - began)
             if made:
                 last_tick = now
             self.sleep(self.min_interval if now - last_tick <= self.idle_after

@@ -98,7 +98,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -129,9 +129,13 @@ from pgque.lifecycle import (
     is_fatal,
     server_timeouts,
 )
+from pgque.metrics import Metrics, MetricsServer, TickerMetrics, WorkerMetrics
 from pgque.retry import NonRetryable, RetryDelay, check_retry_after, delay_for
 from pgque.ticker import Ticker
 from pgque.types import Batch, Message
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
 
 __all__ = ["Worker"]
 
@@ -207,6 +211,12 @@ class Worker(Service, Generic[T]):
     at a time and that nothing was lost: one more statement per ack. Every
     worker of the group must record for the check to hold.
 
+    Metrics (see :mod:`pgque.metrics`): with ``opentelemetry-api`` installed
+    the worker and its Ticker report on ``meter_provider`` (by default the
+    global one); with ``metrics_port`` they are also served in Prometheus's
+    text format on ``metrics_host`` (127.0.0.1 unless given; port 0 picks a
+    free one, see :attr:`metrics_address`), from the worker's start to its stop.
+
     ``run()`` blocks until :meth:`stop` (or SIGTERM / SIGINT when run in the
     main thread) and raises the error that stopped the worker, if any;
     ``start()`` runs the same loop in a background thread. A Worker is also a
@@ -248,6 +258,9 @@ class Worker(Service, Generic[T]):
         network_timeout: float = 30.0,
         name: str | None = None,
         record: bool = False,
+        meter_provider: MeterProvider | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
@@ -318,6 +331,27 @@ class Worker(Service, Generic[T]):
         self.record = record
         # The record's name for this worker: its calls and which process made them.
         self.record_name = f"{self.name}@{socket.gethostname()}:{os.getpid()}"[:200]
+        self.metrics_host = metrics_host
+        self.metrics_port = metrics_port
+        #: Where the Prometheus metrics are served, (host, port), while they are.
+        self.metrics_address: tuple[str, int] | None = None
+        self._metrics_server: MetricsServer | None = None
+        registry = None
+        if metrics_port is not None:
+            try:
+                import prometheus_client
+            except ImportError:
+                raise ImportError("metrics_port needs prometheus-client: "
+                                  "pip install 'pgque[prometheus]'") from None
+            registry = prometheus_client.CollectorRegistry()
+        self._registry = registry
+        metrics = Metrics.of(meter_provider, registry)
+        #: The worker's instruments (None without OpenTelemetry or metrics_port).
+        self.metrics = None if metrics is None else WorkerMetrics(metrics, queue, consumer)
+        if metrics is not None and self.ticker is not None and not isinstance(ticker, Ticker):
+            # Its own Ticker reports where the worker does (a given one as it was made).
+            self.ticker.metrics = TickerMetrics(metrics, self.ticker.name)
+        self._served = False  # serve() ran before: the next is a reconnect
 
     # -- public control ----------------------------------------------------
 
@@ -345,11 +379,29 @@ class Worker(Service, Generic[T]):
     # -- the service -----------------------------------------------------------
 
     def setup(self) -> None:
+        if self._registry is not None:
+            try:
+                server = MetricsServer(self._registry, self.metrics_host,
+                                       self.metrics_port or 0, name=f"{self.name}-metrics")
+            except OSError as exc:  # the port is taken, say: the worker does not start
+                self.log.error("%s: cannot serve metrics on %s:%s: %s", self.name,
+                               self.metrics_host, self.metrics_port, exc)
+                self.error = exc
+                self.request_stop()
+                return
+            server.start()
+            self._metrics_server = server
+            self.metrics_address = server.address
+            self.log.info("%s: metrics on http://%s:%s/metrics", self.name,
+                          *self.metrics_address)
         if self.ticker is not None and not self.ticker.alive:
             self.ticker.start()
 
     def serve(self) -> None:
         conn = self.connect(self.dsn, **client_keepalives(self.network_timeout))
+        if self._served and self.metrics is not None:
+            self.metrics.reconnected()
+        self._served = True
         control = _Session(Client(conn), self.watch(conn, self.network_timeout / 2))
         try:
             # The control session is never idle for long (it rebalances every
@@ -419,6 +471,10 @@ class Worker(Service, Generic[T]):
             lane.join()
         if self.ticker is not None:
             run_blocking(self.ticker.stop, 5.0)
+        if self._metrics_server is not None:
+            run_blocking(self._metrics_server.stop)
+            self._metrics_server = None
+            self.metrics_address = None
         self.log.info("%s: stopped (handled %s events, %s failed)", self.name, self.handled,
                       self.failed)
 
@@ -661,6 +717,8 @@ class _Lane(Generic[T]):
             with session.call() as client:
                 self.pid = client.pin_session(settings)
             worker.log.info("%s: connected (backend pid %s)", self.name, self.pid)
+            if worker.metrics is not None:
+                worker.metrics.session(True)
             spawn(self._heartbeat, session, name=f"{self.name}-beat")
             self._work(session)
             self._release_all(session)
@@ -680,6 +738,13 @@ class _Lane(Generic[T]):
             for runner in self._slot_keys.values():
                 runner.close()
             with worker._lock:
+                if worker.metrics is not None:
+                    for slot in self.slots:  # still ours: gone with the session
+                        worker.metrics.released(slot, lost=True)
+                    if self.pid is not None:
+                        worker.metrics.session(False)
+                        if error is not None:
+                            worker.metrics.reconnected()
                 self.slots.clear()
                 self.claims.clear()
                 self.releases.clear()
@@ -1072,12 +1137,14 @@ class _Lane(Generic[T]):
                     self.claims.discard(slot)
                     if claimed:
                         self.slots.add(slot)
+                        if worker.metrics is not None:
+                            worker.metrics.claimed(slot)
                         self._turns.append(slot)
                         self._idle_until.pop(slot, None)
                 else:
                     self.releases.discard(slot)  # served, whether or not it was ours
                     if slot in self.slots:
-                        self._drop_locked(slot)
+                        self._drop_locked(slot, lost=False)
             if op == "claim" and claimed:
                 worker.log.info("%s: claimed slot %s", self.name, slot)
             elif op == "release":
@@ -1093,11 +1160,15 @@ class _Lane(Generic[T]):
                 return slot
         return None
 
-    def _drop(self, slot: int) -> None:
+    def _drop(self, slot: int, *, lost: bool = True) -> None:
         with self.worker._lock:
-            self._drop_locked(slot)
+            self._drop_locked(slot, lost=lost)
 
-    def _drop_locked(self, slot: int) -> None:
+    def _drop_locked(self, slot: int, *, lost: bool = True) -> None:
+        """The slot is no longer the lane's: released, or ``lost`` (found owned by
+        another)."""
+        if slot in self.slots and self.worker.metrics is not None:
+            self.worker.metrics.released(slot, lost=lost)
         self.slots.discard(slot)
         self.releases.discard(slot)  # a release asked of it has nothing left to do
         self._idle_until.pop(slot, None)
@@ -1240,10 +1311,15 @@ class _Lane(Generic[T]):
         # One event at a time, or with key_concurrency up to that many keys at
         # once (never two events of one key): the runner stops every key at its
         # next event when one raises, and raises that once the others return.
+        began = time.monotonic()
         try:
             keys.run(batch.messages, _partition_key, handle)
         finally:
             worker._count(len(handled), len(failures) - held)  # one lock a batch, not an event
+        if worker.metrics is not None:
+            ended = time.monotonic()
+            worker.metrics.piece(batch, failures, result.dead, time.time() - (ended - began),
+                                 ended - began)
         return result
 
     def _handle_in_savepoint(self, message: Message[T], conn: Conn, *,
@@ -1276,7 +1352,7 @@ class _Lane(Generic[T]):
             for slot in slots:
                 with session.call() as client:
                     client.release_slot(worker.queue, worker.consumer, slot)
-                self._drop(slot)
+                self._drop(slot, lost=False)
         except (psycopg.Error, _ConnectionLost) as exc:
             worker.log.warning("%s: could not release slots cleanly: %s", self.name, exc)
 

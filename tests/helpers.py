@@ -424,6 +424,17 @@ def install_0_11(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.11.0"
 
 
+# The landed 0.12.0 (f5a937b): migrations 1 to 12, the record of handler calls.
+BASELINE_0_12 = Path(__file__).resolve().parent / "data" / "pgque-0.12.0-f5a937b.sql"
+
+
+def install_0_12(dsn: str) -> None:
+    """Install (or upgrade to) the landed 0.12.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_12.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.12.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import suppress
@@ -30,6 +31,7 @@ from helpers import (
     scalar,
     wait_for,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgque
@@ -567,8 +569,12 @@ def test_worker_runs_handler_from_module_path(client: pgque.Client, dsn: str,
     def owners() -> list[int | None]:
         return [s.owner_pid for s in client.partition_slot_status("q")]
 
+    with socket.socket() as probe:  # a port free a moment ago, for its metrics
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     with cli_process("worker", "cli_handlers:record", "--queue", "q", "--consumer", "g",
                      "--slots", "4", "--concurrency", "2", "--log-level", "warning",
+                     "--metrics-port", str(port),
                      PGQUE_DSN=dsn, PYTHONPATH=TESTS_DIR) as proc:
         wait_for(lambda: len(owners()) == 4 and None not in owners(), timeout=30,
                  what="the worker to own every slot")
@@ -576,6 +582,9 @@ def test_worker_runs_handler_from_module_path(client: pgque.Client, dsn: str,
         ids = client.send_batch("q", events)
         wait_for(lambda: scalar(conn, "select count(*) from cli_handled") == len(ids),
                  timeout=30, what="every event handled")
+        # --metrics-port: the worker's own count, scraped.
+        wait_for(lambda: _scraped(port, "pgque_worker_events_total") == len(ids), timeout=30,
+                 what="the handled events in the worker's metrics")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         pid = proc.pid
@@ -584,6 +593,14 @@ def test_worker_runs_handler_from_module_path(client: pgque.Client, dsn: str,
                         "order by ev_id").fetchall()
     assert rows == [(i, t, k, p, pid) for i, (t, p, k) in zip(ids, events, strict=True)]
     assert owners() == [None] * 4  # every slot released on the way out
+
+
+def _scraped(port: int, sample: str) -> float:
+    """The sum of a sample's values in the metrics served on the port."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == sample)
 
 
 def test_worker_exits_with_the_error_when_its_queue_goes_away(client: pgque.Client,

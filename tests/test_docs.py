@@ -503,3 +503,40 @@ def test_readme_does_not_deny_the_upgrade_path() -> None:
     readme = (ROOT / "README.md").read_text("utf-8")
     assert "no migration path" not in readme
     assert "This is 0.1" not in readme
+
+
+def _exported_names() -> set[str]:
+    """The metric names pgque can serve: the workers' instruments, as
+    prometheus_client writes them, and pgque.metrics()'s (its literals, and its
+    slot and consumer figures under either prefix)."""
+    from pgque.metrics import INSTRUMENTS
+
+    names = {"pgque_up", "pgque_scrape_duration_seconds"}
+    for instrument in INSTRUMENTS.values():
+        base = instrument.prometheus_name
+        names |= ({base + "_total"} if instrument.kind == "counter" else {base}
+                  if instrument.kind == "updown" else
+                  {base + "_bucket", base + "_sum", base + "_count"})
+    source = (ROOT / "pgque" / "sql" / "code" / "info" / "metrics.sql").read_text()
+    body = source[source.index("$$"):]
+    names |= set(re.findall(r"'(pgque_[a-z_]+[a-z])'", body))
+    figures = re.findall(r"^\s*\('([a-z_]+)', (?:case when )?f\.", body, re.MULTILINE)
+    assert len(figures) >= 10, "the slot figures were not found in metrics.sql"
+    names |= {prefix + figure for prefix in ("pgque_slot_", "pgque_consumer_")
+              for figure in figures}
+    return names
+
+
+def test_the_dashboard_and_alerts_name_only_metrics_pgque_serves() -> None:
+    """docs/monitoring's Grafana dashboard (valid JSON, every panel with a
+    query) and Prometheus rules use only metric names pgque serves."""
+    exported = _exported_names()
+    folder = ROOT / "docs" / "monitoring"
+    dashboard = json.loads((folder / "pgque-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert len(exprs) >= len(dashboard["panels"]) >= 10
+    rules = (folder / "pgque-alerts.yml").read_text()
+    alerts = re.findall(r"^\s+- alert: (\w+)\n\s+(?:#.*\n\s+)*expr: (.+)$", rules, re.MULTILINE)
+    assert len(alerts) == rules.count("- alert:") >= 8
+    used = set(re.findall(r"\bpgque_[a-z_]+\b", " ".join(exprs + [e for _, e in alerts])))
+    assert used and used <= exported, sorted(used - exported)

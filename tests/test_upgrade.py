@@ -44,6 +44,7 @@ from helpers import (
     install_0_9,
     install_0_10,
     install_0_11,
+    install_0_12,
     run_cli,
     scalar,
     scratch_database,
@@ -67,6 +68,7 @@ MIGRATIONS_0_8 = 9  # and 0.8.0
 MIGRATIONS_0_9 = 10  # and 0.9.0
 MIGRATIONS_0_10 = 11  # and 0.10.0
 MIGRATIONS_0_11 = 11  # and 0.11.0
+MIGRATIONS_0_12 = 12  # and 0.12.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -592,6 +594,23 @@ def test_upgrade_from_0_11_0_loses_nothing_and_equals_a_fresh_install(
             for m in migrations()]
         assert scalar(conn, "select count(*) from pgque.consumer_group"
                             " where cg_recorded_since is not null") == 0
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
+def test_upgrade_from_0_12_0_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """The landed 0.12.0 filled as 0.2.0 was: no migration to apply, the code
+    replaced (the exporter's pgque.metrics and slot_skew are new), every event,
+    cursor, epoch and dead letter kept, and the result is a fresh install."""
+    install_0_12(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert scalar(conn, "select count(*) from pg_proc where proname = 'metrics'"
+                            " and pronamespace = 'pgque'::regnamespace") == 0
+        assert pgque.install(conn) == "0.12.0"
+        assert len(migrations()) == MIGRATIONS_0_12
+        assert migration_record(conn) == [(m.number, "0.12.0") for m in migrations()]
+        assert scalar(conn, "select pgque.version()") == pgque.__version__
     check_upgraded(empty_dsn, pg_server, seen)
 
 

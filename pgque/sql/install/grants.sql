@@ -79,7 +79,8 @@ declare
         'start_recording(text,text,integer)',
         'record_handling(text,text,integer,text,jsonb)',
         'forget_handling(text,text,integer)', 'handling_summary(text,text,timestamptz)',
-        'verify_handling(text,text,timestamptz,interval)', 'key_lag(text,text,integer)'];
+        'verify_handling(text,text,timestamptz,interval)', 'key_lag(text,text,integer)',
+        'metrics()', 'slot_skew(text,text,interval)'];
     v_fn text;
 begin
     if exists (select 1 from pg_catalog.pg_roles where rolname = 'pgque_writer') then
