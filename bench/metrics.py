@@ -5,12 +5,18 @@ suite), by turns: as it runs with no metrics configured (opentelemetry-api
 installed, no SDK: the API's no-op provider), with an OpenTelemetry SDK
 MeterProvider and an in-memory reader (the SDK's aggregation is what costs;
 an exporter runs in its own thread), and with ``metrics_port`` (Prometheus).
-The goal: either at 0.95 of the rate without, or better. Then ``Client.send``,
-one event a call, without and with an SDK provider for the producer.
+The goal: either at 0.95 of the rate without, or better. The drain's rate
+moves by half from run to run on this machine (the runs fall into a fast and a
+slow mode, with metrics or without), so the suite also states what the
+metrics cost where they are spent: this process's CPU time per event (the
+Worker's threads), whose ratio to the plain drain's is the rate the process
+would have if it were the bottleneck. Then ``Client.send``, one event a call,
+without and with an SDK provider for the producer.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import psycopg
@@ -18,7 +24,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import pgque
-from bench.measure import Case, measure
+from bench.measure import Case, Measurement, measure
 from bench.registry import Suite, SuiteContext, SuiteResult, register
 from bench.verify import EVENTS, KEYS, SLOTS, TICK_EVERY, Drain
 from pgque.metrics import report_sends_to
@@ -40,6 +46,25 @@ def _send_rate(dsn: str, queue: str, provider: MeterProvider | None) -> Callable
             report_sends_to(None)
         return count
     return run
+
+
+def _cpu(plain: Drain, others: list[tuple[Drain, str, str]]) -> list[Measurement]:
+    """The drains' CPU time per event (the warm-up's left out); each ratio is the
+    plain drain's over the case's: the rate it allows, relative."""
+    def median(drain: Drain) -> float:
+        return statistics.median(drain.cpu_per_event[1:])
+
+    group = "the worker process's CPU per event, µs"
+    base = median(plain)
+    results = [Measurement(name="drain.cpu", label="no metrics configured", events=0,
+                           values=[round(v, 2) for v in plain.cpu_per_event[1:]],
+                           median=base, unit="µs/event", group=group)]
+    for drain, name, label in others:
+        results.append(Measurement(
+            name=name, label=label, events=0,
+            values=[round(v, 2) for v in drain.cpu_per_event[1:]], median=median(drain),
+            baseline="drain.cpu", ratio=base / median(drain), unit="µs/event", group=group))
+    return results
 
 
 def run(ctx: SuiteContext) -> SuiteResult:
@@ -66,11 +91,13 @@ def run(ctx: SuiteContext) -> SuiteResult:
         ], max(ctx.repeats, ROUNDS))
         for drain in (plain, otel, prometheus):
             drain.close()
+        cpu = _cpu(plain, [(otel, "drain.otel.cpu", "OpenTelemetry SDK"),
+                           (prometheus, "drain.prometheus.cpu", "Prometheus (metrics_port)")])
     provider.shutdown()
     return SuiteResult(parameters={"events_per_run": events, "sends_per_run": sends,
                                    "slots": SLOTS, "keys": KEYS, "tick_every": TICK_EVERY,
                                    "repeats": max(ctx.repeats, ROUNDS)},
-                       measurements=drains)
+                       measurements=[*drains, *cpu])
 
 
 SUITE = register(Suite(

@@ -29,6 +29,7 @@ their meanings are listed in docs/operations.md ("Monitoring").
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -307,6 +308,10 @@ class Metrics:
             backend.record(name, value, labels)
 
 
+_TYPE = operator.attrgetter("type")
+_RETRY_COUNT = operator.attrgetter("retry_count")
+
+
 class WorkerMetrics:
     """A worker's instruments, labelled with its queue and group."""
 
@@ -332,26 +337,24 @@ class WorkerMetrics:
         assert batch.slot is not None
         labels = self._slot(batch.slot)
         add, record = self.metrics.add, self.metrics.record
-        outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
-        retries = 0
+        retries = sum(map(bool, map(_RETRY_COUNT, messages)))  # (C loops: no bytecode an event)
+        dead_ids = set(dead) if reasons else set()
         if reasons:
-            dead = set(dead)
+            outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
             for message in messages:
                 reason = reasons.get(message.id)
-                outcome = ("ok" if reason is None else "dead" if message.id in dead
+                outcome = ("ok" if reason is None else "dead" if message.id in dead_ids
                            else "held" if reason.startswith("held:") else "failed")
                 outcomes[message.type, outcome] += 1
-                retries += message.retry_count > 0
         else:
-            for message in messages:
-                outcomes[message.type, "ok"] += 1
-                retries += message.retry_count > 0
+            outcomes = collections.Counter({(type_, "ok"): count for type_, count
+                                            in collections.Counter(map(_TYPE, messages)).items()})
         for (type_, outcome), count in outcomes.items():
             add("pgque.worker.events", count, (*labels, type_, outcome))
         if retries:
             add("pgque.worker.retries", retries, labels)
-        if reasons and dead:
-            add("pgque.worker.dead_letters", len(set(dead)), labels)
+        if dead_ids:
+            add("pgque.worker.dead_letters", len(dead_ids), labels)
         record("messaging.process.duration", duration, labels)
         record("pgque.worker.batch.size", len(messages), labels)
         record("pgque.worker.pickup.latency",
