@@ -646,7 +646,9 @@ def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, s
         service = worker_class(dsn, queue=queue_name, consumer=consumer, slots=slots,
                                handler=handler, payload_type=payload_type, ticker=run_ticker,
                                connect_timeout=state.connect_timeout,
-                               non_retryable=non_retryable, **options)
+                               non_retryable=non_retryable,
+                               # The global one: a handler's module may set it up on import.
+                               meter_provider=None, **options)
     except ValueError as exc:  # the library's word on the options, e.g. two that conflict
         raise click.UsageError(str(exc), click.get_current_context()) from None
     except ImportError as exc:  # --metrics-port without prometheus-client
@@ -711,6 +713,7 @@ def ticker(state: State, min_interval: float, idle_interval: float, idle_after: 
                           idle_after=idle_after, standby_interval=standby_interval,
                           overdue_after=overdue_after,
                           maintenance_interval=maintenance_interval,
+                          meter_provider=None,  # the global one
                           connect_timeout=state.connect_timeout,
                           network_timeout=network_timeout, name=name)
     try:

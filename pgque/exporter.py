@@ -245,7 +245,9 @@ class MetricsCollector(Collector):
         try:
             rows = self.rows()
         except (psycopg.Error, ProblemWithDatabase, ConnectError, OSError) as exc:
-            log.warning("scrape failed: %s", redact(f"{type(exc).__name__}: {exc}", self.dsn))
+            # The first line: an error's CONTEXT would quote all of pgque.metrics().
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            log.warning("scrape failed: %s", redact(f"{type(exc).__name__}: {first}", self.dsn))
             return [], 0.0, time.perf_counter() - started
         return rows, 1.0, time.perf_counter() - started
 

@@ -81,9 +81,11 @@ _SLOT = ("queue", "group", "slot")
 INSTRUMENTS: dict[str, Instrument] = {i.name: i for i in (
     # A worker's.
     Instrument("pgque.worker.events", "counter", "{event}",
-               "Events handed to the worker's handlers (retries too), by type and outcome: "
-               "ok, failed (to be retried), dead (to the dead letters), held (behind a "
-               "failed event of its key, under the pause policy).",
+               "Events of the worker's batch pieces (retries too), by type (the first 100 "
+               "types, then '(other)') and outcome: ok, failed (its handler raised; the "
+               "server retries it, or dead-letters it once out of tries), dead (not "
+               "retryable: the worker dead-letters it), held (not handed to the handler: "
+               "behind a failed event of its key, under the pause policy).",
                (*_SLOT, "type", "outcome")),
     Instrument("messaging.process.duration", "histogram", "s",
                "How long the handlers of a batch piece took, first start to last end.",
@@ -96,7 +98,8 @@ INSTRUMENTS: dict[str, Instrument] = {i.name: i for i in (
     Instrument("pgque.worker.retries", "counter", "{event}",
                "Events handed out again after a failure (retry_count above 0).", _SLOT),
     Instrument("pgque.worker.dead_letters", "counter", "{event}",
-               "Events the worker sent to the dead letters (not retryable, or out of tries).",
+               "Events the worker sent to the dead letters as not retryable (those the "
+               "server dead-letters once out of tries count as failed).",
                _SLOT),
     Instrument("pgque.worker.slots.owned", "updown", "{slot}",
                "Slots the worker owns.", _WORKER),
@@ -308,6 +311,9 @@ class Metrics:
             backend.record(name, value, labels)
 
 
+#: Event types a worker labels its counts with, at most; the others are OTHER_TYPE.
+MAX_TYPES = 100
+OTHER_TYPE = "(other)"
 _TYPE = operator.attrgetter("type")
 _RETRY_COUNT = operator.attrgetter("retry_count")
 
@@ -319,6 +325,7 @@ class WorkerMetrics:
         self.metrics = metrics
         self._worker = (queue, group)
         self._slots: dict[int, tuple[str, str, str]] = {}
+        self._types: set[str] = set()
 
     def _slot(self, slot: int) -> tuple[str, str, str]:
         labels = self._slots.get(slot)
@@ -350,7 +357,7 @@ class WorkerMetrics:
             outcomes = collections.Counter({(type_, "ok"): count for type_, count
                                             in collections.Counter(map(_TYPE, messages)).items()})
         for (type_, outcome), count in outcomes.items():
-            add("pgque.worker.events", count, (*labels, type_, outcome))
+            add("pgque.worker.events", count, (*labels, self._type(type_), outcome))
         if retries:
             add("pgque.worker.retries", retries, labels)
         if dead_ids:
@@ -359,6 +366,18 @@ class WorkerMetrics:
         record("pgque.worker.batch.size", len(messages), labels)
         record("pgque.worker.pickup.latency",
                max(0.0, started - messages[0].created_at.timestamp()), labels)
+
+    def _type(self, type_: str) -> str:
+        """The event type as a label: the first MAX_TYPES types a worker sees,
+        then OTHER_TYPE. Producers choose types freely: a label per type
+        without a bound would let one grow a worker's memory and every scrape
+        without end."""
+        if type_ in self._types:
+            return type_
+        if len(self._types) < MAX_TYPES:
+            self._types.add(type_)
+            return type_
+        return OTHER_TYPE
 
     def claimed(self, slot: int) -> None:
         self.metrics.add("pgque.worker.claims", 1, self._slot(slot))

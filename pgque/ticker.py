@@ -325,6 +325,7 @@ class Ticker(Service):
             began = time.monotonic()
             with watch.call():
                 made = client.ticker()
+            self.looks += 1
             self.ticks += made
             if self.metrics is not None:
                 self.metrics.looked(made, time.monotonic() - began)

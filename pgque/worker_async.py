@@ -386,9 +386,10 @@ class AsyncWorker(AsyncService, Generic[T]):
                 server = MetricsServer(self._registry, self.metrics_host,
                                        self.metrics_port or 0, name=f"{self.name}-metrics")
             except OSError as exc:  # the port is taken, say: the worker does not start
-                self.log.error("%s: cannot serve metrics on %s:%s: %s", self.name,
-                               self.metrics_host, self.metrics_port, exc)
-                self.error = exc
+                error = OSError(exc.errno, f"cannot serve metrics on {self.metrics_host}:"
+                                           f"{self.metrics_port}: {exc.strerror or exc}")
+                self.log.error("%s: %s", self.name, error)
+                self.error = error
                 self.request_stop()
                 return
             server.start()

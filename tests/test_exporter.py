@@ -277,3 +277,41 @@ def test_the_library_does_not_import_prometheus_client() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, env=cli_env())
     assert result.stdout == "False\n", result.stderr
+
+
+def test_while_a_drop_queue_holds_the_queue_nothing_reads_as_a_reset_or_waits(
+        pgque_deployment: Deployment, team: pgque.Client) -> None:
+    """A drop_queue not committed yet holds the queue's sequence and tables: a
+    scrape leaves the queue's event counter out (a 0 would look like a counter
+    reset, and rate() would count the whole sequence again), and slot_skew
+    gives up with 55P03 instead of waiting for the drop's transaction."""
+    deployment = pgque_deployment
+    with pgque.connect(deployment.dsn(deployment.producer)) as producer:
+        producer.send(QUEUE, "Order", {}, partition_key="k")
+    with Exporter(deployment.dsn(deployment.owner), port=0) as exporter:
+        before = value(scrape(exporter), "pgque_queue_events_total", queue=QUEUE)
+        assert before is not None and before >= 1
+        with psycopg.connect(deployment.superuser_dsn()) as dropper:  # its transaction stays open
+            dropper.execute("select pgque.drop_queue(%s, true)", (QUEUE,))
+            samples = scrape(exporter)
+            assert value(samples, "pgque_up") == 1
+            assert value(samples, "pgque_queue_events_total", queue=QUEUE) is None
+            assert not slot_values(samples, "pgque_slot_behind_events")
+            with psycopg.connect(deployment.dsn(deployment.owner), autocommit=True) as other, \
+                    pytest.raises(psycopg.errors.LockNotAvailable):
+                other.execute("select * from pgque.slot_skew(%s, %s)", (QUEUE, GROUP))
+            dropper.rollback()
+        assert value(scrape(exporter), "pgque_queue_events_total", queue=QUEUE) == before
+
+
+def test_a_failed_scrape_is_logged_in_one_line(pgque_deployment: Deployment, team: pgque.Client,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    with Exporter(pgque_deployment.dsn(pgque_deployment.owner), port=0) as exporter, \
+            psycopg.connect(pgque_deployment.superuser_dsn()) as locker:
+        locker.execute("lock table pgque.subscription in access exclusive mode")
+        with caplog.at_level("WARNING", logger="pgque"):
+            assert value(scrape(exporter), "pgque_up") == 0
+        locker.rollback()
+    failed = [r.getMessage() for r in caplog.records if "scrape failed" in r.getMessage()]
+    assert len(failed) == 1 and "\n" not in failed[0], failed
+    assert "LockNotAvailable" in failed[0]

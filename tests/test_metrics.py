@@ -295,3 +295,31 @@ print("fine")
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "fine"
+
+
+def test_a_worker_labels_at_most_max_types_event_types() -> None:
+    """Producers choose event types: past MAX_TYPES distinct ones a worker counts
+    the rest as OTHER_TYPE, so no producer grows its metrics without bound."""
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    from pgque.metrics import MAX_TYPES, OTHER_TYPE, Metrics, WorkerMetrics
+
+    reader = InMemoryMetricReader()
+    metrics = Metrics.of(MeterProvider(metric_readers=[reader]))
+    assert metrics is not None
+    worker = WorkerMetrics(metrics, QUEUE, GROUP)
+    now = datetime.now(timezone.utc)
+    extra = 7
+    for n in range(MAX_TYPES + extra):
+        message = pgque.Message(id=n, type=f"type-{n}", data="{}", partition_key="k",
+                                retry_count=0, created_at=now)
+        worker.piece(SimpleNamespace(messages=[message, message], slot=n % SLOTS), {}, (),
+                     now.timestamp(), 0.001)
+    events = _points(reader.get_metrics_data())["pgque.worker.events"]
+    types = Counter[str]()
+    for point in events:
+        types[point.attributes["pgque.event.type"]] += point.value
+    assert len(types) == MAX_TYPES + 1
+    assert types[OTHER_TYPE] == 2 * extra
+    assert sum(types.values()) == 2 * (MAX_TYPES + extra)

@@ -130,6 +130,32 @@ as $$
            || '"'
 $$;
 
+-- pgque._sequence_position(seq): the last value of the queue's event
+-- sequence, 0 before its first use; null when it cannot be read (a drop_queue
+-- holds or dropped it; at most 100 ms waited, as _sequence_value), and then
+-- the queue's rows that need it are left out: a counter that read 0 would
+-- look reset to Prometheus, and rate() would count the whole sequence again.
+create or replace function pgque._sequence_position(p_seq regclass)
+returns bigint
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '100ms'
+as $$
+declare
+    v_value bigint;
+begin
+    begin
+        v_value := coalesce(pg_sequence_last_value(p_seq), 0);
+        return v_value;  -- (a statement of its own: see pgque._seq_before)
+    exception when undefined_table or internal_error or lock_not_available then
+        null;  -- gone, or held (a lock timeout left pending is raised below)
+    end;
+    return null;
+exception when lock_not_available then
+    return null;
+end
+$$;
+
 -- pgque.metrics(): the rows described above.
 create or replace function pgque.metrics()
 returns table (metric text, labels text, value double precision)
@@ -166,8 +192,7 @@ begin
                q.queue_switch_time, q.queue_rotation_period,
                pgque._stalled_after(q) as stalled_after,
                t.tick_id, t.tick_time, t.tick_event_seq,
-               -- null before the first send (and once a drop_queue dropped it)
-               coalesce(pgque._sequence_value(q.queue_event_seq), 0) as seq
+               pgque._sequence_position(q.queue_event_seq) as seq
           from pgque.queue q
           left join lateral (select t.tick_id, t.tick_time, t.tick_event_seq
                                from pgque.tick t where t.tick_queue = q.queue_id
@@ -279,7 +304,7 @@ begin
                case when c.slot is null then 'pgque_consumer_' else 'pgque_slot_' end as prefix,
                -- In double precision from here on (date_part, not extract):
                -- numeric arithmetic on every value cost a tenth of the call.
-               greatest(c.seq - p.seq_at, 0)::float8 as behind,
+               (c.seq - least(p.seq_at, c.seq))::float8 as behind,  -- (null with seq)
                case when c.last_tick is not null
                     then coalesce(date_part('epoch', now() - p.next_tick_time), 0) end as lag,
                p.ticks_behind::float8 as ticks_behind,
@@ -318,7 +343,7 @@ begin
      cross join lateral (values
          ('pgque_queue_events_total', q.seq::float8),
          ('pgque_queue_events_since_last_tick',
-          greatest(q.seq - coalesce(q.tick_event_seq, 0), 0)::float8),
+          (q.seq - least(coalesce(q.tick_event_seq, 0), q.seq))::float8),
          ('pgque_queue_last_tick_age_seconds', date_part('epoch', now() - q.tick_time)),
          ('pgque_queue_stalled',
           pgque._queue_stalled(q.queue_id, q.tick_id, now() - q.tick_time,

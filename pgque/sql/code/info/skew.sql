@@ -39,6 +39,7 @@ language plpgsql stable
 security definer
 set search_path = pg_catalog, pg_temp
 set jit = off
+set lock_timeout = '100ms'  -- not behind a drop_queue or an install: 55P03 instead
 as $$
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
