@@ -13,7 +13,7 @@ OTHER_BINDIR_PY := from pgque.testing.localpg import bindir_major, embedded_bind
 	e = embedded_bindir(); m = bindir_major(e) if e else None; \
 	print(next((str(d) for d in system_bindirs() if bindir_major(d) != m), ""))
 
-.PHONY: venv lint twins test test-faults test-long demo bench bench-curves bench-dimensions bench-held-horizon clean distclean system-deps
+.PHONY: venv lint twins test test-faults test-long demo screenshots bench bench-curves bench-dimensions bench-held-horizon clean distclean system-deps
 
 venv: $(STAMP)
 
@@ -142,10 +142,19 @@ system-deps:
 	if ! command -v gdb >/dev/null; then \
 		echo "installing gdb (tests/late_grant.py stops a backend between two lines of its lock wait)"; \
 		apt_install gdb || echo "gdb not installed; the lock-timeout race tests will skip"; \
+	fi; \
+	if ! command -v chromedriver >/dev/null; then \
+		echo "installing chromium and chromedriver (the dashboard's browser tests)"; \
+		apt_install chromium chromium-driver || echo "chromium not installed; the dashboard's browser tests will skip"; \
 	fi
 
 demo: venv
 	$(BIN)/python -m pgque.demo
+
+# The dashboard's main pages, drawn by its browser test into docs/images/ (the
+# README shows them); needs chromium and chromedriver (make system-deps).
+screenshots: venv
+	PGQUE_SCREENSHOTS=docs/images $(BIN)/python -m pytest tests/test_dashboard_browser.py -q
 
 bench: venv
 	$(BIN)/python -m bench

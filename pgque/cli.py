@@ -669,6 +669,37 @@ def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, s
         service.run()
 
 
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="The address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8765, show_default=True)
+@click.option("--read-only", is_flag=True,
+              help="Show, never act: no replay or purge, whatever the role may do.")
+@click.option("--interval", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
+              metavar="SECONDS", help="How often the figures are read (one query each time).")
+@db_options
+@pass_state
+def dashboard(state: State, host: str, port: int, read_only: bool, interval: float) -> None:
+    """Serve a web dashboard of the queues, groups, slots, lag and dead letters.
+
+    It acts as the DSN's role: pgque's access rules decide what it shows and
+    what it may do. Needs the dashboard extra: pip install 'pgque[dashboard]'.
+    """
+    try:
+        from pgque import dashboard as web
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the dashboard needs pgque[dashboard] (pip install 'pgque[dashboard]'): {exc}"
+        ) from None
+    dsn = state.require_dsn()
+    state.client().queue_info()  # fail fast: reachable, pgque installed, a role that may read
+    state.close()
+    _setup_logging("info")
+    logging.getLogger("pgque.cli").info("dashboard on http://%s:%s/%s", host, port,
+                                        " (read-only)" if read_only else "")
+    web.serve(dsn, host=host, port=port, read_only=read_only, interval=interval)
+
+
 #: The Ticker's parameters that have defaults, with them: the ticker command's
 #: options default to these, so that it runs as the library's does.
 _TICKER_DEFAULTS: dict[str, Any] = {

@@ -1,0 +1,266 @@
+"""The dashboard's routes: pages rendered from the sampler's snapshot, the dead
+letters read on demand, and the actions (replay, purge) as POSTs with a CSRF
+token, refused in read-only mode."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import secrets
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from pgque.client_async import AsyncClient
+from pgque.dashboard.charts import sparkline
+from pgque.dashboard.data import Sampler
+from pgque.errors import AccessDenied, PgqueError
+
+CSRF_COOKIE = "pgque_csrf"
+#: Dead letters a list page reads at most (filters apply to those).
+LIST_LIMIT = 500
+
+_HERE = resources.files("pgque.dashboard")
+
+
+class Dashboard:
+    """The app and what it holds: the DSN's pool, the sampler, the mode."""
+
+    def __init__(self, dsn: str, *, read_only: bool = False, interval: float = 5.0) -> None:
+        self.dsn = dsn
+        self.read_only = read_only
+        self.pool = AsyncConnectionPool(dsn, min_size=0, max_size=3, open=False,
+                                        kwargs={"autocommit": True,
+                                                "application_name": "pgque-dashboard"})
+        self.sampler = Sampler(self._sampler_connection, interval=interval)
+        self.may_act = False  # the role may replay and purge (pgque_writer's functions)
+        self.templates = Jinja2Templates(directory=str(_HERE / "templates"))
+        self.templates.env.globals["sparkline"] = sparkline
+        self.templates.env.filters["age"] = _age
+        self.templates.env.filters["number"] = _number
+        self.app = Starlette(routes=[
+            Route("/", self.queues),
+            Route("/queues/{queue}", self.queue),
+            Route("/queues/{queue}/groups/{group}", self.group),
+            Route("/dead-letters", self.dead_letters),
+            Route("/dead-letters/{queue}/{id:int}", self.dead_letter),
+            Route("/dead-letters/replay", self.act, methods=["POST"]),
+            Route("/dead-letters/purge", self.act, methods=["POST"]),
+            Route("/tickers", self.tickers),
+            Mount("/static", StaticFiles(directory=str(_HERE / "static")), name="static"),
+        ], lifespan=self._lifespan)
+
+    async def _sampler_connection(self) -> psycopg.AsyncConnection[Any]:
+        return await psycopg.AsyncConnection.connect(
+            self.dsn, autocommit=True, application_name="pgque-dashboard-sampler")
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        import asyncio
+
+        await self.pool.open()
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "select has_function_privilege("
+                "'pgque.replay_dead_letter(text,bigint,boolean)', 'execute')")
+            row = await cur.fetchone()
+            self.may_act = bool(row and row[0]) and not self.read_only
+        await self.sampler.read()
+        task = asyncio.create_task(self.sampler.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await self.pool.close()
+
+    # -- pages -----------------------------------------------------------------
+
+    def _render(self, request: Request, template: str, status: int = 200,
+                **context: Any) -> Response:
+        token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
+        response = self.templates.TemplateResponse(
+            request, template, {"snapshot": self.sampler.snapshot, "may_act": self.may_act,
+                                "snapshot_interval": self.sampler.interval,
+                                "read_only": self.read_only, "csrf": token, **context},
+            status_code=status)
+        if CSRF_COOKIE not in request.cookies:
+            response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict")
+        return response
+
+    async def queues(self, request: Request) -> Response:
+        return self._render(request, "queues.html")
+
+    async def queue(self, request: Request) -> Response:
+        queue = self.sampler.snapshot.queues.get(request.path_params["queue"])
+        if queue is None:
+            raise HTTPException(404, "no such queue, or not one this role may see")
+        return self._render(request, "queue.html", queue=queue)
+
+    async def group(self, request: Request) -> Response:
+        queue = self.sampler.snapshot.queues.get(request.path_params["queue"])
+        group = None if queue is None else queue.groups.get(request.path_params["group"])
+        if queue is None or group is None:
+            raise HTTPException(404, "no such group, or not one this role may see")
+        return self._render(request, "group.html", queue=queue, group=group)
+
+    async def tickers(self, request: Request) -> Response:
+        return self._render(request, "tickers.html")
+
+    async def dead_letters(self, request: Request) -> Response:
+        filters = _filters(request.query_params)
+        letters: list[Any] = []
+        error = None
+        if filters["queue"]:
+            try:
+                async with self.pool.connection() as conn:
+                    letters = await AsyncClient(conn).dead_letters(
+                        filters["queue"], filters["group"] or None, limit=LIST_LIMIT)
+            except (PgqueError, psycopg.Error) as exc:
+                error = _said(exc)
+            letters = [d for d in letters if _matches(d, filters)]
+        return self._render(request, "dead_letters.html", filters=filters, letters=letters,
+                            error=error, limit=LIST_LIMIT)
+
+    async def dead_letter(self, request: Request) -> Response:
+        queue, wanted = request.path_params["queue"], request.path_params["id"]
+        try:
+            async with self.pool.connection() as conn:
+                letters = await AsyncClient(conn).dead_letters(queue, limit=1,
+                                                               after_id=wanted - 1)
+        except (PgqueError, psycopg.Error) as exc:
+            raise HTTPException(404, _said(exc)) from None
+        if not letters or letters[0].id != wanted:
+            raise HTTPException(404, "no such dead letter, or not one this role may see")
+        letter = letters[0]
+        try:
+            payload = json.dumps(json.loads(letter.data), indent=2, ensure_ascii=False) \
+                if letter.data is not None else ""
+        except ValueError:
+            payload = letter.data or ""
+        return self._render(request, "dead_letter.html", queue=queue, letter=letter,
+                            payload=payload)
+
+    # -- actions ---------------------------------------------------------------
+
+    async def act(self, request: Request) -> Response:
+        """Replay or purge dead letters: the ones named (``id``), or those the
+        filters match. A first POST shows how many and asks again; the second
+        (``confirmed`` equal to that count) acts, all or none."""
+        action = "replay" if request.url.path.endswith("/replay") else "purge"
+        if not self.may_act:
+            raise HTTPException(403, "read-only: this dashboard takes no action"
+                                if self.read_only else
+                                "this role may not replay or purge dead letters")
+        form = await request.form()
+        token, cookie = str(form.get("csrf", "")), request.cookies.get(CSRF_COOKIE, "")
+        if not cookie or not hmac.compare_digest(token, cookie):
+            raise HTTPException(403, "the form's CSRF token does not match: reload the page")
+        filters = _filters(form)
+        everything = form.get("all") == "1"  # every dead letter the filters match
+        ids = [] if everything else [int(str(i)) for i in form.getlist("id") if str(i).isdigit()]
+        if not filters["queue"]:
+            raise HTTPException(400, "which queue?")
+        if not everything and not ids:
+            raise HTTPException(400, "no dead letter selected")
+        try:
+            async with self.pool.connection() as conn:
+                client = AsyncClient(conn)
+                count = len(ids) if ids else await self._bulk(client, action, filters,
+                                                              dry_run=True)
+                if str(form.get("confirmed", "")) != str(count):
+                    return self._render(request, "confirm.html", action=action, count=count,
+                                        filters=filters, ids=ids)
+                if ids and action == "replay":
+                    async with conn.transaction():
+                        for letter_id in ids:
+                            await client.replay_dead_letter(filters["queue"], letter_id)
+                    done = len(ids)
+                elif ids:
+                    done = await client.purge_dead_letters(filters["queue"], ids=ids)
+                else:
+                    done = await self._bulk(client, action, filters, dry_run=False)
+        except (PgqueError, psycopg.Error) as exc:
+            return self._render(request, "error.html", status=403 if _refused(exc) else 400,
+                                message=_said(exc))
+        target = request.url_for("dead_letters").include_query_params(
+            queue=filters["queue"], done=f"{action}: {done}")
+        return RedirectResponse(str(target), status_code=303)
+
+    @staticmethod
+    async def _bulk(client: AsyncClient, action: str, filters: dict[str, str], *,
+                    dry_run: bool) -> int:
+        older = float(filters["older_than"]) if filters["older_than"] else None
+        args: dict[str, Any] = {
+            "type": filters["type"] or None, "key": filters["key"] or None,
+            "reason": filters["reason"] or None, "older_than": older, "dry_run": dry_run}
+        if action == "replay":
+            return await client.replay_dead_letters(filters["queue"], filters["group"] or None,
+                                                    **args)
+        return await client.purge_dead_letters_where(filters["queue"],
+                                                     filters["group"] or None, **args)
+
+
+def _filters(source: Any) -> dict[str, str]:
+    return {name: str(source.get(name) or "").strip()
+            for name in ("queue", "group", "type", "key", "reason", "older_than")}
+
+
+def _matches(letter: Any, filters: dict[str, str]) -> bool:
+    """A listed dead letter against the filters the SQL calls take too."""
+    if filters["type"] and letter.type != filters["type"]:
+        return False
+    if filters["key"] and letter.partition_key != filters["key"]:
+        return False
+    if filters["reason"] and filters["reason"] not in (letter.reason or ""):
+        return False
+    if filters["older_than"]:
+        with contextlib.suppress(ValueError):
+            age = (datetime.now(timezone.utc) - letter.failed_at).total_seconds()
+            if age <= float(filters["older_than"]):
+                return False
+    return True
+
+
+def _said(exc: BaseException) -> str:
+    """An error's first line (its CONTEXT would quote SQL)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _refused(exc: BaseException) -> bool:
+    return isinstance(exc, (psycopg.errors.InsufficientPrivilege, AccessDenied))
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if abs(value) >= 10 or value == int(value) else f"{value:.2f}"
+
+
+def create_app(dsn: str, *, read_only: bool = False, interval: float = 5.0) -> Starlette:
+    """The dashboard as an ASGI app, acting as the DSN's role."""
+    return Dashboard(dsn, read_only=read_only, interval=interval).app
