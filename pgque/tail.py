@@ -129,6 +129,11 @@ class Tail(Service):
         self._batch_id: int | None = None
         self._printed: set[int] = set()  # events of the open batch already shown
 
+    @property
+    def following(self) -> bool:
+        """Whether its consumer is subscribed: events sent from now on will show."""
+        return self._subscribed
+
     # -- the service -----------------------------------------------------------
 
     def retryable(self, exc: Exception) -> bool:

@@ -245,3 +245,38 @@ def _get_or_none(url: str) -> str | None:
             return str(response.read().decode())
     except OSError:
         return None
+
+
+def test_the_live_tail_streams_events_and_removes_its_consumer(team: Team) -> None:
+    """The tail page's stream (server-sent events) carries each event sent after
+    it opened, as JSON; once the page goes away its consumer is gone."""
+    import json
+
+    def consumers() -> list[str]:
+        with pgque.connect(team.deployment.dsn(team.deployment.owner)) as owner:
+            return [c.consumer_name for c in owner.consumer_info(QUEUE)
+                    if c.consumer_name.startswith("tail-")]
+
+    with pgque.Ticker(team.deployment.dsn(team.deployment.ticker)), \
+            DashboardServer(team.dsn, interval=0.5) as dashboard:
+        assert "Live tail" in Browser(dashboard.url).get(f"/queues/{QUEUE}")
+        stream = urllib.request.urlopen(f"{dashboard.url}/queues/{QUEUE}/tail/events",
+                                        timeout=30)
+        try:
+            assert stream.readline().startswith(b": tailing")
+            wait_for(lambda: consumers() or None, timeout=30, what="the tail's consumer")
+            sent = _send(team, [("Order", {"n": n, "html": "<i>x</i>"}, f"c-{n}")
+                                for n in range(5)])
+            seen: list[dict[str, Any]] = []
+            while len(seen) < len(sent):
+                line = stream.readline().decode()
+                if line.startswith("data: "):
+                    item = json.loads(line[6:])
+                    if "id" in item:
+                        seen.append(item)
+            assert [item["id"] for item in seen] == sent
+            assert seen[0]["key"] == "c-0" and "<i>x</i>" in seen[0]["data"]
+        finally:
+            stream.close()
+        wait_for(lambda: not consumers() or None, timeout=30,
+                 what="the tail's consumer removed once the page went away")

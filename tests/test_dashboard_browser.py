@@ -156,6 +156,18 @@ def test_the_pages_in_a_browser_live_and_escaped(pgque_deployment: Deployment,
                 By.CSS_SELECTOR, "pre.payload").text
             assert browser.execute_script("return window.pwned") is None
             _shot(browser, "dead-letter")
+            # The live tail: an event sent after the page opened shows, as text.
+            browser.get(f"{dashboard.url}/queues/{QUEUE}/tail")
+            wait_for(lambda: "Following" in " ".join(_texts(browser, "#tail-state")) or None,
+                     timeout=30, what="the tail to follow")
+            with pgque.connect(deployment.dsn(deployment.producer)) as producer:
+                tailed = producer.send(QUEUE, "Tailed", {"html": hostile}, partition_key="t")
+            row = wait_for(lambda: [t for t in _texts(browser, "#tail tbody tr")
+                                    if str(tailed) in t] or None, timeout=30,
+                           what="the tailed event's row")
+            assert "<script>window.pwned = 1</script>" in row[0]
+            assert browser.execute_script("return window.pwned") is None
+            _shot(browser, "tail")
             # Live: the tickers page changes without a reload when the ticker stops.
             browser.get(dashboard.url + "/tickers")
             assert "ticker-a" in " ".join(_texts(browser, "main"))

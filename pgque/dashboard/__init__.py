@@ -27,6 +27,10 @@ from pgque.dashboard.app import Dashboard, create_app
 
 __all__ = ["Dashboard", "DashboardServer", "create_app", "serve"]
 
+#: Seconds a stop waits for the requests in flight: a live tail's stream never
+#: ends by itself, and a browser may keep one open after leaving its page.
+GRACE = 2.0
+
 
 class DashboardServer:
     """The dashboard served by uvicorn on a thread of its own, from ``start()``
@@ -38,7 +42,7 @@ class DashboardServer:
 
         config = uvicorn.Config(create_app(dsn, read_only=read_only, interval=interval),
                                 host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="on")
+                                lifespan="on", timeout_graceful_shutdown=GRACE)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="pgque-dashboard",
                                         daemon=True)
@@ -78,7 +82,8 @@ def serve(dsn: str, *, host: str = "127.0.0.1", port: int = 8765, read_only: boo
     import uvicorn
 
     config = uvicorn.Config(create_app(dsn, read_only=read_only, interval=interval), host=host,
-                            port=port, log_level="info", access_log=False)
+                            port=port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=GRACE)
     # uvicorn stops on SIGTERM and SIGINT, then raises the signal again under
     # the handlers it found, to end the process by it: handlers that do
     # nothing make that a return, and the command exits 0.

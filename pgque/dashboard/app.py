@@ -31,6 +31,11 @@ from pgque.errors import AccessDenied, PgqueError
 CSRF_COOKIE = "pgque_csrf"
 #: Dead letters a list page reads at most (filters apply to those).
 LIST_LIMIT = 500
+#: Live tails open at once: each is a consumer of its own, which holds its
+#: queue's rotation back while it is open.
+MAX_TAILS = 4
+#: Events a tail's page is sent at most a second (more are counted, not sent).
+TAIL_RATE = 200
 
 _HERE = resources.files("pgque.dashboard")
 
@@ -46,6 +51,7 @@ class Dashboard:
                                                 "application_name": "pgque-dashboard"})
         self.sampler = Sampler(self._sampler_connection, interval=interval)
         self.may_act = False  # the role may replay and purge (pgque_writer's functions)
+        self.tails = 0  # open now
         self.templates = Jinja2Templates(directory=str(_HERE / "templates"))
         self.templates.env.globals["sparkline"] = sparkline
         self.templates.env.filters["age"] = _age
@@ -59,6 +65,8 @@ class Dashboard:
             Route("/dead-letters/replay", self.act, methods=["POST"]),
             Route("/dead-letters/purge", self.act, methods=["POST"]),
             Route("/tickers", self.tickers),
+            Route("/queues/{queue}/tail", self.tail),
+            Route("/queues/{queue}/tail/events", self.tail_events),
             Mount("/static", StaticFiles(directory=str(_HERE / "static")), name="static"),
         ], lifespan=self._lifespan)
 
@@ -153,6 +161,73 @@ class Dashboard:
             payload = letter.data or ""
         return self._render(request, "dead_letter.html", queue=queue, letter=letter,
                             payload=payload)
+
+    async def tail(self, request: Request) -> Response:
+        queue = request.path_params["queue"]
+        if queue not in self.sampler.snapshot.queues:
+            raise HTTPException(404, "no such queue, or not one this role may see")
+        return self._render(request, "tail.html", queue=queue)
+
+    async def tail_events(self, request: Request) -> Response:
+        """Server-sent events: each event of the queue from now on, as JSON, through
+        a tail consumer of the DSN's role (pgque.tail.Tail, on a thread) that is
+        removed when the page goes away."""
+        import asyncio
+
+        from starlette.responses import StreamingResponse
+
+        from pgque.tail import Tail
+
+        queue = request.path_params["queue"]
+        if self.tails >= MAX_TAILS:
+            raise HTTPException(429, f"{MAX_TAILS} tails are open already")
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[str] = asyncio.Queue()
+
+        def show(message: Any) -> None:
+            item = json.dumps({"id": message.id, "type": message.type,
+                               "key": message.partition_key, "data": message.data,
+                               "at": message.created_at.isoformat()})
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+        def say(note: str) -> None:
+            if not note.startswith("tailing "):  # the command's own line ("Ctrl-C to stop")
+                loop.call_soon_threadsafe(inbox.put_nowait, json.dumps({"note": note}))
+
+        tail = Tail(self.dsn, queue, show=show, say=say, from_now=True)
+        self.tails += 1
+        tail.start()
+
+        async def stream() -> AsyncIterator[str]:
+            sent, window = 0, loop.time()
+            announced = False
+            try:
+                yield ": tailing\n\n"
+                while tail.alive or not inbox.empty():
+                    if not announced and tail.following:
+                        announced = True
+                        yield f"data: {json.dumps({'state': 'following'})}\n\n"
+                    try:
+                        item = await asyncio.wait_for(inbox.get(), 0.2 if not announced
+                                                      else 1.0)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        yield ": still here\n\n"  # a comment: keeps proxies from timing out
+                        continue
+                    if loop.time() - window >= 1.0:
+                        sent, window = 0, loop.time()
+                    sent += 1
+                    if sent <= TAIL_RATE:
+                        yield f"data: {item}\n\n"
+                if tail.error is not None:
+                    yield f"data: {json.dumps({'note': _said(tail.error)})}\n\n"
+            finally:
+                self.tails -= 1
+                await asyncio.to_thread(tail.stop, 10.0)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})
 
     # -- actions ---------------------------------------------------------------
 

@@ -17,3 +17,33 @@
   }
   setTimeout(refresh, seconds * 1000);
 })();
+
+// The tail page: events as they come, at the top, each value set as text
+// (never as markup); the newest 500 kept.
+(function () {
+  const table = document.getElementById("tail");
+  if (!table) return;
+  const state = document.getElementById("tail-state");
+  const body = table.querySelector("tbody");
+  const source = new EventSource(table.dataset.source);
+  source.onopen = function () { state.textContent = "Subscribing…"; };
+  source.onerror = function () { state.textContent = "Connection lost; retrying."; };
+  source.onmessage = function (message) {
+    const item = JSON.parse(message.data);
+    if (item.state === "following") { state.textContent = "Following."; return; }
+    if (item.note !== undefined) {
+      const note = document.createElement("li");
+      note.textContent = item.note;
+      document.getElementById("tail-notes").appendChild(note);
+      return;
+    }
+    const row = document.createElement("tr");
+    for (const value of [item.id, item.type, item.key ?? "", item.at, item.data ?? ""]) {
+      const cell = document.createElement("td");
+      cell.textContent = String(value);
+      row.appendChild(cell);
+    }
+    body.insertBefore(row, body.firstChild);
+    while (body.rows.length > 500) body.deleteRow(body.rows.length - 1);
+  };
+})();
