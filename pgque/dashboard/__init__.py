@@ -29,7 +29,7 @@ __all__ = ["Dashboard", "DashboardServer", "create_app", "serve"]
 
 #: Seconds a stop waits for the requests in flight: a live tail's stream never
 #: ends by itself, and a browser may keep one open after leaving its page.
-GRACE = 2.0
+GRACE = 2
 
 
 class DashboardServer:
