@@ -21,7 +21,7 @@ _SUITE_MODULES = (
     "bench.engine", "bench.partition", "bench.latency", "bench.peers", "bench.ownership",
     "bench.bloat", "bench.held_horizon", "bench.pause", "bench.delayed", "bench.jobs",
     "bench.curves", "bench.dimensions", "bench.verify", "bench.metrics",
-    "bench.exporter")
+    "bench.exporter", "bench.dashboard")
 
 
 @dataclass(frozen=True)

@@ -674,12 +674,16 @@ def worker(state: State, /, handler_path: str, queue_name: str, consumer: str, s
               help="The address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8765, show_default=True)
 @click.option("--read-only", is_flag=True,
-              help="Show, never act: no replay or purge, whatever the role may do.")
+              help="Show, never act: no replay, purge or tail, whatever the role may do.")
+@click.option("--allowed-host", "hosts", multiple=True, metavar="NAME",
+              help="A host name the pages answer to besides the loopback's and --host "
+                   "(repeatable; '*': any). Needed behind a proxy or with --host 0.0.0.0.")
 @click.option("--interval", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
               metavar="SECONDS", help="How often the figures are read (one query each time).")
 @db_options
 @pass_state
-def dashboard(state: State, host: str, port: int, read_only: bool, interval: float) -> None:
+def dashboard(state: State, host: str, port: int, read_only: bool, interval: float,
+              hosts: tuple[str, ...]) -> None:
     """Serve a web dashboard of the queues, groups, slots, lag and dead letters.
 
     It acts as the DSN's role: pgque's access rules decide what it shows and
@@ -692,12 +696,16 @@ def dashboard(state: State, host: str, port: int, read_only: bool, interval: flo
             f"the dashboard needs pgque[dashboard] (pip install 'pgque[dashboard]'): {exc}"
         ) from None
     dsn = state.require_dsn()
-    state.client().queue_info()  # fail fast: reachable, pgque installed, a role that may read
+    try:  # fail fast: reachable, pgque installed, a role that may read its figures
+        state.client().conn.execute("select count(*) from pgque.metrics()")
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise click.ClickException(f"{str(exc).strip().splitlines()[0]}: the dashboard's "
+                                   "role needs pgque_reader (or pgque_admin)") from None
     state.close()
     _setup_logging("info")
     logging.getLogger("pgque.cli").info("dashboard on http://%s:%s/%s", host, port,
                                         " (read-only)" if read_only else "")
-    web.serve(dsn, host=host, port=port, read_only=read_only, interval=interval)
+    web.serve(dsn, host=host, port=port, read_only=read_only, interval=interval, hosts=hosts)
 
 
 #: The Ticker's parameters that have defaults, with them: the ticker command's

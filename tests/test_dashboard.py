@@ -195,8 +195,10 @@ def test_who_may_not_act_sees_no_action_and_is_refused(team: Team, who: str) -> 
             status, _, body = browser.post(f"/dead-letters/{action}", [
                 ("csrf", csrf_of(listing) if "csrf" in listing else "x"), ("queue", QUEUE),
                 ("id", str(letter)), ("confirmed", "1")])
-            assert status == 403, body
-            assert ("read-only" in body) == (who == "read-only") and "CSRF" not in body
+            if who == "read-only":
+                assert status == 403 and "read-only" in body, body
+            else:  # not one of its dead letters: nothing to act on
+                assert status == 200 and "Nothing matches" in body, body
     assert _dead_letter_ids(team) == [letter]
 
 
@@ -237,6 +239,12 @@ def test_the_command_serves_until_sigterm(team: Team) -> None:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+    # A role that may not read the figures (the producer: pgque_writer only).
+    from helpers import assert_one_line_error, run_cli
+
+    refused = run_cli("dashboard", "--port", str(port),
+                      PGQUE_DSN=team.deployment.dsn(team.deployment.producer))
+    assert "pgque_reader" in assert_one_line_error(refused, 1)
 
 
 def _get_or_none(url: str) -> str | None:
@@ -259,9 +267,15 @@ def test_the_live_tail_streams_events_and_removes_its_consumer(team: Team) -> No
 
     with pgque.Ticker(team.deployment.dsn(team.deployment.ticker)), \
             DashboardServer(team.dsn, interval=0.5) as dashboard:
-        assert "Live tail" in Browser(dashboard.url).get(f"/queues/{QUEUE}")
-        stream = urllib.request.urlopen(f"{dashboard.url}/queues/{QUEUE}/tail/events",
-                                        timeout=30)
+        browser = Browser(dashboard.url)
+        assert "Live tail" in browser.get(f"/queues/{QUEUE}")
+        page = browser.get(f"/queues/{QUEUE}/tail")
+        source = html.unescape(re.search(r'data-source="([^"]+)"', page).group(1))
+        # Without the page's token (another site's EventSource, an <img>): refused.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(source.split("?")[0], timeout=30)
+        assert refused.value.code == 403
+        stream = browser.opener.open(source, timeout=30)
         try:
             assert stream.readline().startswith(b": tailing")
             wait_for(lambda: consumers() or None, timeout=30, what="the tail's consumer")
@@ -280,3 +294,86 @@ def test_the_live_tail_streams_events_and_removes_its_consumer(team: Team) -> No
             stream.close()
         wait_for(lambda: not consumers() or None, timeout=30,
                  what="the tail's consumer removed once the page went away")
+
+
+def test_requests_from_elsewhere_and_bad_input_are_refused(team: Team) -> None:
+    """Another Host name (DNS rebinding), a cookie planted by another site (an
+    unsigned token), ids that are not dead letters, and malformed input: each
+    refused or counted out, nothing done; every page carries its security
+    headers."""
+    _send(team, [(POISON, {"n": 0}, "customer-0")])
+    with pgque.Ticker(team.deployment.dsn(team.deployment.ticker)), \
+            pgque.Worker(team.dsn, queue=QUEUE, consumer=GROUP, slots=SLOTS,
+                         handler=_handler(team), ticker=False, poll_interval=0.05):
+        wait_for(lambda: _dead_letter_ids(team), timeout=60, what="a dead letter")
+    [letter] = _dead_letter_ids(team)
+    with DashboardServer(team.dsn, interval=0.5) as dashboard:
+        rebound = urllib.request.Request(dashboard.url + "/", headers={
+            "Host": "rebind.attacker.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(rebound, timeout=30)
+        assert refused.value.code == 400
+        with urllib.request.urlopen(dashboard.url + "/", timeout=30) as response:
+            assert "frame-ancestors 'none'" in response.headers["Content-Security-Policy"]
+            assert response.headers["X-Frame-Options"] == "DENY"
+        planted = Browser(dashboard.url)
+        planted.opener.addheaders = [("Cookie", "pgque_csrf=attacker-chosen")]
+        status, _, body = planted.post("/dead-letters/purge", [
+            ("csrf", "attacker-chosen"), ("queue", QUEUE), ("id", str(letter)),
+            ("confirmed", "1")])
+        assert status == 403 and "CSRF" in body
+        browser = Browser(dashboard.url)
+        token = csrf_of(browser.get(f"/dead-letters?queue={QUEUE}"))
+        status, _, body = browser.post("/dead-letters/purge", [
+            ("csrf", token), ("queue", QUEUE)] + [
+            ("id", i) for i in (str(letter), "424242", str(letter))] + [("confirmed", "3")])
+        assert status == 200 and "Purge 1 dead letter of" in body  # only the one that exists
+        for fields in ([("id", "²")], [("id", "99999999999999999999")],
+                       [("all", "1"), ("older_than", "abc")]):
+            status, _, _ = browser.post("/dead-letters/purge", [
+                ("csrf", token), ("queue", QUEUE), *fields, ("confirmed", "1")])
+            assert status == 400, fields
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            browser.opener.open(f"{dashboard.url}/dead-letters?queue={QUEUE}&older_than=x")
+        assert bad.value.code == 400
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            browser.opener.open(f"{dashboard.url}/dead-letters/{QUEUE}/99999999999999999999")
+        assert missing.value.code == 404 and b"function" not in missing.value.read()
+        foreign = urllib.request.Request(dashboard.url + "/dead-letters/purge", data=(
+            urllib.parse.urlencode([("csrf", token), ("queue", QUEUE), ("id", str(letter)),
+                                    ("confirmed", "1")]).encode()),
+            headers={"Origin": "http://127.0.0.1:1"})
+        with pytest.raises(urllib.error.HTTPError) as cross:
+            browser.opener.open(foreign, timeout=30)
+        assert cross.value.code == 403
+    assert _dead_letter_ids(team) == [letter]
+
+
+def test_tails_whose_pages_went_away_remove_their_consumers(team: Team) -> None:
+    """Streams opened and dropped at once, more than MAX_TAILS of them: each
+    tail's consumer is removed, and the limit holds meanwhile."""
+    from pgque.dashboard.app import MAX_TAILS
+
+    def consumers() -> list[str]:
+        with pgque.connect(team.deployment.dsn(team.deployment.owner)) as owner:
+            return [c.consumer_name for c in owner.consumer_info(QUEUE)
+                    if c.consumer_name.startswith("tail-")]
+
+    with pgque.Ticker(team.deployment.dsn(team.deployment.ticker)), \
+            DashboardServer(team.dsn, interval=0.5) as dashboard:
+        browser = Browser(dashboard.url)
+        page = browser.get(f"/queues/{QUEUE}/tail")
+        source = html.unescape(re.search(r'data-source="([^"]+)"', page).group(1))
+        opened = 0
+        for _ in range(MAX_TAILS + 4):
+            try:
+                stream = browser.opener.open(source, timeout=30)
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 429  # all places taken until a tail is gone
+                continue
+            opened += 1
+            stream.readline()
+            stream.close()
+        assert opened >= MAX_TAILS
+        wait_for(lambda: not consumers() or None, timeout=60,
+                 what="every tail's consumer removed")

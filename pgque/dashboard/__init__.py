@@ -21,6 +21,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 from pgque.dashboard.app import Dashboard, create_app
@@ -37,10 +38,12 @@ class DashboardServer:
     (or ``with``) to ``stop()``; port 0 takes a free one (:attr:`url`)."""
 
     def __init__(self, dsn: str, *, host: str = "127.0.0.1", port: int = 0,
-                 read_only: bool = False, interval: float = 5.0) -> None:
+                 read_only: bool = False, interval: float = 5.0,
+                 hosts: Sequence[str] = ()) -> None:
         import uvicorn
 
-        config = uvicorn.Config(create_app(dsn, read_only=read_only, interval=interval),
+        config = uvicorn.Config(create_app(dsn, read_only=read_only, interval=interval,
+                                           hosts=_hosts(host, hosts)),
                                 host=host, port=port, log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=GRACE)
         self._server = uvicorn.Server(config)
@@ -75,13 +78,20 @@ class DashboardServer:
         self.stop()
 
 
+def _hosts(host: str, hosts: Sequence[str]) -> list[str]:
+    """The names to answer to: those given, and the address listened on unless
+    it is every interface's (then only the names given, or the loopback's)."""
+    return [*hosts, *([] if host in ("0.0.0.0", "::", "") else [host])]
+
+
 def serve(dsn: str, *, host: str = "127.0.0.1", port: int = 8765, read_only: bool = False,
-          interval: float = 5.0) -> None:
+          interval: float = 5.0, hosts: Sequence[str] = ()) -> None:
     """Serve the dashboard until SIGTERM or Ctrl-C, then return (as pgque's other
     services do: a stop asked for is a clean exit, not the signal's)."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(dsn, read_only=read_only, interval=interval), host=host,
+    config = uvicorn.Config(create_app(dsn, read_only=read_only, interval=interval,
+                                       hosts=_hosts(host, hosts)), host=host,
                             port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=GRACE)
     # uvicorn stops on SIGTERM and SIGINT, then raises the signal again under

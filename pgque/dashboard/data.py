@@ -191,6 +191,10 @@ class Sampler:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = await self._connect()
+                # A read that hangs (a network cut) must not leave the pages on
+                # figures that look current: it fails, and they say so.
+                await self._conn.execute("select set_config('statement_timeout', %s, false)",
+                                         (f"{max(10.0, 2 * self.interval):g}s",))
             cur = await self._conn.execute(
                 "select metric, labels, value from pgque.metrics()")
             rows = await cur.fetchall()

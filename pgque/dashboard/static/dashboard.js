@@ -7,12 +7,18 @@
   async function refresh() {
     try {
       const response = await fetch(window.location.href, { credentials: "same-origin" });
+      const stale = document.getElementById("stale");
       if (response.ok) {
         const page = new DOMParser().parseFromString(await response.text(), "text/html");
         const fresh = page.getElementById("live");
         if (fresh) document.getElementById("live").replaceWith(fresh);
+        stale.hidden = true;
+      } else {
+        stale.hidden = false;  // a queue dropped, a role's rights gone: say so
       }
-    } catch (error) { /* the next round tries again */ }
+    } catch (error) {
+      document.getElementById("stale").hidden = false;  // the next round tries again
+    }
     setTimeout(refresh, seconds * 1000);
   }
   setTimeout(refresh, seconds * 1000);
