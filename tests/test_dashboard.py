@@ -138,6 +138,14 @@ def test_pages_show_a_running_group_and_a_replay_reaches_the_handler(team: Team)
         assert worker.wait(lambda: sum(c for i, c in team.calls.items() if i != poison)
                            + team.calls[poison] > len(sent), timeout=30)
         assert _dead_letter_ids(team) == []
+        # Consumed per second and the backlog over time: once drained, the
+        # group's slowest slot is at the queue's head, and what it consumed
+        # since the first reading is what was sent since (the replay: one more).
+        group = wait_for(lambda: (g := dashboard.dashboard.sampler.snapshot.queues[QUEUE]
+                                  .groups[GROUP]).backlog and g.backlog[-1][1] == 0 and g,
+                         timeout=30, what="the group's backlog back to 0")
+        assert group.rates and all(rate >= 0 for _, rate in group.rates)
+        assert "consumed/s" in browser.get(f"/queues/{QUEUE}")
 
 
 def test_a_bulk_purge_states_its_count_and_a_token_missing_is_refused(team: Team) -> None:

@@ -42,8 +42,10 @@ class DashboardServer:
                  hosts: Sequence[str] = ()) -> None:
         import uvicorn
 
-        config = uvicorn.Config(create_app(dsn, read_only=read_only, interval=interval,
-                                           hosts=_hosts(host, hosts)),
+        #: The app's state: its sampler's snapshot, its mode.
+        self.dashboard = Dashboard(dsn, read_only=read_only, interval=interval,
+                                   hosts=_hosts(host, hosts))
+        config = uvicorn.Config(self.dashboard.app,
                                 host=host, port=port, log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=GRACE)
         self._server = uvicorn.Server(config)

@@ -10,7 +10,7 @@ from markupsafe import Markup, escape
 
 
 def sparkline(points: Sequence[tuple[float, float]], *, width: int = 240, height: int = 40,
-              span: float = 3600.0, label: str = "") -> Markup:
+              span: float = 3600.0, label: str = "", unit: str = "/s") -> Markup:
     """A line of (time, value) points over the last ``span`` seconds (or the time
     there are points for, if shorter: a dashboard started a minute ago draws
     that minute across), scaled to its largest value, with that value written
@@ -31,5 +31,5 @@ def sparkline(points: Sequence[tuple[float, float]], *, width: int = 240, height
         f"{height - 2 - v * scale:.1f}" for i, (t, v) in enumerate(shown))
     return Markup(frame + f'<path d="{path}" class="spark-line"/>'
                   f'<text x="{width - 4}" y="12" text-anchor="end" class="spark-top">'
-                  f"{top:,.1f}/s</text></svg>")
+                  f"{top:,.1f}{escape(unit)}</text></svg>")
 

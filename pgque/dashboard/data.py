@@ -6,6 +6,7 @@ kept for the charts."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import time
@@ -52,6 +53,14 @@ class Group:
     slots: int = 0
     members: int = 0
     slot_rows: dict[int, Slot] = field(default_factory=dict)
+    #: Events consumed per second (its slowest slot's progress) over the last hour.
+    rates: list[tuple[float, float]] = field(default_factory=list)
+    #: Its backlog (the slot furthest behind, in events) over the last hour.
+    backlog: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float | None:
+        return self.rates[-1][1] if self.rates else None
 
     @property
     def owned(self) -> int:
@@ -103,6 +112,13 @@ class Queue:
     @property
     def max_behind(self) -> float:
         return max((g.max_behind for g in self.groups.values()), default=0.0)
+
+    @property
+    def slowest_rate(self) -> float | None:
+        """Events consumed per second by its slowest group (None: no group, or
+        not two readings yet)."""
+        return min((g.rate for g in self.groups.values() if g.rate is not None),
+                   default=None)
 
     @property
     def max_lag(self) -> float:
@@ -170,6 +186,12 @@ class Snapshot:
             consumer.figures[metric.removeprefix("pgque_consumer_")] = value
 
 
+def _rates(points: deque[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Per second between consecutive (time, counter) points; never below 0."""
+    return [(t1, max(0.0, (v1 - v0) / (t1 - t0)))
+            for (t0, v0), (t1, v1) in itertools.pairwise(points) if t1 > t0]
+
+
 class Sampler:
     """Reads pgque.metrics() every ``interval`` seconds on a connection of its
     own (the DSN's role decides what it sees) and keeps the newest snapshot and
@@ -208,16 +230,27 @@ class Sampler:
                                                                 or [""])[0]
             return self.snapshot
         snapshot = Snapshot.of_rows(rows, time.time())
+        now = snapshot.taken_at
         for queue in snapshot.queues.values():
-            sent = self._sent.setdefault(queue.name, deque(maxlen=self._keep))
             total = queue.figures.get("events_total")
-            if total is not None:
-                sent.append((snapshot.taken_at, total))
-            queue.rates = [(t1, max(0.0, (v1 - v0) / (t1 - t0)))
-                           for (t0, v0), (t1, v1) in zip(sent, list(sent)[1:], strict=False)
-                           if t1 > t0]
+            if total is None:
+                continue
+            queue.rates = _rates(self._history(queue.name, (now, total)))
+            for group in queue.groups.values():
+                # The group's slowest position, in the queue's sequence: what it
+                # has consumed of the queue (all its slots past it).
+                kept = self._history(f"{queue.name}\0{group.name}",
+                                     (now, total - group.max_behind))
+                group.rates = _rates(kept)
+                group.backlog = list(self._history(f"{queue.name}\0{group.name}\0backlog",
+                                                   (now, group.max_behind)))
         self.snapshot = snapshot
         return snapshot
+
+    def _history(self, name: str, point: tuple[float, float]) -> deque[tuple[float, float]]:
+        kept = self._sent.setdefault(name, deque(maxlen=self._keep))
+        kept.append(point)
+        return kept
 
     async def run(self) -> None:
         """Read every interval until cancelled."""
