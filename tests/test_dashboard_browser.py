@@ -119,7 +119,7 @@ def test_the_pages_in_a_browser_live_and_escaped(pgque_deployment: Deployment,
     with pgque.connect(deployment.dsn(deployment.producer)) as producer:
         sent = producer.send_batch(QUEUE, [("Order", {"n": n}, f"customer-{n % 50}")
                                            for n in range(400)])
-        producer.send(QUEUE, "Hostile", {"html": hostile}, partition_key=hostile)
+        hostile_id = producer.send(QUEUE, "Hostile", {"html": hostile}, partition_key=hostile)
     ticker = pgque.Ticker(deployment.dsn(deployment.ticker), name="ticker-a")
     ticker.start()
     try:
@@ -156,6 +156,18 @@ def test_the_pages_in_a_browser_live_and_escaped(pgque_deployment: Deployment,
                 By.CSS_SELECTOR, "pre.payload").text
             assert browser.execute_script("return window.pwned") is None
             _shot(browser, "dead-letter")
+            # Replayed from the page: its button, then the confirmation's; the
+            # handler is called with it again (and it fails again, as before).
+            before = calls.count(hostile_id)
+            browser.find_element(By.XPATH, "//button[text()='Replay']").click()
+            confirm = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR,
+                                                             "form button.action"),
+                               timeout=30, what="the confirmation")
+            assert "Replay 1 dead letter of" in browser.find_element(By.TAG_NAME, "h1").text
+            confirm[0].click()
+            wait_for(lambda: "replay: 1" in browser.find_element(By.TAG_NAME, "main").text
+                     or None, timeout=30, what="the replay done")
+            assert worker.wait(lambda: calls.count(hostile_id) > before, timeout=30)
             # The live tail: an event sent after the page opened shows, as text.
             browser.get(f"{dashboard.url}/queues/{QUEUE}/tail")
             wait_for(lambda: "Following" in " ".join(_texts(browser, "#tail-state")) or None,
