@@ -964,3 +964,17 @@ def test_a_reader_sees_no_queue_it_may_neither_send_to_nor_consume_from(
     finally:
         with deployment.server.admin() as su:
             su.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+def test_no_piece_of_a_password_is_in_a_name(deployment: Deployment) -> None:
+    """pgque hides every quoted piece of a message that holds four characters of
+    the DSN's password in a row (pgque._dsn.redact): a password sharing a piece
+    with a role or database name would hide that name from a test's expected
+    message now and then. The passwords' letters are none of the names'."""
+    names = {deployment.owner, deployment.ticker, deployment.producer, deployment.outsider,
+             deployment.dbname, *deployment.teams,
+             *(deployment.login(team) for team in deployment.teams)}
+    in_names = set("".join(names))
+    assert deployment.passwords
+    for password in deployment.passwords.values():
+        assert len(password) >= 16 and not set(password) & in_names, password

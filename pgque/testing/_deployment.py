@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import string
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,6 +36,15 @@ __all__ = ["Deployment"]
 # when the installer may not.
 PGQUE_ROLES = ("pgque_reader", "pgque_writer", "pgque_admin")
 
+
+
+def _password() -> str:
+    """A login's password: 24 upper-case letters. pgque hides every quoted piece
+    of an error that holds four characters of the password in a row
+    (pgque._dsn.redact), and the deployment's names are lower case, so no piece
+    of a password is ever in a role or database name that a test reads back
+    in a message (hex passwords and hex name prefixes now and then were)."""
+    return "".join(secrets.choice(string.ascii_uppercase) for _ in range(24))
 
 @dataclass(frozen=True)
 class Deployment:
@@ -74,7 +84,7 @@ class Deployment:
         team_roles = tuple(f"{prefix}_{team}" for team in teams)
         logins = [*names.values(), *(f"{team}_svc" for team in team_roles)]
         deployment = cls(server=server, prefix=prefix, dbname=f"{prefix}_template",
-                         teams=team_roles, passwords={r: secrets.token_hex(12) for r in logins},
+                         teams=team_roles, passwords={r: _password() for r in logins},
                          **names)
         try:
             deployment._create_roles()
