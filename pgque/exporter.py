@@ -25,15 +25,11 @@ import contextlib
 import gzip
 import logging
 import math
-import re
-import socket
-import socketserver
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import psycopg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -42,6 +38,7 @@ from prometheus_client.registry import Collector
 from pgque._dsn import redact
 from pgque.client import open_connection
 from pgque.errors import ConnectError
+from pgque.metrics import MetricsServer, parse_labels
 
 __all__ = ["METRICS", "Exporter", "MetricsCollector", "ProblemWithDatabase", "exposition",
            "families", "parse_labels"]
@@ -114,8 +111,6 @@ class ProblemWithDatabase(RuntimeError):
 Row = tuple[str, str, float]
 
 # One label of a label set: name="value", the value escaped (\\, \", \n).
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
 def _family_name(metric: str) -> str:
@@ -125,13 +120,6 @@ def _family_name(metric: str) -> str:
 
 def _kind_and_help(metric: str) -> tuple[str, str]:
     return METRICS.get(_family_name(metric), ("gauge", "A pgque metric (see pgque.metrics())."))
-
-
-def parse_labels(labels: str) -> list[tuple[str, str]]:
-    """A label set as pgque.metrics() writes it (``queue="q",slot="3"``), as
-    (name, value) pairs, the values unescaped."""
-    return [(name, re.sub(r"\\.", lambda m: _UNESCAPE.get(m.group(), m.group()), raw))
-            for name, raw in _LABEL.findall(labels)]
 
 
 def families(rows: Iterable[Row]) -> list[Metric]:
@@ -272,20 +260,6 @@ class MetricsCollector(Collector):
                 conn.close()
 
 
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
-    """A WSGI server with a thread per request: a slow scrape does not hold
-    the next connection's accept."""
-
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr for every scrape."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 class Exporter:
     """Serves a :class:`MetricsCollector` at ``http://host:port/metrics``.
 
@@ -301,13 +275,12 @@ class Exporter:
                                           statement_timeout=statement_timeout)
         self.host = host
         self._port = port
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: MetricsServer | None = None
 
     @property
     def port(self) -> int:
         """The port it listens on (once started, the one taken for port 0)."""
-        return self._port if self._server is None else int(self._server.server_port)
+        return self._port if self._server is None else self._server.address[1]
 
     @property
     def url(self) -> str:
@@ -340,27 +313,15 @@ class Exporter:
 
     def start(self) -> Exporter:
         """Listen and serve on a thread of its own."""
-
-        class Server(_Server):
-            address_family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-
-        self._server = make_server(self.host, self._port, self._app, Server,
-                                   handler_class=_QuietHandler)
-        # A short poll: stop() waits for it.
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
-                                        name="pgque-exporter", daemon=True)
-        self._thread.start()
+        self._server = MetricsServer(self._app, self.host, self._port, name="pgque-exporter")
+        self._server.start()
         return self
 
     def stop(self) -> None:
         """Stop serving and close the database connection."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join(10)
-            self._thread = None
+            server.stop()
         self.collector.close_connection()
 
     def __enter__(self) -> Exporter:

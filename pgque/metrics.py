@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from pgque.types import Batch
 
 __all__ = ["INSTRUMENTS", "Instrument", "Metrics", "MetricsServer", "ProducerMetrics",
-           "TickerMetrics", "WorkerMetrics", "report_sends_to"]
+           "TickerMetrics", "WorkerMetrics", "parse_labels", "report_sends_to"]
 
 # Seconds: from a millisecond (a pickup on a busy queue) to a minute (a stuck one).
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -229,18 +230,17 @@ class _Prometheus(_Backend):
 
 
 class MetricsServer:
-    """A registry's metrics served over HTTP (``/metrics``, Prometheus's text
-    format) by a thread of its own, from :meth:`start` to :meth:`stop`. Not
-    prometheus_client's start_http_server: its loop polls for a stop every half
-    second, and a worker's stop would wait for it."""
+    """A WSGI app (a registry's metrics, the exporter's scrape) served by a
+    thread of its own, a thread per request, from :meth:`start` to
+    :meth:`stop`, without an access log line per scrape. Not prometheus_client's
+    start_http_server: its loop polls for a stop every half second, and a
+    worker's stop would wait for it."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int, *,
+    def __init__(self, app: Any, host: str, port: int, *,
                  name: str = "pgque-metrics") -> None:
         import socket
         from socketserver import ThreadingMixIn
         from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-        from prometheus_client import make_wsgi_app
 
         class Server(ThreadingMixIn, WSGIServer):
             daemon_threads = True
@@ -250,10 +250,17 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # a scrape every few seconds is not news
 
-        self._server = make_server(host, port, make_wsgi_app(registry), Server,
-                                   handler_class=Quiet)
+        self._server = make_server(host, port, app, Server, handler_class=Quiet)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": 0.05}, name=name, daemon=True)
+
+    @classmethod
+    def of_registry(cls, registry: CollectorRegistry, host: str, port: int, *,
+                    name: str = "pgque-metrics") -> MetricsServer:
+        """The registry's metrics at /metrics."""
+        from prometheus_client import make_wsgi_app
+
+        return cls(make_wsgi_app(registry), host, port, name=name)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -267,6 +274,19 @@ class MetricsServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._thread.join(10)
+
+
+# One label as pgque.metrics() and Prometheus's text format write it.
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def parse_labels(labels: str) -> list[tuple[str, str]]:
+    """A label set as pgque.metrics() writes it (``queue="q",slot="3"``), as
+    (name, value) pairs, the values unescaped."""
+    return [(name, re.sub(r"\\.", lambda m: _UNESCAPE.get(m.group(), m.group()), raw))
+            for name, raw in _LABEL.findall(labels)]
 
 
 def opentelemetry_provider(provider: MeterProvider | None = None) -> MeterProvider | None:

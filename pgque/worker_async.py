@@ -383,8 +383,9 @@ class AsyncWorker(AsyncService, Generic[T]):
     async def setup(self) -> None:
         if self._registry is not None:
             try:
-                server = MetricsServer(self._registry, self.metrics_host,
-                                       self.metrics_port or 0, name=f"{self.name}-metrics")
+                server = MetricsServer.of_registry(self._registry, self.metrics_host,
+                                                   self.metrics_port or 0,
+                                                   name=f"{self.name}-metrics")
             except OSError as exc:  # the port is taken, say: the worker does not start
                 error = OSError(exc.errno, f"cannot serve metrics on {self.metrics_host}:"
                                            f"{self.metrics_port}: {exc.strerror or exc}")

@@ -85,6 +85,9 @@ def test_the_events_of_a_window_per_slot_as_routed(pgque_deployment: Deployment,
     with psycopg.connect(pgque_deployment.superuser_dsn()) as su:
         assert rows[0][5] == scalar(su, "select min(tick_time) from pgque.tick")
     assert len({r[5] for r in rows}) == 1
+    # A window of any length is one that reaches back further than the log.
+    for huge in ("178000000 years", "1000000 days"):
+        assert conn.execute(SKEW, (QUEUE, GROUP, huge)).fetchall() == rows
 
     # A retry moved back into the log is delivered again, not sent: not counted.
     slot = max(events, key=lambda k: events[k])

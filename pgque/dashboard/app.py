@@ -383,17 +383,16 @@ class _CountChanged(Exception):
 
 
 async def _existing(conn: psycopg.AsyncConnection[Any], queue: str, ids: list[int]) -> list[int]:
-    """Those of ``ids`` that are dead letters of ``queue`` the role may see."""
-    letters = await AsyncClient(conn).dead_letters(queue, limit=len(ids) + 1,
-                                                   after_id=ids[0] - 1)
-    wanted = set(ids)
-    found = {d.id for d in letters if d.id in wanted}
-    if len(found) < len(wanted) and letters and letters[-1].id < ids[-1]:
-        # Not all in the first read (other letters between): one read each.
-        for letter_id in wanted - found:
-            one = await AsyncClient(conn).dead_letters(queue, limit=1, after_id=letter_id - 1)
-            if one and one[0].id == letter_id:
-                found.add(letter_id)
+    """Those of ``ids`` (ascending) that are dead letters of ``queue`` the role
+    may see: its dead letters from the first id to the last, read in pages."""
+    client, wanted, found = AsyncClient(conn), set(ids), set()
+    after = ids[0] - 1
+    while after < ids[-1]:
+        page = await client.dead_letters(queue, limit=LIST_LIMIT, after_id=after)
+        found |= {d.id for d in page} & wanted
+        if len(page) < LIST_LIMIT:
+            break
+        after = page[-1].id
     return sorted(found)
 
 

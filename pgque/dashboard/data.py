@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -17,18 +16,9 @@ from typing import Any
 
 import psycopg
 
+from pgque.metrics import parse_labels
+
 log = logging.getLogger("pgque.dashboard")
-
-# One label as pgque.metrics() writes it: name="value", with \\, \" and \n escaped.
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-_UNESCAPE = re.compile(r"\\(.)")
-
-
-def parse_labels(text: str) -> dict[str, str]:
-    """``queue="a",slot="3"`` as a dict, escapes undone."""
-    return {name: _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-            for name, value in _LABEL.findall(text)}
-
 
 @dataclass
 class Slot:
@@ -145,7 +135,7 @@ class Snapshot:
     def of_rows(cls, rows: Iterable[tuple[str, str, float]], taken_at: float) -> Snapshot:
         snapshot = cls(taken_at)
         for metric, label_text, value in rows:
-            labels = parse_labels(label_text)
+            labels = dict(parse_labels(label_text))
             snapshot._add(metric, labels, value)
         return snapshot
 

@@ -44,7 +44,8 @@ end
 $$;
 
 -- pgque._sequence_value(seq): the last value of the queue's event sequence
--- seq (pg_sequence_last_value), or null once drop_queue dropped it: the info
+-- seq (pg_sequence_last_value; 0 before its first use), or null when it
+-- cannot be read: once drop_queue dropped it, or while one holds it. The info
 -- views read queue rows that their statement's snapshot still shows, while
 -- the sequence is looked up as it is now. Like the info views' other reads of
 -- a queue's tables (_oldest_unconsumed, _pending_events, _queue_stalled), it
@@ -62,7 +63,7 @@ declare
     v_value bigint;
 begin
     begin
-        v_value := pg_sequence_last_value(p_seq);
+        v_value := coalesce(pg_sequence_last_value(p_seq), 0);
         return v_value;  -- (a statement of its own: see pgque._seq_before)
     exception when undefined_table or internal_error or lock_not_available then
         -- "could not open relation with OID": the sequence is gone.

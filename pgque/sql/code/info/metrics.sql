@@ -130,32 +130,6 @@ as $$
            || '"'
 $$;
 
--- pgque._sequence_position(seq): the last value of the queue's event
--- sequence, 0 before its first use; null when it cannot be read (a drop_queue
--- holds or dropped it; at most 100 ms waited, as _sequence_value), and then
--- the queue's rows that need it are left out: a counter that read 0 would
--- look reset to Prometheus, and rate() would count the whole sequence again.
-create or replace function pgque._sequence_position(p_seq regclass)
-returns bigint
-language plpgsql stable
-set search_path = pg_catalog, pg_temp
-set lock_timeout = '100ms'
-as $$
-declare
-    v_value bigint;
-begin
-    begin
-        v_value := coalesce(pg_sequence_last_value(p_seq), 0);
-        return v_value;  -- (a statement of its own: see pgque._seq_before)
-    exception when undefined_table or internal_error or lock_not_available then
-        null;  -- gone, or held (a lock timeout left pending is raised below)
-    end;
-    return null;
-exception when lock_not_available then
-    return null;
-end
-$$;
-
 -- pgque.metrics(): the rows described above.
 create or replace function pgque.metrics()
 returns table (metric text, labels text, value double precision)
@@ -192,7 +166,10 @@ begin
                q.queue_switch_time, q.queue_rotation_period,
                pgque._stalled_after(q) as stalled_after,
                t.tick_id, t.tick_time, t.tick_event_seq,
-               pgque._sequence_position(q.queue_event_seq) as seq
+               -- null, and no row of the queue's that needs it, when it cannot be
+               -- read (a drop_queue holds it): a counter that read 0 would look
+               -- reset to Prometheus, and rate() would count the whole sequence.
+               pgque._sequence_value(q.queue_event_seq) as seq
           from pgque.queue q
           left join lateral (select t.tick_id, t.tick_time, t.tick_event_seq
                                from pgque.tick t where t.tick_queue = q.queue_id

@@ -55,7 +55,9 @@ begin
                              coalesce(p_window::text, 'null'));
     end if;
     v_group := pgque._group(v_queue, p_consumer, null);
-    v_start := now() - p_window;
+    -- (No log is older than a thousand years: a longer window is that one,
+    -- not a timestamp out of range.)
+    v_start := now() - least(p_window, interval '1000 years');
     -- A tick's time is taken after its snapshot (log/tick.sql): a transaction
     -- that started after that time took its id at or above the snapshot's
     -- xmax, or before the snapshot, and then it was running (a tick's move of
