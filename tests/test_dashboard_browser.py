@@ -95,7 +95,6 @@ def _traffic(deployment: Deployment, *, seconds: float) -> None:
 
 def test_the_pages_in_a_browser_live_and_escaped(pgque_deployment: Deployment,
                                                   browser: Any) -> None:
-    from selenium.webdriver.common.by import By
 
     deployment = pgque_deployment
     with pgque.connect(deployment.dsn(deployment.owner)) as owner:
@@ -147,26 +146,25 @@ def test_the_pages_in_a_browser_live_and_escaped(pgque_deployment: Deployment,
             _shot(browser, "group")
             # A dead letter with a hostile payload, reason and key: shown as text.
             browser.get(f"{dashboard.url}/dead-letters?queue={QUEUE}")
-            row = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "td.reason"),
+            row = wait_for(lambda: _texts(browser, "td.reason") or None,
                            timeout=30, what="the dead letter's row")
-            assert hostile in row[0].text
+            assert hostile in row[0]
             _shot(browser, "dead-letters")
-            browser.find_element(By.CSS_SELECTOR, "tbody a").click()
-            assert "<script>window.pwned = 1</script>" in browser.find_element(
-                By.CSS_SELECTOR, "pre.payload").text
+            _click(browser, "css selector", "tbody a")
+            payload = wait_for(lambda: _texts(browser, "pre.payload") or None, timeout=30,
+                               what="the dead letter's payload")
+            assert "<script>window.pwned = 1</script>" in payload[0]
             assert browser.execute_script("return window.pwned") is None
             _shot(browser, "dead-letter")
             # Replayed from the page: its button, then the confirmation's; the
             # handler is called with it again (and it fails again, as before).
             before = calls.count(hostile_id)
-            browser.find_element(By.XPATH, "//button[text()='Replay']").click()
-            confirm = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR,
-                                                             "form button.action"),
-                               timeout=30, what="the confirmation")
-            assert "Replay 1 dead letter of" in browser.find_element(By.TAG_NAME, "h1").text
-            confirm[0].click()
-            wait_for(lambda: "replay: 1" in browser.find_element(By.TAG_NAME, "main").text
-                     or None, timeout=30, what="the replay done")
+            _click(browser, "xpath", "//button[text()='Replay']")
+            wait_for(lambda: "Replay 1 dead letter of" in " ".join(_texts(browser, "h1"))
+                     or None, timeout=30, what="the confirmation")
+            _click(browser, "css selector", "form button.action")
+            wait_for(lambda: "replay: 1" in " ".join(_texts(browser, "main")) or None,
+                     timeout=30, what="the replay done")
             assert worker.wait(lambda: calls.count(hostile_id) > before, timeout=30)
             # The live tail: an event sent after the page opened shows, as text.
             browser.get(f"{dashboard.url}/queues/{QUEUE}/tail")
