@@ -1,3 +1,3 @@
 """The package's version: also the engine version ``pgque.version()`` reports."""
 
-__version__ = "0.13.0"
+__version__ = "0.14.0"

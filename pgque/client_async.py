@@ -57,7 +57,7 @@ from pgque._shared import (
     session_changed,
 )
 from pgque.codec import encode_payload
-from pgque.errors import ConnectError, translated
+from pgque.errors import ConnectError, InvalidArgument, translated
 from pgque.info import (
     ConsumerInfo,
     Finding,
@@ -73,7 +73,16 @@ from pgque.info import (
     from_row,
 )
 from pgque.metrics import ProducerMetrics
-from pgque.types import Batch, BlockedKey, DeadLetter, FailurePolicy, Fence, Message, SentId
+from pgque.types import (
+    Batch,
+    BlockedKey,
+    DeadLetter,
+    FailurePolicy,
+    Fence,
+    Lease,
+    Message,
+    SentId,
+)
 
 __all__ = ["AsyncClient", "connect_async", "open_connection_async", "redact"]
 
@@ -183,6 +192,9 @@ class AsyncClient:
         # (backend pid, token) once pin_session() ran: slot and ticker calls
         # then check that they still reach that server session.
         self._pinned: tuple[int, str] | None = None
+        # The lease this client's owner calls carry (take_lease, use_lease):
+        # for a group that owns its slots by lease (see pgque/sql/code/slots/lease.sql).
+        self._lease: Lease | None = None
         # The database has no pgque.ack_receive_slots (older than 0.8): found once.
         self._without_ack_receive_slots = False
         # Which pgque.ticker_some the database has, looked up once: 0 none (before
@@ -551,6 +563,19 @@ class AsyncClient:
         """Give up the ticker election if this session holds it."""
         return bool(await self._value("select pgque.release_ticker()"))
 
+    async def claim_ticker_lease(self, token: str, name: str, lease: float | timedelta) -> bool:
+        """The ticker election by lease, for a ticker behind a transaction pooler:
+        True when the ticker of ``token`` (32 to 64 characters of its own) is the
+        active one for ``lease`` seconds from now (taken, or renewed: claim again
+        well within it); False while another ticker is active."""
+        return bool(await self._value(
+            "select pgque.claim_ticker_lease(%s, %s, make_interval(secs => %s))",
+            (token, name, seconds(lease))))
+
+    async def release_ticker_lease(self, token: str) -> bool:
+        """Give up the election by lease if ``token`` holds it."""
+        return bool(await self._value("select pgque.release_ticker_lease(%s)", (token,)))
+
     async def ticker_sleep(self, except_ids: Collection[int] | None = None) -> int | None:
         """As the active ticker, say that it sleeps for every queue but those of
         ``except_ids``: sends into them notify :meth:`ticker_channel` from now on,
@@ -871,17 +896,89 @@ class AsyncClient:
 
     def _checked(self, value: str | None) -> tuple[str, tuple[Any, ...]]:
         """SQL and parameters for a text argument that, on a pinned session, passes
-        through pgque.session_checked: arguments are evaluated before the call,
-        so a call on the wrong session fails before it takes effect."""
-        if self._pinned is None:
-            return "%s", (value,)
-        return "pgque.session_checked(%s, %s, %s)", (value, *self._pinned)
+        through pgque.session_checked, and with a lease through pgque.leased:
+        arguments are evaluated before the call, so a call on the wrong session
+        fails before it takes effect, and the lease is set for the call's
+        transaction (one server session, even behind a transaction pooler)."""
+        check: str = "%s"
+        params: tuple[Any, ...] = (value,)
+        if self._pinned is not None:
+            check, params = "pgque.session_checked(%s, %s, %s)", (value, *self._pinned)
+        if self._lease is not None:
+            check, params = f"pgque.leased({check}, %s)", (*params, self._lease.token)
+        return check, params
+
+    # -- ownership by lease (for clients behind a transaction pooler) ----------
+
+    async def set_ownership(self, queue: str, consumer: str, mode: str, *,
+                            lease: float | timedelta = 15.0) -> bool:
+        """How the group's slots are owned: ``"advisory"`` (session advisory
+        locks, the default) or ``"lease"`` (leases of ``lease`` seconds, 1 to
+        3600, that their holders renew: for clients behind a transaction-mode
+        pooler). The same mode again only sets the lease time. Another mode
+        raises OwnershipMismatch while a slot is owned or a member has joined
+        in the current one. True when the mode changed."""
+        return bool(await self._value(
+            "select pgque.set_ownership(%s, %s, %s, make_interval(secs => %s))",
+            (queue, consumer, mode, seconds(lease))))
+
+    async def take_lease(self, queue: str, consumer: str, *, name: str,
+                         member: bool = False) -> Lease:
+        """Take a new lease of a group that owns its slots by lease, and make it
+        this client's: its owner calls (claim, receive, ack, nack, release,
+        join, group status) carry it from now on, on whichever server session
+        they land. ``name`` says who holds it; a ``member`` lease counts in the
+        group's fair share (join_group). Renew it (:meth:`renew_lease`) well
+        within :attr:`Lease.lease`: an expired lease is dead, every call with it
+        raises LeaseExpired and its slots go to whoever claims them."""
+        (row,) = await self._rows("select * from pgque.take_lease(%s, %s, %s, %s)",
+                                  (queue, consumer, name, member), by_name=True)
+        self._lease = Lease(id=row.lease_id, token=row.token, lease=row.lease)
+        return self._lease
+
+    def use_lease(self, lease: Lease | None) -> None:
+        """Make ``lease`` (taken by another client, say) the one this client's owner
+        calls carry; None: none."""
+        self._lease = lease
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease this client's owner calls carry, or None."""
+        return self._lease
+
+    async def renew_lease(self, lease: Lease | None = None) -> timedelta:
+        """Extend ``lease`` (this client's by default) by its group's lease time from
+        now, which it returns; LeaseExpired when it expired already."""
+        lease = lease or self._lease
+        if lease is None:
+            raise InvalidArgument("this client holds no lease")
+        value: timedelta = await self._value("select pgque.renew_lease(%s)", (lease.token,))
+        return value
+
+    async def renew_leases(self, leases: Collection[Lease]) -> set[int]:
+        """Extend each of ``leases`` that has not expired, in one statement; the ids
+        of those extended (an expired one is dead for good)."""
+        by_token = {lease.token: lease.id for lease in leases}
+        renewed: list[str] = await self._value("select pgque.renew_leases(%s::text[])",
+                                               (list(by_token),))
+        return {by_token[token] for token in renewed}
+
+    async def end_lease(self, lease: Lease | None = None) -> int:
+        """End ``lease`` (this client's by default, which it then no longer carries):
+        its slots are released and their epochs end. Returns how many it owned."""
+        lease = lease or self._lease
+        if lease is None:
+            return 0
+        if lease is self._lease:
+            self._lease = None
+        return int(await self._value("select pgque.end_lease(%s)", (lease.token,)))
 
     async def claim_slot(self, queue: str, consumer: str, slot: int) -> bool:
         """Try to own a slot: a non-blocking session advisory lock on this client's
         connection. False at once when another session holds it. Pins the
-        session first (see pin_session)."""
-        if self._pinned is None:
+        session first (see pin_session). With a lease (:meth:`take_lease`): a
+        claim of the slot for the lease, with a new epoch when the slot moves."""
+        if self._pinned is None and self._lease is None:
             await self.pin_session()
         check, params = self._checked(queue)
         return bool(await self._value(f"select pgque.claim_slot({check}, %s, %s)",

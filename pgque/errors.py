@@ -71,9 +71,11 @@ __all__ = [
     "InvalidSlot",
     "InvalidSlotCount",
     "KeyNotBlocked",
+    "LeaseExpired",
     "NewerSchema",
     "NotReadCommitted",
     "NotRecorded",
+    "OwnershipMismatch",
     "PartitionKeyTooLong",
     "PayloadError",
     "PgqueError",
@@ -315,6 +317,28 @@ class NotRecorded(PgqueError, sqlstate="PQ033"):
     """``verify`` was asked about a consumer group that has no record of
     handler calls: none of its workers ran with ``record=True`` since its
     record was last forgotten (PQ033)."""
+
+
+class LeaseExpired(PgqueError, sqlstate="PQ034"):
+    """The client's lease of a group that owns its slots by lease expired, or
+    was never taken (PQ034).
+
+    Raised by every call made with the lease: its slots may have passed to
+    other owners, each with a new epoch. A Worker drops the slots of the lease
+    and takes a new one; a client of its own takes a new lease
+    (:meth:`~pgque.Client.take_lease`) and claims again.
+    """
+
+
+class OwnershipMismatch(PgqueError, sqlstate="PQ035"):
+    """A call's way of owning slots is not its group's (PQ035).
+
+    A group owns its slots by session advisory lock (the default) or by lease
+    (:meth:`~pgque.Client.set_ownership`), one at a time: a claim or join
+    without a lease on a group that owns by lease, or a call with a lease on
+    one that owns by advisory lock, is refused; so is changing the mode while
+    a slot is owned or a member has joined. Not retried by a Worker.
+    """
 
 
 class HandlerEndedTransaction(PgqueError):

@@ -12,7 +12,7 @@ import msgspec
 
 from pgque.codec import decode_payload
 
-__all__ = ["Batch", "DeadLetter", "Event", "Fence", "Message", "SentId"]
+__all__ = ["Batch", "DeadLetter", "Event", "Fence", "Lease", "Message", "SentId"]
 
 T = TypeVar("T")
 
@@ -74,6 +74,19 @@ class Fence(msgspec.Struct, frozen=True):
     consumer: str
     slot: int
     epoch: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A lease of a consumer group that owns its slots by lease (see
+    :meth:`~pgque.Client.take_lease`): its id (what ``group_status`` shows as
+    the owner of the slots it claimed), its token, which is the holder's
+    identity in every call and kept out of the repr, and the group's lease
+    time, after which it expires unless renewed."""
+
+    id: int
+    token: str = field(repr=False)
+    lease: timedelta
 
 
 class Message(msgspec.Struct, Generic[T], gc=False, eq=False):

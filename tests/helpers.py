@@ -435,6 +435,18 @@ def install_0_12(dsn: str) -> None:
         assert scalar(conn, "select pgque.version()") == "0.12.0"
 
 
+# The landed 0.13.0 (fedea2c, never landed: its CI failed; frozen all the same): migrations 1
+# to 12, the exporter's metrics() and slot_skew.
+BASELINE_0_13 = Path(__file__).resolve().parent / "data" / "pgque-0.13.0-fedea2c.sql"
+
+
+def install_0_13(dsn: str) -> None:
+    """Install (or upgrade to) 0.13.0, in one transaction, as its installer did."""
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        conn.execute(BASELINE_0_13.read_bytes())
+        assert scalar(conn, "select pgque.version()") == "0.13.0"
+
+
 @contextmanager
 def scratch_database(pg_server: pgtest.PgServer) -> Iterator[str]:
     """A new empty database on the test server, dropped at the end; yields its DSN."""

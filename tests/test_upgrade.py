@@ -45,6 +45,7 @@ from helpers import (
     install_0_10,
     install_0_11,
     install_0_12,
+    install_0_13,
     run_cli,
     scalar,
     scratch_database,
@@ -68,7 +69,7 @@ MIGRATIONS_0_8 = 9  # and 0.8.0
 MIGRATIONS_0_9 = 10  # and 0.9.0
 MIGRATIONS_0_10 = 11  # and 0.10.0
 MIGRATIONS_0_11 = 11  # and 0.11.0
-MIGRATIONS_0_12 = 12  # and 0.12.0
+MIGRATIONS_0_12 = 12  # and 0.12.0, 0.13.0
 
 
 def migration_record(conn: psycopg.Connection[Any]) -> list[tuple[int, str]]:
@@ -608,9 +609,27 @@ def test_upgrade_from_0_12_0_loses_nothing_and_equals_a_fresh_install(
         assert scalar(conn, "select count(*) from pg_proc where proname = 'metrics'"
                             " and pronamespace = 'pgque'::regnamespace") == 0
         assert pgque.install(conn) == "0.12.0"
-        assert len(migrations()) == MIGRATIONS_0_12
-        assert migration_record(conn) == [(m.number, "0.12.0") for m in migrations()]
+        assert migration_record(conn) == [
+            (m.number, "0.12.0" if m.number <= MIGRATIONS_0_12 else pgque.__version__)
+            for m in migrations()]
         assert scalar(conn, "select pgque.version()") == pgque.__version__
+    check_upgraded(empty_dsn, pg_server, seen)
+
+
+def test_upgrade_from_0_13_0_adds_leases_loses_nothing_and_equals_a_fresh_install(
+        empty_dsn: str, pg_server: pgtest.PgServer) -> None:
+    """0.13.0 (given its number, never landed) filled as 0.2.0 was: migration 13
+    (leases) applied, every group still owning by advisory lock, and the result
+    is a fresh install."""
+    install_0_13(empty_dsn)
+    seen = fill_0_2(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert pgque.install(conn) == "0.13.0"
+        assert migration_record(conn) == [
+            (m.number, "0.13.0" if m.number <= MIGRATIONS_0_12 else pgque.__version__)
+            for m in migrations()]
+        assert scalar(conn, "select count(*) from pgque.consumer_group"
+                            " where cg_lease is not null") == 0
     check_upgraded(empty_dsn, pg_server, seen)
 
 

@@ -69,6 +69,8 @@ declare
         'ack_partitioned(text,text,integer,integer,bigint,bigint[],text[],interval,interval[],bigint[])',
         'ack(text,text,bigint,bigint[],text[],interval,interval[],bigint[])',
         'join_group(text,text)', 'group_status(text,text)', 'pending_slots(text,text)',
+        'leased(text,text)', 'take_lease(text,text,text,boolean)', 'renew_lease(text)', 'renew_leases(text[])',
+        'end_lease(text)', 'set_ownership(text,text,text,interval)', 'ticker_lease()',
         'receive_slots(text,text,integer,integer[],integer)',
         'ack_slots(text,text,integer,integer[],bigint[])',
         'ack_receive_slots(text,text,integer,integer[],bigint[],integer[],integer)',

@@ -101,7 +101,8 @@ $$;
 
 -- pgque._held_epoch(sub): the slot's current epoch when this session took it
 -- in its current ownership of the slot, else null. No wait, no write, no look
--- at pg_locks.
+-- at pg_locks. With a lease (slots/lease.sql): the epoch of the slot's claim
+-- when it names the caller's lease.
 create or replace function pgque._held_epoch(p_sub pgque.subscription)
 returns bigint
 language plpgsql volatile
@@ -110,6 +111,10 @@ as $$
 declare
     v_epoch bigint;
 begin
+    if pgque._lease_token() is not null then  -- by lease: the claim took it
+        return (select c.sc_epoch from pgque.slot_claim c
+                 where c.sc_sub = p_sub.sub_id and c.sc_lease = pgque._lease_id());
+    end if;
     select c.sc_epoch into v_epoch from pgque.slot_claim c
      where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid();
     if v_epoch is not null
@@ -133,8 +138,8 @@ declare
     v_claim pgque.slot_claim;
 begin
     v_claim.sc_epoch := pgque._held_epoch(p_sub);
-    if v_claim.sc_epoch is not null then
-        return v_claim.sc_epoch;  -- the usual case: one look
+    if v_claim.sc_epoch is not null or pgque._lease_token() is not null then
+        return v_claim.sc_epoch;  -- the usual case: one look; by lease, the claim's
     end if;
     select * into v_claim from pgque.slot_claim where sc_sub = p_sub.sub_id;
     if found then
@@ -171,6 +176,10 @@ as $$
 declare
     v_epochs bigint[];
 begin
+    if pgque._lease_token() is not null then
+        return array(select pgque._held_epoch(p_subs[i]) from generate_subscripts(p_subs, 1) i
+                      order by i);
+    end if;
     select array_agg(c.sc_epoch order by t.ordinality) into v_epochs
       from unnest(p_subs) with ordinality as t
       join pgque.slot_claim c on c.sc_sub = t.sub_id
@@ -191,14 +200,23 @@ $$;
 -- refuses the epoch anyway once its key is gone).
 create or replace function pgque._end_epoch(p_sub pgque.subscription)
 returns void
-language sql
+language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
-    select pgque._drop_epoch_keys(p_sub.sub_id);
+begin
+    if pgque._lease_token() is not null then
+        -- By lease the claim is the ownership: it must say the slot is free,
+        -- so this waits for a transaction that checked the epoch.
+        update pgque.slot_claim c set sc_lease = null, sc_time = now()
+         where c.sc_sub = p_sub.sub_id and c.sc_lease = pgque._lease_id();
+        return;
+    end if;
+    perform pgque._drop_epoch_keys(p_sub.sub_id);
     update pgque.slot_claim c set sc_pid = null, sc_time = now()
      where c.sc_sub = p_sub.sub_id and c.sc_pid = pg_backend_pid()
        and c.sc_sub in (select l.sc_sub from pgque.slot_claim l where l.sc_sub = p_sub.sub_id
-                           for no key update skip locked)
+                           for no key update skip locked);
+end
 $$;
 
 -- pgque.check_fence(queue, consumer, slot, epoch): returns when epoch is the
@@ -206,8 +224,10 @@ $$;
 -- took it still owns the slot; raises PQ026 otherwise (a stale epoch: the
 -- slot moved, was released, or its owner's session ended). Call it in the
 -- transaction that writes a handler's effects, on any connection: it holds
--- the epoch until that transaction ends (see above). PQ014 for a role that
--- may not use the group; 22023 for a null epoch.
+-- the epoch until that transaction ends (see above). For a group that owns
+-- by lease (slots/lease.sql), the lease that took the epoch must still name
+-- the slot and not have expired by the database's clock at the check. PQ014
+-- for a role that may not use the group; 22023 for a null epoch.
 create or replace function pgque.check_fence(
     p_queue text, p_consumer text, p_slot integer, p_epoch bigint)
 returns void
@@ -231,6 +251,16 @@ begin
                              p_epoch, (v.sub).sub_consumer,
                              coalesce(v_claim.sc_epoch::text, 'none')),
             hint = 'The slot passed to another owner: this handler must not write its effects.';
+    end if;
+    if (v.grp).cg_lease is not null then
+        -- By lease: the claim still names a lease that has not expired.
+        if not pgque._lease_alive(v_claim.sc_lease) then
+            raise exception using errcode = 'PQ026',
+                message = format('epoch %s of slot %L is stale: the lease that took it '
+                                 'expired or was released', p_epoch, (v.sub).sub_consumer),
+                hint = 'The owner''s lease ended: this handler must not write its effects.';
+        end if;
+        return;
     end if;
     if not pgque._holds_epoch(v_claim.sc_pid, (v.sub).sub_id, v_claim.sc_epoch,
                               (v.sub).sub_lock_key) then

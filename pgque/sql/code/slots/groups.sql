@@ -378,7 +378,8 @@ as $$ select (p_group.cg_lock_key & 2147483647)::integer $$;
 -- its member number in a setting (pgque.member_<group id>), and finds it in
 -- pg_locks when a rollback or RESET lost the setting. True when this session
 -- joined now, false when it was a member already; PQ014 unless its login role
--- may use the group.
+-- may use the group. For a group that owns by lease (slots/lease.sql) the
+-- caller's lease becomes a member (PQ035 for a call without one).
 create or replace function pgque.join_group(p_queue text, p_consumer text)
 returns boolean
 language plpgsql
@@ -394,6 +395,15 @@ declare
     v_member integer := nullif(current_setting(v_setting, true), '')::integer;
 begin
     perform pgque._require_counting_session(v_queue, v_group);
+    -- The group's mode, read under a lock that set_ownership waits for.
+    select * into v_group from pgque.consumer_group where cg_id = v_group.cg_id for key share;
+    perform pgque._require_mode(v_queue, v_group);
+    if v_group.cg_lease is not null then  -- by lease: the caller's lease is the member
+        update pgque.lease set lease_member = true
+         where lease_id = pgque._lease_id() and lease_group = v_group.cg_id
+           and not lease_member;
+        return found;
+    end if;
     if v_member is not null and pgque._holds_pair(v_class, v_member) then
         return false;
     end if;
@@ -424,7 +434,9 @@ $$;
 -- slots, plus one for the first (slots % members) ranks, so the shares always
 -- add up to slots. Only sessions whose roles may use the group count, as
 -- owners or members: a slot whose key another role sits on shows as unowned,
--- so a worker claims it (and claim_slot renews the key).
+-- so a worker claims it (and claim_slot renews the key). For a group that
+-- owns by lease (slots/lease.sql) members and owners are live leases, and
+-- my_pid is the caller's lease id.
 create or replace function pgque.group_status(
     p_queue text, p_consumer text,
     out members integer, out my_rank integer, out my_pid integer, out owner_pids integer[])
@@ -433,10 +445,31 @@ security definer
 set search_path = pg_catalog, pg_temp
 set jit = off
 as $$
-#variable_conflict use_column
 declare
     v_queue pgque.queue := pgque._queue_row(p_queue);
     v_group pgque.consumer_group := pgque._group(v_queue, p_consumer, null);
+begin
+    if v_group.cg_lease is not null then
+        select * into members, my_rank, my_pid, owner_pids
+          from pgque._lease_group_status(v_queue, v_group);
+    else
+        select * into members, my_rank, my_pid, owner_pids
+          from pgque._advisory_group_status(v_queue, v_group);
+    end if;
+end
+$$;
+
+-- pgque._advisory_group_status(queue, group): group_status for a group that
+-- owns by advisory lock, from pg_locks.
+create or replace function pgque._advisory_group_status(
+    v_queue pgque.queue, v_group pgque.consumer_group,
+    out members integer, out my_rank integer, out my_pid integer, out owner_pids integer[])
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    p_consumer text := v_group.cg_consumer;
 begin
     perform pg_stat_clear_snapshot();  -- see _key_sessions
     with keys as materialized (

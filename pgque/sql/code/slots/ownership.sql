@@ -42,13 +42,19 @@ begin
 end
 $$;
 
--- pgque._holds_slot(sub): whether this session holds the slot's lock exclusively.
+-- pgque._holds_slot(sub): whether this session holds the slot's lock
+-- exclusively; for a call with a lease (slots/lease.sql), whether the slot's
+-- claim names the caller's lease, which has not expired (PQ034 when it has).
 create or replace function pgque._holds_slot(p_sub pgque.subscription)
 returns boolean
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    if pgque._lease_token() is not null then  -- by lease (lease.sql): PQ034 once expired
+        return exists (select 1 from pgque.slot_claim c
+                        where c.sc_sub = p_sub.sub_id and c.sc_lease = pgque._lease_id());
+    end if;
     return pgque._holds_key(p_sub.sub_lock_key);
 end
 $$;
@@ -75,7 +81,10 @@ $$;
 -- held or awaited only by sessions whose roles may not use the group, the
 -- key is renewed first (see the top of this file), so such a session cannot
 -- keep a slot from its workers. Refused (PQ014) to roles that may not use
--- the group.
+-- the group. For a group that owns by lease, the call carries a lease
+-- (slots/lease.sql, PQ035 otherwise) and claims the slot for it: true when
+-- no other live lease holds it; each claim that moves the slot takes a new
+-- epoch.
 create or replace function pgque.claim_slot(p_queue text, p_consumer text, p_slot integer)
 returns boolean
 language plpgsql
@@ -85,17 +94,25 @@ set jit = off
 as $$
 declare
     v record;
+    v_group pgque.consumer_group;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
     perform pgque._require_counting_session(v.queue, v.grp);
+    -- The group's mode, read under a lock that set_ownership waits for.
+    select * into v_group from pgque.consumer_group where cg_id = (v.grp).cg_id for key share;
+    perform pgque._require_mode(v.queue, v_group);
+    if v_group.cg_lease is not null then
+        return pgque._claim_by_lease(v.sub, v_group);
+    end if;
     return pgque._holds_slot(v.sub)
-        or pgque._take_key('slot', (v.sub).sub_id, v.queue, v.grp);
+        or pgque._take_key('slot', (v.sub).sub_id, v.queue, v_group);
 end
 $$;
 
 -- pgque.release_slot(queue, consumer, slot): releases the slot's lock if
 -- this session holds it, ending its epoch first (see slots/fence.sql); true when
--- it did.
+-- it did. With a lease: the claim of the caller's lease ends (PQ034 once the
+-- lease expired).
 create or replace function pgque.release_slot(p_queue text, p_consumer text, p_slot integer)
 returns boolean
 language plpgsql
@@ -107,6 +124,14 @@ declare
     v record;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
+    if pgque._lease_token() is not null then
+        perform pgque._require_mode(v.queue, v.grp);
+        if pgque._holds_slot(v.sub) then
+            perform pgque._end_epoch(v.sub);
+            return true;
+        end if;
+        return false;
+    end if;
     if pgque._holds_slot(v.sub) then
         perform pgque._end_epoch(v.sub);
     end if;
