@@ -605,8 +605,19 @@ def _seconds(name: str, text: str, minimum: float = 0, min_open: bool = True) ->
 @click.option("--ticker/--no-ticker", "run_ticker", default=_WORKER_DEFAULTS["ticker"],
               show_default=True,
               help="Also run a ticker (standing by while another one is active).")
-@click.option("--listen/--no-listen", default=_WORKER_DEFAULTS["listen"], show_default=True,
-              help="Wake on tick notifications (LISTEN), not only by polling.")
+@click.option("--listen/--no-listen", default=_WORKER_DEFAULTS["listen"],
+              help="Wake on tick notifications (LISTEN), not only by polling [default: "
+                   "listen with --ownership advisory; by lease, which LISTEN cannot serve, "
+                   "poll].")
+@click.option("--ownership", type=click.Choice(["advisory", "lease"]),
+              default=_WORKER_DEFAULTS["ownership"], show_default=True,
+              help="How the group's slots are owned: session advisory locks, or leases "
+                   "renewed by the worker (behind a transaction-mode pooler such as "
+                   "PgBouncer). One mode a group at a time.")
+@click.option("--lease", type=click.FloatRange(min=1, max=3600), metavar="SECONDS",
+              default=_WORKER_DEFAULTS["lease"], show_default=True,
+              help="With --ownership lease: the group's lease time, how long a crashed "
+                   "worker's slots wait for a new owner.")
 @_seconds("network_timeout", "Keep the slots this long at most once the network went "
                              "silent (at least 2).", minimum=2, min_open=False)
 @click.option("--name", help="Name in logs, threads and session names "
@@ -733,13 +744,22 @@ def _ticker_seconds(name: str, text: str, minimum: float = 0) -> Callable[[F], F
                  minimum=2)
 @click.option("--name", default=_TICKER_DEFAULTS["name"], show_default=True,
               help="The ticker's name, in logs and as its sessions' application_name.")
+@click.option("--ownership", type=click.Choice(["advisory", "lease"]),
+              default=_TICKER_DEFAULTS["ownership"], show_default=True,
+              help="How the election is held: a session advisory lock, or a lease (behind "
+                   "a transaction-mode pooler).")
+@click.option("--lease", type=click.FloatRange(min=1, max=3600), metavar="SECONDS",
+              default=_TICKER_DEFAULTS["lease"], show_default=True,
+              help="With --ownership lease: how long the active ticker's lease lasts "
+                   "unrenewed.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               default="info", show_default=True)
 @_worker_db_options  # a ticker too waits for its server as long as the library's does
 @pass_state
 def ticker(state: State, min_interval: float, idle_interval: float, idle_after: float,
            standby_interval: float, overdue_after: float, maintenance_interval: float,
-           network_timeout: float, name: str, log_level: str) -> None:
+           network_timeout: float, name: str, ownership: str, lease: float,
+           log_level: str) -> None:
     """Keep every queue ticking (and maintained) until SIGTERM or Ctrl-C.
 
     Any number may run: one is active, the others stand by and take over.
@@ -754,7 +774,8 @@ def ticker(state: State, min_interval: float, idle_interval: float, idle_after: 
                           maintenance_interval=maintenance_interval,
                           meter_provider=None,  # the global one
                           connect_timeout=state.connect_timeout,
-                          network_timeout=network_timeout, name=name)
+                          network_timeout=network_timeout, name=name, ownership=ownership,
+                          lease=lease)
     try:
         runner.run()  # until SIGTERM or Ctrl-C; raises what cannot heal
     finally:

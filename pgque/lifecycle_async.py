@@ -81,6 +81,7 @@ from pgque.errors import (
     InvalidName,
     InvalidSlot,
     InvalidSlotCount,
+    OwnershipMismatch,
     QueueNotFound,
     SessionUnstable,
     SlotCountMismatch,
@@ -112,7 +113,7 @@ S = TypeVar("S", bound="AsyncService")
 _FATAL = (
     AccessDenied, HandlerEndedTransaction, HandlerReturnedAwaitable, SessionUnstable,
     SlotCountMismatch, InvalidSlotCount, InvalidSlot, InvalidName, QueueNotFound,
-    ConsumerNotFound, InvalidArgument, InvalidConfig,
+    ConsumerNotFound, InvalidArgument, InvalidConfig, OwnershipMismatch,
     psycopg.errors.InsufficientPrivilege, psycopg.errors.InvalidSchemaName,
     psycopg.errors.UndefinedFunction,
 )

@@ -51,10 +51,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
@@ -102,7 +103,13 @@ class Ticker(Service):
         name: str = "pgque-ticker",
         required: bool = True,
         meter_provider: MeterProvider | None = None,
+        ownership: str = "advisory",
+        lease: float = 15.0,
     ) -> None:
+        if ownership not in ("advisory", "lease"):
+            raise ValueError("ownership must be 'advisory' or 'lease'")
+        if not 1 <= lease <= 3600:
+            raise ValueError("lease must be 1 to 3600 seconds")
         super().__init__(name, connect_timeout=connect_timeout)
         #: Whether a role that may not tick is an error (True) or ends the ticker
         #: quietly (False: a Worker's own, where another process may tick).
@@ -115,6 +122,13 @@ class Ticker(Service):
         self.overdue_after = overdue_after
         self.maintenance_interval = maintenance_interval
         self.network_timeout = network_timeout
+        #: How the election is held: "advisory" (a session lock) or "lease" (a
+        #: lease of ``lease`` seconds, renewed every third of it: behind a
+        #: transaction pooler).
+        self.ownership = ownership
+        self.lease = float(lease)
+        # By lease: this ticker's identity in the election, for its lifetime.
+        self._lease_token = secrets.token_hex(16) if ownership == "lease" else None
         self.ticks = 0  # ticks this ticker made
         self.looks = 0  # its looks for ticks due (ticker_some rounds, every queue or some)
         self.backend_pid: int | None = None  # of its current session
@@ -133,7 +147,10 @@ class Ticker(Service):
         return self._active.wait(timeout)
 
     def serve(self) -> None:
-        conn = self.connect(self.dsn, **client_keepalives(self.network_timeout))
+        options: dict[str, Any] = dict(client_keepalives(self.network_timeout))
+        if self._lease_token is not None:
+            options["prepare_threshold"] = None  # see Worker.connect_options
+        conn = self.connect(self.dsn, **options)
         watch = self.watch(conn, self.network_timeout / 2)  # see Worker.serve
         try:
             # Never idle for long (standby_interval, idle_interval), so a long
@@ -147,9 +164,13 @@ class Ticker(Service):
             # the database's or the role's default.
             settings["default_transaction_isolation"] = "read committed"
             client = Client(conn)
-            with watch.call():
-                self.backend_pid = client.pin_session(settings)
+            if self._lease_token is None:
+                with watch.call():
+                    self.backend_pid = client.pin_session(settings)
             self._elect(client, watch)
+            if self._lease_token is not None:
+                with watch.call():
+                    client.release_ticker_lease(self._lease_token)
         except psycopg.errors.InsufficientPrivilege as exc:
             if not self.required:
                 # Not this process's job, then: retrying cannot change the role,
@@ -172,18 +193,31 @@ class Ticker(Service):
         next_maintenance = 0.0
         while not self.stopping:
             with watch.call():
-                elected = client.claim_ticker()
+                elected = (client.claim_ticker() if self._lease_token is None
+                           else client.claim_ticker_lease(self._lease_token, self.name,
+                                                          self.lease))
             if elected:
-                self.log.info("%s: active (backend pid %s)", self.name, self.backend_pid)
+                if self._lease_token is None:
+                    self.log.info("%s: active (backend pid %s)", self.name, self.backend_pid)
+                else:
+                    self.log.info("%s: active (by lease)", self.name)
                 self._active.set()
                 if self.metrics is not None:
                     self.metrics.active(True)
                 try:
-                    self._tick_loop(client, watch)
+                    if self._lease_token is None:
+                        self._tick_loop(client, watch)
+                    else:
+                        self._poll_loop(client, watch)  # until its lease is lost
                 finally:
+                    self._active.clear()
                     if self.metrics is not None:
                         self.metrics.active(False)
-                return
+                if self._lease_token is None or self.stopping:
+                    return
+                self.log.warning("%s: lost the election (its lease was not renewed in time)",
+                                 self.name)
+                continue
             # Standing by: cover for an active ticker that holds the lock but
             # does not tick (frozen, or cut off without its session ending).
             with watch.call():
@@ -312,12 +346,19 @@ class Ticker(Service):
 
     def _poll_loop(self, client: Client, watch: CallWatch) -> None:
         """The ticker that cannot sleep (a server that allows prepared transactions,
-        a database before 0.10): every queue every ``min_interval`` while ticks
-        come, every 0.05 s once idle."""
+        a database before 0.10, a ticker by lease, which has no session to listen
+        on): every queue every ``min_interval`` while ticks come, every 0.05 s
+        once idle. By lease it renews the lease every third of it, and returns
+        when a renewal finds it lost."""
         last_tick = time.monotonic()
-        next_maintenance = 0.0
+        next_maintenance = next_renewal = 0.0
         while not self.stopping:
             now = time.monotonic()
+            if self._lease_token is not None and now >= next_renewal:
+                with watch.call():
+                    if not client.claim_ticker_lease(self._lease_token, self.name, self.lease):
+                        return
+                next_renewal = now + self.lease / 3
             if now >= next_maintenance:
                 with watch.call():
                     client.maintenance()

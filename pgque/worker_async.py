@@ -121,7 +121,12 @@ from pgque._acompat import (
     aspawn,
 )
 from pgque.client_async import AsyncClient, AsyncConn
-from pgque.errors import HandlerEndedTransaction, HandlerReturnedAwaitable, SlotNotOwned
+from pgque.errors import (
+    HandlerEndedTransaction,
+    HandlerReturnedAwaitable,
+    LeaseExpired,
+    SlotNotOwned,
+)
 from pgque.lifecycle_async import (
     STOP_LATENCY,
     AsyncCallWatch,
@@ -134,7 +139,7 @@ from pgque.lifecycle_async import (
 from pgque.metrics import Metrics, MetricsServer, TickerMetrics, WorkerMetrics
 from pgque.retry import NonRetryable, RetryDelay, check_retry_after, delay_for
 from pgque.ticker import Ticker
-from pgque.types import Batch, Message
+from pgque.types import Batch, Lease, Message
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -150,11 +155,22 @@ ACK_DELAY = 0.02
 #: listens for tick notifications, and while it does not.
 LISTENING_POLL_INTERVAL = 1.0
 POLL_INTERVAL = 0.2
+#: The lease time of a group owned by lease, in seconds, unless given: how long
+#: a crashed worker's slots wait for a new owner.
+LEASE = 15.0
+#: By lease, the share of the lease time after a renewal was sent within which
+#: the worker goes on using it (the server's expiry comes later still); leases
+#: are renewed every third of it.
+LEASE_SAFE_SHARE = 0.8
 #: A handler: called with each message.
 Handler = Callable[[Message[T]], AHandlerResult]
 #: A transactional handler: called with each message and the lane's connection,
 #: inside the transaction that acks the batch.
 TransactionalHandler = Callable[[Message[T], AsyncConn], AHandlerResult]
+
+
+def lease_seconds(lease: Lease) -> float:
+    return lease.lease.total_seconds()
 
 
 class _ConnectionLost(Exception):
@@ -169,12 +185,21 @@ class _Session:
         self.client = client
         self.watch = watch
         self.last_used = time.monotonic()
+        #: By lease: until when (time.monotonic()) its lease surely lives, with a
+        #: margin; the control moves it on at each renewal. None: advisory locks.
+        self.lease_deadline: float | None = None
+
+    def lease_lapsed(self) -> bool:
+        return self.lease_deadline is not None and time.monotonic() >= self.lease_deadline
 
     @contextlib.contextmanager
     def call(self) -> Iterator[AsyncClient]:
-        """A call on the session: timed by the watchdog, refused once it is lost."""
+        """A call on the session: timed by the watchdog, refused once it is lost
+        (or, by lease, once its lease may have expired)."""
         if self.watch.lost:
             raise _ConnectionLost("session gone")
+        if self.lease_lapsed():
+            raise _ConnectionLost("lease not renewed in time")
         try:
             with self.watch.call():
                 yield self.client
@@ -182,7 +207,7 @@ class _Session:
             self.last_used = time.monotonic()
 
     def gone(self) -> bool:
-        return self.watch.gone()
+        return self.watch.gone() or self.lease_lapsed()
 
 
 class AsyncWorker(AsyncService, Generic[T]):
@@ -255,7 +280,7 @@ class AsyncWorker(AsyncService, Generic[T]):
         non_retryable: tuple[type[BaseException], ...] = (),
         rebalance_interval: float = 1.0,
         ticker: bool | Ticker = True,
-        listen: bool = True,
+        listen: bool | None = None,
         connect_timeout: float = 30.0,
         network_timeout: float = 30.0,
         name: str | None = None,
@@ -263,7 +288,19 @@ class AsyncWorker(AsyncService, Generic[T]):
         meter_provider: MeterProvider | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        ownership: str = "advisory",
+        lease: float = LEASE,
     ) -> None:
+        if ownership not in ("advisory", "lease"):
+            raise ValueError("ownership must be 'advisory' or 'lease'")
+        if not 1 <= lease <= 3600:
+            raise ValueError("lease must be 1 to 3600 seconds")
+        if listen is None:
+            listen = ownership == "advisory"
+        elif listen and ownership == "lease":
+            raise ValueError("listen=True needs ownership='advisory': LISTEN holds a session, "
+                             "which a transaction pooler does not give; by lease the worker "
+                             "polls (poll_interval)")
         if slots < 1:
             raise ValueError("slots must be at least 1")
         if concurrency is not None and concurrency < 1:
@@ -311,6 +348,10 @@ class AsyncWorker(AsyncService, Generic[T]):
         self.rebalance_interval = rebalance_interval
         self.listen = listen
         self.network_timeout = network_timeout
+        #: How the group's slots are owned: "advisory" (session locks) or
+        #: "lease" (leases of ``lease`` seconds, for a transaction pooler).
+        self.ownership = ownership
+        self.lease = float(lease)
         self.ticker: Ticker | None
         if isinstance(ticker, Ticker):
             self.ticker = ticker
@@ -320,7 +361,8 @@ class AsyncWorker(AsyncService, Generic[T]):
             self.ticker = Ticker(dsn, name=f"{self.name}-ticker",
                                  connect_timeout=connect_timeout,
                                  network_timeout=network_timeout,
-                                 required=False) if ticker else None
+                                 required=False, ownership=ownership,
+                                 lease=lease) if ticker else None
 
         self._lock = threading.Lock()  # lanes, their slots and requests, the counters
         self._lanes: list[_Lane[T]] = []
@@ -401,8 +443,17 @@ class AsyncWorker(AsyncService, Generic[T]):
         if self.ticker is not None and not self.ticker.alive:
             self.ticker.start()
 
+    def connect_options(self) -> dict[str, Any]:
+        """Options of the worker's connections: keepalives; by lease (behind a
+        transaction pooler, which may not carry prepared statements from one
+        transaction to the next) no prepared statements."""
+        options: dict[str, Any] = dict(client_keepalives(self.network_timeout))
+        if self.ownership == "lease":
+            options["prepare_threshold"] = None
+        return options
+
     async def serve(self) -> None:
-        conn = await self.connect(self.dsn, **client_keepalives(self.network_timeout))
+        conn = await self.connect(self.dsn, **self.connect_options())
         if self._served and self.metrics is not None:
             self.metrics.reconnected()
         self._served = True
@@ -415,9 +466,19 @@ class AsyncWorker(AsyncService, Generic[T]):
                                        idle_timeout=max(self.network_timeout * 5 / 6,
                                                         3 * self.rebalance_interval))
             with control.call() as client:
-                await client.pin_session(settings)
+                if self.ownership == "advisory":
+                    await client.pin_session(settings)
                 await client.subscribe_slots(self.queue, self.consumer, slots=self.slots,
                                              policy=self.failure_policy)
+                if self.ownership == "lease":
+                    # OwnershipMismatch (fatal) while workers own the group's slots
+                    # by advisory lock; its member lease stands for join_group.
+                    await client.set_ownership(self.queue, self.consumer, "lease",
+                                               lease=self.lease)
+                    sent = time.monotonic()
+                    lease = await client.take_lease(self.queue, self.consumer, name=self.name,
+                                                    member=True)
+                    control.lease_deadline = sent + lease_seconds(lease) * LEASE_SAFE_SHARE
                 if self.record:
                     try:
                         await client.start_recording(self.queue, self.consumer, self.slots)
@@ -426,13 +487,18 @@ class AsyncWorker(AsyncService, Generic[T]):
                             "record=True needs pgque 0.12.0 or later installed in the "
                             "database: run pgque install") from None
                 self._pause = await self._group_pauses(client)
-                await client.join_group(self.queue, self.consumer)
+                if self.ownership == "advisory":
+                    await client.join_group(self.queue, self.consumer)
                 if self.listen:
                     cur = await conn.execute("select pgque.tick_channel(%s)", (self.queue,))
                     row = await cur.fetchone()
                     assert row is not None
                     await conn.execute(sql.SQL("listen {}").format(sql.Identifier(row[0])))
-            self.log.info("%s: connected (control backend pid %s)", self.name, client.pinned_pid)
+            if client.lease is not None:
+                self.log.info("%s: connected (control lease %s)", self.name, client.lease.id)
+            else:
+                self.log.info("%s: connected (control backend pid %s)", self.name,
+                              client.pinned_pid)
             # The ticks while no session of the control's listened went unheard
             # (lanes outlive it): every lane looks at its slots now.
             with self._lock:
@@ -441,6 +507,9 @@ class AsyncWorker(AsyncService, Generic[T]):
                         lane.tick(set(lane.slots))
             await self._control_loop(control)
             await self._finish(control)
+            if control.client.lease is not None:
+                with control.call() as client:
+                    await client.end_lease()
         finally:
             self.unwatch(control.watch)
             with contextlib.suppress(Exception):  # closing a dead connection may fail
@@ -485,7 +554,7 @@ class AsyncWorker(AsyncService, Generic[T]):
     # -- the control loop --------------------------------------------------------
 
     async def _control_loop(self, control: _Session) -> None:
-        next_rebalance = 0.0
+        next_rebalance = next_renewal = 0.0
         while not self.stopping:
             if self._fatal is not None:
                 raise self._fatal
@@ -493,6 +562,9 @@ class AsyncWorker(AsyncService, Generic[T]):
                 self.log.error("%s: its Ticker stopped: %r", self.name, self.ticker.error)
                 raise self.ticker.error
             now = time.monotonic()
+            if control.client.lease is not None and now >= next_renewal:
+                await self._renew_leases(control)
+                next_renewal = now + lease_seconds(control.client.lease) / 3
             if now >= next_rebalance:
                 await self._rebalance(control)
                 next_rebalance = time.monotonic() + self.rebalance_interval
@@ -533,6 +605,33 @@ class AsyncWorker(AsyncService, Generic[T]):
                     if lane.slots & pending:
                         lane.tick(lane.slots & pending)
 
+    async def _renew_leases(self, control: _Session) -> None:
+        """By lease: renew the control's lease and every lane's, in one statement,
+        and move their deadlines on. A lane whose lease was not renewed (it
+        expired: the lane was cut off, say) has its deadline put at once: it
+        ends at its next call, and its slots are claimed again on a new lease.
+        LeaseExpired when the control's own lease was not renewed."""
+        own = control.client.lease
+        assert own is not None
+        with self._lock:
+            lanes = [lane for lane in self._lanes
+                     if lane.lease is not None and lane.session is not None and not lane.lost]
+        sent = time.monotonic()
+        with control.call() as client:
+            renewed = await client.renew_leases([own, *(lane.lease for lane in lanes
+                                                          if lane.lease is not None)])
+        if own.id not in renewed:
+            raise LeaseExpired(f"the lease of worker {self.name} expired before its renewal")
+        deadline = sent + lease_seconds(own) * LEASE_SAFE_SHARE
+        control.lease_deadline = deadline
+        for lane in lanes:
+            assert lane.lease is not None and lane.session is not None
+            if lane.lease.id in renewed:
+                lane.session.lease_deadline = max(lane.session.lease_deadline or 0, deadline)
+            else:
+                self.log.warning("%s: the lease of %s expired", self.name, lane.name)
+                lane.session.lease_deadline = sent
+
     async def _rebalance(self, control: _Session) -> None:
         """Claim free slots up to the fair share; release the surplus. Claims and
         releases are handed to the lanes, which make them on their sessions at
@@ -543,7 +642,8 @@ class AsyncWorker(AsyncService, Generic[T]):
             # session of a role outside the group sat on it), so join again. The
             # server refuses (ConsumerAccessDenied, which stops the worker) when
             # this session's role may no longer use the group.
-            if status.my_rank is None and await client.join_group(self.queue, self.consumer):
+            if (status.my_rank is None and self.ownership == "advisory"
+                    and await client.join_group(self.queue, self.consumer)):
                 status = await client.group_status(self.queue, self.consumer)
         share = status.fair_share()
         with self._lock:
@@ -641,7 +741,9 @@ class _Lane(Generic[T]):
     def __init__(self, worker: AsyncWorker[T], number: int) -> None:
         self.worker = worker
         self.name = f"{worker.name}-lane{number}"
-        self.pid: int | None = None
+        self.pid: int | None = None  # of its session; by lease, its lease's id
+        self.lease: Lease | None = None  # by lease
+        self.session: _Session | None = None  # once connected
         self.lost = False
         # Guarded by worker._lock: read by the control thread.
         self.slots: set[int] = set()
@@ -706,21 +808,32 @@ class _Lane(Generic[T]):
         session: _Session | None = None
         try:
             conn = await worker.connect(worker.dsn, application_name=self.name[:63],
-                                        **client_keepalives(worker.network_timeout))
+                                        **worker.connect_options())
             session = _Session(AsyncClient(conn),
                                worker.watch(conn, worker.network_timeout / 2))
-            settings = server_timeouts(worker.network_timeout,
-                                       idle_timeout=max(worker.network_timeout * 5 / 6,
-                                                        3 * worker.rebalance_interval))
-            if not worker.transactional:
-                # This session only moves cursors (the handlers use their own
-                # connections): a cursor move lost in a server crash means events
-                # delivered again, which at-least-once allows, so its commits need
-                # not wait for a WAL flush. Transactional handlers' writes do.
-                settings["synchronous_commit"] = "off"
-            with session.call() as client:
-                self.pid = await client.pin_session(settings)
-            worker.log.info("%s: connected (backend pid %s)", self.name, self.pid)
+            if worker.ownership == "lease":
+                sent = time.monotonic()
+                with session.call() as client:
+                    self.lease = await client.take_lease(worker.queue, worker.consumer,
+                                                         name=self.name)
+                session.lease_deadline = sent + lease_seconds(self.lease) * LEASE_SAFE_SHARE
+                self.pid = self.lease.id
+                self.session = session
+                worker.log.info("%s: connected (lease %s)", self.name, self.pid)
+            else:
+                settings = server_timeouts(worker.network_timeout,
+                                           idle_timeout=max(worker.network_timeout * 5 / 6,
+                                                            3 * worker.rebalance_interval))
+                if not worker.transactional:
+                    # This session only moves cursors (the handlers use their own
+                    # connections): a cursor move lost in a server crash means events
+                    # delivered again, which at-least-once allows, so its commits need
+                    # not wait for a WAL flush. Transactional handlers' writes do.
+                    settings["synchronous_commit"] = "off"
+                with session.call() as client:
+                    self.pid = await client.pin_session(settings)
+                self.session = session
+                worker.log.info("%s: connected (backend pid %s)", self.name, self.pid)
             if worker.metrics is not None:
                 worker.metrics.session(True)
             aspawn(self._heartbeat, session, name=f"{self.name}-beat")
@@ -1353,6 +1466,12 @@ class _Lane(Generic[T]):
         with worker._lock:
             slots = sorted(self.slots)
         try:
+            if self.lease is not None:  # by lease: its end releases them all at once
+                with session.call() as client:
+                    await client.end_lease()
+                for slot in slots:
+                    self._drop(slot, lost=False)
+                return
             for slot in slots:
                 with session.call() as client:
                     await client.release_slot(worker.queue, worker.consumer, slot)

@@ -78,13 +78,14 @@ def test_worker_passes_every_option_with_the_librarys_defaults(
         "--rebalance-interval", "2", "--no-ticker", "--no-listen", "--connect-timeout", "7",
         "--network-timeout", "12", "--name", "w1", "--failure-policy", "pause",
         "--non-retryable", "cli_handlers:Refused", "--record", "--metrics-port", "9188",
-        "--metrics-host", "0.0.0.0",
+        "--metrics-host", "0.0.0.0", "--ownership", "lease", "--lease", "4",
     ) == {**base, "transactional": False, "concurrency": 1, "key_concurrency": 3,
           "payload_type": cli_handlers.Job, "max_events": 7, "poll_interval": 0.5,
           "retry_after": 1.5, "rebalance_interval": 2.0, "ticker": False, "listen": False,
           "connect_timeout": 7.0, "network_timeout": 12.0, "name": "w1",
           "failure_policy": "pause", "non_retryable": (cli_handlers.Refused,), "record": True,
-          "meter_provider": None, "metrics_port": 9188, "metrics_host": "0.0.0.0"}
+          "meter_provider": None, "metrics_port": 9188, "metrics_host": "0.0.0.0",
+          "ownership": "lease", "lease": 4.0}
 
 
 @pytest.mark.parametrize(("options", "says"), [
@@ -211,7 +212,9 @@ def test_ticker_passes_every_option_with_the_librarys_defaults(
     assert made_by("--min-interval", "0.01", "--idle-interval", "0.2", "--idle-after", "3",
                    "--standby-interval", "0.5", "--overdue-after", "2",
                    "--maintenance-interval", "4", "--network-timeout", "12",
-                   "--connect-timeout", "7", "--name", "t1") == {
+                   "--connect-timeout", "7", "--name", "t1", "--ownership", "lease",
+                   "--lease", "9") == {
         "min_interval": 0.01, "idle_interval": 0.2, "idle_after": 3.0, "standby_interval": 0.5,
         "overdue_after": 2.0, "maintenance_interval": 4.0, "network_timeout": 12.0,
-        "connect_timeout": 7.0, "name": "t1", "meter_provider": None}
+        "connect_timeout": 7.0, "name": "t1", "meter_provider": None, "ownership": "lease",
+        "lease": 9.0}
