@@ -367,6 +367,11 @@ class Worker(Service, Generic[T]):
         self._lane_numbers = 0
         self._fatal: BaseException | None = None  # a lane's error that retrying cannot heal
         self._lane_failed_at = -float("inf")  # when a lane last failed to connect
+        # By lease: the leases of lanes that ended without ending them (their
+        # connection broke): the control ends them, so that their slots need
+        # not wait for them to expire (as a dead session's locks go at once).
+        self._orphaned_leases: list[Lease] = []
+        self._control_lease: Lease | None = None
         self._wake = threading.Event()  # a lane ended or failed, or stop
         self.handled = 0  # events whose handler returned
         self.failed = 0  # events whose handler raised (nacked)
@@ -477,6 +482,11 @@ class Worker(Service, Generic[T]):
                     lease = client.take_lease(self.queue, self.consumer, name=self.name,
                                               member=True)
                     control.lease_deadline = sent + lease_seconds(lease) * LEASE_SAFE_SHARE
+                    # The lease of the control before a reconnect would count as a
+                    # member until it expired: the worker's share would be halved.
+                    if self._control_lease is not None:
+                        client.end_lease(self._control_lease)
+                    self._control_lease = lease
                 if self.record:
                     try:
                         client.start_recording(self.queue, self.consumer, self.slots)
@@ -508,6 +518,7 @@ class Worker(Service, Generic[T]):
             if control.client.lease is not None:
                 with control.call() as client:
                     client.end_lease()
+                self._control_lease = None
         finally:
             self.unwatch(control.watch)
             with contextlib.suppress(Exception):  # closing a dead connection may fail
@@ -560,6 +571,14 @@ class Worker(Service, Generic[T]):
                 self.log.error("%s: its Ticker stopped: %r", self.name, self.ticker.error)
                 raise self.ticker.error
             now = time.monotonic()
+            if self._orphaned_leases:
+                with self._lock:
+                    orphans = list(self._orphaned_leases)
+                with control.call() as client:
+                    for lease in orphans:  # kept until ended: this session may be lost too
+                        client.end_lease(lease)
+                        with self._lock:
+                            self._orphaned_leases.remove(lease)
             if control.client.lease is not None and now >= next_renewal:
                 self._renew_leases(control)
                 next_renewal = now + lease_seconds(control.client.lease) / 3
@@ -715,6 +734,9 @@ class Worker(Service, Generic[T]):
     def _lane_ended(self, lane: _Lane[T], exc: BaseException | None) -> None:
         if exc is not None and is_fatal(exc):  # SessionUnstable among them
             self._fatal = exc
+        if exc is not None and lane.lease is not None and not isinstance(exc, LeaseExpired):
+            with self._lock:
+                self._orphaned_leases.append(lane.lease)
         if exc is not None and lane.pid is None:
             with self._lock:
                 self._lane_failed_at = time.monotonic()

@@ -31,6 +31,7 @@ record_dsn, queue, consumer, slots, name, max_events, poll_interval,
 rebalance_interval, retry_after, delay_ms ([low, high] handler sleep), seed,
 network_timeout (passed only when set and when this Worker accepts it),
 ticker_dsn (when set: the worker's Ticker connects there instead of to dsn),
+ownership and lease (the Worker's: "lease" behind a transaction pooler),
 transactional (a transactional handler: it also writes the event's effect,
 a row of ``fault_effects`` and its amount added to the key's row of
 ``fault_balance``, on the worker's connection, before it sleeps and maybe
@@ -210,6 +211,9 @@ def main() -> int:
     }
     if config.get("transactional"):
         kwargs["transactional"] = True
+    if config.get("ownership", "advisory") != "advisory":  # behind a transaction pooler
+        kwargs["ownership"] = config["ownership"]
+        kwargs["lease"] = config["lease"]
     if config.get("failure_policy", "skip") != "skip":
         kwargs["failure_policy"] = config["failure_policy"]
     accepted = inspect.signature(pgque.Worker).parameters

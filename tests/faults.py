@@ -192,6 +192,12 @@ class Workload:
     # until it succeeds or is dead-lettered, after max_retries + 1 attempts (so
     # its dead letter has ev_retry == max_retries too).
     failure_policy: str = "skip"
+    # How the group's slots are owned: "advisory" (session locks, the workers
+    # straight to the server) or "lease" (the workers behind a PgBouncer in
+    # transaction mode, Worker(ownership="lease", lease=lease); their Tickers
+    # stay on the admin's direct connection, by lock).
+    ownership: str = "advisory"
+    lease: float = 2.0
 
 
 def effect_amount(producer: int, seq: int) -> int:
@@ -289,10 +295,24 @@ class Monitor:
          where a.datname = current_database() and a.backend_type = 'client backend'
     """
 
+    # By lease, each live lease is a session of its own: pid minus its id,
+    # application name its name, backend start its creation; its slots are the
+    # claims that name it. The worker's real sessions (the pooler's, shared by
+    # anyone) count for nothing but the election, which stays on a direct one.
+    LEASE_QUERY = """
+        select clock_timestamp(), -l.lease_id, l.lease_name, l.lease_created, c.sc_sub
+          from pgque.lease l
+          left join pgque.slot_claim c on c.sc_lease = l.lease_id
+         where l.lease_until > clock_timestamp()
+    """
+
     def __init__(self, dsn: str, lock_slots: dict[tuple[int, int], int], ticker_key: int,
-                 interval: float = 0.05) -> None:
+                 interval: float = 0.05, sub_slots: dict[int, int] | None = None,
+                 pooled_role: str | None = None) -> None:
         self.lock_slots = lock_slots  # (classid, objid) -> slot
         self.ticker_key = ticker_key  # the election key, as pg_locks shows it (unsigned)
+        self.sub_slots = sub_slots  # by lease: subscription id -> slot
+        self.pooled_role = pooled_role  # by lease: the role of the pooler's sessions
         self.interval = interval
         self.samples: list[Sample] = []
         self._db = Db(dsn, "fault-monitor")
@@ -306,12 +326,23 @@ class Monitor:
         rows = db.rows(self.QUERY)
         sessions: dict[int, Session] = {}
         at = rows[0][0] if rows else db.now()
+        pooled: set[int] = set()
+        if self.sub_slots is not None:
+            pooled = {pid for (pid,) in db.rows("select pid from pg_stat_activity "
+                                                "where usename = %s", (self.pooled_role,))}
+            for _, lease, name, created, sub in db.rows(self.LEASE_QUERY):
+                match = WORKER_NAME.match(name)
+                session = sessions.setdefault(lease, Session(
+                    lease, name, match.group(1) if match else None, created))
+                if sub in self.sub_slots:
+                    session.slots.add(self.sub_slots[sub])
         for _, pid, app, backend_start, classid, objid in rows:
             session = sessions.get(pid)
             if session is None:
                 match = WORKER_NAME.match(app)
-                session = sessions[pid] = Session(pid, app, match.group(1) if match else None,
-                                                  backend_start)
+                worker = match.group(1) if match and (
+                    self.sub_slots is None or pid not in pooled) else None
+                session = sessions[pid] = Session(pid, app, worker, backend_start)
             if classid is None:
                 continue
             slot = self.lock_slots.get((classid, objid))
@@ -728,11 +759,29 @@ class FaultRun:
                      f" to {self.team};"
                      f" grant usage, select on all sequences in schema public to {self.team}")
         self.worker_dsn = make_conninfo(dsn, user=self.team, password=password)
+        # By lease, the workers sit behind a PgBouncer in transaction mode that
+        # logs them in as the team (their Tickers stay on the admin's DSN).
+        self.pooler: Any = None
+        if workload.ownership == "lease":
+            from pgbouncer import PgBouncer  # tests/pgbouncer.py
+
+            self.pooler = PgBouncer(dsn, pool_mode="transaction", pool_size=8,
+                                    users={self.team: password})
+            self.pooler.start()
+            self.worker_dsn = self.pooler.dsn(str(conninfo_to_dict(dsn)["dbname"]),
+                                              user=self.team)
+            # As docs/operations.md advises for transactional handlers by lease: a
+            # frozen worker's open transaction (which keeps its slot's rows
+            # locked) ends within about the lease time, not when it thaws.
+            self.db.rows(f"alter role {self.team} set idle_in_transaction_session_timeout "
+                         f"= {int(workload.lease * 1000)}")
         with pgque.connect(dsn) as client:
             client.create_queue(self.queue, ticker_max_lag=0, ticker_max_count=100,
                                 max_retries=workload.max_retries)
         with pgque.connect(self.worker_dsn) as team, pgque.connect(dsn) as client:
             team.subscribe_slots(self.queue, CONSUMER, slots=workload.slots)
+            if workload.ownership == "lease":
+                team.set_ownership(self.queue, CONSUMER, "lease", lease=workload.lease)
             if workload.failure_policy != "skip":
                 team.set_failure_policy(self.queue, CONSUMER, workload.failure_policy,
                                         max_attempts=workload.max_retries + 1,
@@ -751,7 +800,14 @@ class FaultRun:
         self.keys = sorted(k for keys in by_slot.values() for k in keys)
         self.key_slot = {k: slot for slot, keys in by_slot.items() for k in keys}
         ticker_key = self.db.rows("select te_key from pgque.ticker_election")[0][0]
-        self.monitor = Monitor(dsn, lock_slots, ticker_key & 0xFFFFFFFFFFFFFFFF)
+        sub_slots = None
+        if workload.ownership == "lease":
+            sub_slots = dict(self.db.rows(
+                "select s.sub_id, n from generate_series(0, %s - 1) n "
+                "join pgque.subscription s on s.sub_consumer = pgque._slot_name(%s, n, %s)",
+                (workload.slots, CONSUMER, workload.slots)))
+        self.monitor = Monitor(dsn, lock_slots, ticker_key & 0xFFFFFFFFFFFFFFFF,
+                               sub_slots=sub_slots, pooled_role=self.team)
 
     # -- workers ---------------------------------------------------------------
 
@@ -777,6 +833,7 @@ class FaultRun:
             "seed": w.seed * 100 + index, "network_timeout": network_timeout,
             "ticker_dsn": ticker_dsn, "transactional": w.transactional,
             "failure_policy": w.failure_policy,
+            **({"ownership": "lease", "lease": w.lease} if w.ownership == "lease" else {}),
         }
         log = self.workdir / f"{name}.log"
         argv = [sys.executable, WORKER_SCRIPT, json.dumps(config)]
@@ -837,7 +894,10 @@ class FaultRun:
         owners = self.db.rows(
             "select distinct a.usename from pg_locks l join pg_stat_activity a using (pid)"
             " where l.locktype = 'advisory' and l.granted and l.objsubid = 1"
-            "   and a.application_name like 'fw-%%-lane%%'")
+            "   and a.application_name like 'fw-%%-lane%%'"
+            if self.workload.ownership == "advisory" else
+            "select distinct r.rolname::text from pgque.lease l"
+            " join pg_roles r on r.oid = l.lease_role where l.lease_name like 'fw-%%-lane%%'")
         assert owners == [(self.team,)], f"slot owners log in as {owners}, not {self.team}"
         self.timings["start"] = round(time.monotonic() - began, 2)
         self.start_producers(slow=slow)
@@ -918,11 +978,16 @@ class FaultRun:
 
     def sessions_gone(self, pids: set[int], timeout: float) -> datetime | None:
         """The database time at which none of ``pids`` is a session any more,
-        polled; None if some still is after timeout seconds."""
+        polled; None if some still is after timeout seconds. By lease, the
+        victim's sessions are its leases (negative pids: see Monitor): when
+        none of them lives any more (expired or ended)."""
         deadline = time.monotonic() + timeout
+        query = ("select clock_timestamp(), count(*) from pg_stat_activity where pid = any(%s)"
+                 if self.workload.ownership == "advisory" else
+                 "select clock_timestamp(), count(*) from pgque.lease where -lease_id = any(%s)"
+                 " and lease_until > clock_timestamp()")
         while True:
-            now, left = self.db.rows("select clock_timestamp(), count(*) from pg_stat_activity "
-                                     "where pid = any(%s)", (list(pids),))[0]
+            now, left = self.db.rows(query, (list(pids),))[0]
             if left == 0:
                 return now  # type: ignore[no-any-return]
             if time.monotonic() > deadline:
@@ -1305,6 +1370,8 @@ class FaultRun:
                 w.proc.wait(10)
         for net in self.networks:
             net.stop()
+        if self.pooler is not None:
+            self.pooler.close()
         self.monitor.stop()
         with contextlib.suppress(psycopg.Error):  # roles are the server's, not the database's
             self.db.rows(f"drop owned by {self.team}; drop role {self.team}")

@@ -13,7 +13,10 @@ which owns the temporary directory.
 Clients authenticate with ``auth_type = trust`` (the user must still be listed
 in the auth file, which is written for the server's user); pgbouncer logs in to
 the server with the user and, if the server DSN has one, the password of the
-server DSN.
+server DSN. With ``users`` (name to password) it forwards each client as its
+own user instead, logging in with that user's password from the auth file: a
+team's workers behind it then log in as the team's role, as they would
+directly.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class PgBouncer:
     """
 
     def __init__(self, server_dsn: str, *, pool_mode: PoolMode = "transaction",
-                 pool_size: int = 2, program: str | None = None) -> None:
+                 pool_size: int = 2, program: str | None = None,
+                 users: dict[str, str] | None = None) -> None:
         self.server_dsn = server_dsn
         self.pool_mode = pool_mode
         self.pool_size = pool_size
@@ -102,14 +106,21 @@ class PgBouncer:
         }
         if params.get("password"):
             self._server["password"] = str(params["password"])
+        self._password = str(params.get("password") or "")
+        self.users = dict(users or {})
+        if self.users:  # each client as its own user (see the module docstring)
+            self._server = {k: v for k, v in self._server.items()
+                            if k not in ("user", "password")}
 
     # -- public API ----------------------------------------------------------
 
-    def dsn(self, dbname: str) -> str:
-        """Connection string for ``dbname`` through this pgbouncer."""
+    def dsn(self, dbname: str, user: str | None = None) -> str:
+        """Connection string for ``dbname`` through this pgbouncer, as ``user``
+        (the server DSN's by default; another must be one of ``users``)."""
         if self.port is None:
             raise RuntimeError("pgbouncer is not started")
-        return make_conninfo(host="127.0.0.1", port=self.port, dbname=dbname, user=self.user)
+        return make_conninfo(host="127.0.0.1", port=self.port, dbname=dbname,
+                             user=user or self.user)
 
     @property
     def logfile(self) -> Path:
@@ -221,7 +232,10 @@ admin_users = {self.user}
 stats_users = {self.user}
 """
         (self._dir / "pgbouncer.ini").write_text(ini, encoding="utf-8")
-        (self._dir / "userlist.txt").write_text(f'"{self.user}" ""\n', encoding="utf-8")
+        users = {self.user: self._password, **self.users}
+        (self._dir / "userlist.txt").write_text(
+            "".join(f'"{name}" "{password}"\n' for name, password in users.items()),
+            encoding="utf-8")
         self.logfile.touch()
 
     def _wait_listening(self) -> None:

@@ -396,3 +396,58 @@ def test_pause_policy_under_kills_terminations_and_a_restart(
     run.wait_spread()
     cool_down(run)
     conclude(run)
+
+
+# -- 9. by lease, behind a transaction pooler ---------------------------------------------
+
+
+@pytest.fixture
+def pooler() -> None:
+    """Skip where pgbouncer is not installed (``make system-deps`` installs it)."""
+    from pgbouncer import find_pgbouncer
+
+    if find_pgbouncer() is None:
+        pytest.skip("pgbouncer is not installed (`make system-deps` installs Debian's package)")
+
+
+@pytest.mark.usefixtures("pooler")
+@pytest.mark.parametrize("worker_flavour", ["sync", long_variant("async", id="async-long")],
+                         indirect=True)
+def test_by_lease_behind_a_transaction_pooler(scenario: Scenario,
+                                              conclude: Callable[[FaultRun], None]) -> None:
+    """The workers own their slots by lease (2 s), behind a PgBouncer in
+    transaction mode that logs them in as their team, with transactional
+    handlers, some failing once or twice. A worker is SIGKILLed mid-handler:
+    its slots move once its lease expired. Then the ticker holder is frozen
+    (SIGSTOP) for 4 s: its leases expire, its slots move, and after SIGCONT it
+    starts no event of the slots it lost before it owns slots again (the zombie
+    bound, from the expiry of its leases). Beyond the usual checks, every
+    effect applied exactly once and every key's balance right."""
+    run = scenario(Workload(ownership="lease", lease=2.0, transactional=True,
+                            fail_once=0.1, fail_twice=0.05))
+    run.start(each=lambda i: {"victim": True})
+    run.sigkill(run.live_workers()[-1])
+    run.spawn(victim=True)
+    run.wait_spread()
+    fault = run.sigstop(run.workers[0], 4, expect_session_end=True, latency_bound=True)
+    if not fault.ticker:
+        run.failures.append(f"{fault.victim} did not hold the ticker election when frozen")
+    run.wait_spread()
+    cool_down(run)
+    conclude(run)
+
+
+@pytest.mark.usefixtures("pooler")
+@pytest.mark.parametrize("mode", [long_variant("immediate", id="immediate-long")])
+def test_by_lease_through_a_server_restart_behind_a_pooler(
+        scenario: Scenario, conclude: Callable[[FaultRun], None],
+        restartable_server: pgtest.PgServer, mode: str) -> None:
+    """By lease behind the pooler, the server crashes (immediate stop) and
+    starts again: the pooler's server sessions all end, and the workers carry
+    on through it with their leases (renewed, or taken anew)."""
+    run = scenario(Workload(ownership="lease", lease=3.0, transactional=True))
+    run.start(first={"victim": True})
+    run.restart(restartable_server, mode)
+    run.wait_spread()
+    cool_down(run)
+    conclude(run)

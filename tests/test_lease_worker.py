@@ -242,3 +242,38 @@ def test_listen_needs_advisory_ownership() -> None:
                      ownership="leases")
     with pytest.raises(ValueError, match="lease must be"):
         pgque.Ticker("dbname=x", ownership="lease", lease=0.5)
+
+
+def test_a_cut_connection_does_not_keep_the_slots_for_the_lease_time(
+        client: pgque.Client, dsn: str, pgbouncer: Any) -> None:
+    """The worker's connections to the pooler are cut (a pooler restart, a
+    network blip): its lanes end, and so would their leases, only after the
+    lease time (30 s here). The worker ends them itself over its new
+    connection, and the old member lease of its control too (which would halve
+    its fair share): it owns every slot again long before the lease expired."""
+    from faults import TcpProxy
+
+    ids = make_group(client)
+    proxy = TcpProxy("127.0.0.1", int(conninfo_to_dict(pgbouncer.dsn("x"))["port"]))
+    try:
+        recorder = Recorder()
+        with pgque.Ticker(dsn), lease_worker(proxy.dsn(pgbouncer.dsn(dbname(dsn))), recorder,
+                                              "cut", lease=30) as worker:
+            worker.wait(lambda: len(worker.owned_slots) == SLOTS, timeout=30)
+            worker.wait(lambda: set(recorder.handled) >= set(ids), timeout=60)
+            leases = {s.owner_pid for s in client.group_status("q", "g").slots}
+            assert proxy.cut() > 0
+            deadline = scalar(client.conn, "select clock_timestamp() + interval '15 seconds'")
+
+            def owns_all_anew() -> bool | None:
+                status = client.group_status("q", "g")
+                owners = {s.owner_pid for s in status.slots}
+                return (status.members == 1 and None not in owners
+                        and not owners & leases) or None
+            wait_for(owns_all_anew, timeout=20, what="every slot owned on new leases", dsn=dsn)
+            assert scalar(client.conn, "select clock_timestamp()") < deadline
+            more = client.send_batch("q", [("e", {"n": i}, f"k{i % KEYS}") for i in range(50)])
+            worker.wait(lambda: set(recorder.handled) >= set(more), timeout=30)
+        assert not recorder.overlaps
+    finally:
+        proxy.stop()
