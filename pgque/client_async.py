@@ -192,7 +192,7 @@ class AsyncClient:
         # (backend pid, token) once pin_session() ran: slot and ticker calls
         # then check that they still reach that server session.
         self._pinned: tuple[int, str] | None = None
-        # The lease this client's owner calls carry (take_lease, use_lease):
+        # The lease this client's owner calls carry (take_lease, the lease property):
         # for a group that owns its slots by lease (see pgque/sql/code/slots/lease.sql).
         self._lease: Lease | None = None
         # The database has no pgque.ack_receive_slots (older than 0.8): found once.
@@ -936,15 +936,15 @@ class AsyncClient:
         self._lease = Lease(id=row.lease_id, token=row.token, lease=row.lease)
         return self._lease
 
-    def use_lease(self, lease: Lease | None) -> None:
-        """Make ``lease`` (taken by another client, say) the one this client's owner
-        calls carry; None: none."""
-        self._lease = lease
-
     @property
     def lease(self) -> Lease | None:
-        """The lease this client's owner calls carry, or None."""
+        """The lease this client's owner calls carry, or None. Set it to carry
+        another (one taken by another client, say), or None for none."""
         return self._lease
+
+    @lease.setter
+    def lease(self, lease: Lease | None) -> None:
+        self._lease = lease
 
     async def renew_lease(self, lease: Lease | None = None) -> timedelta:
         """Extend ``lease`` (this client's by default) by its group's lease time from
@@ -969,9 +969,10 @@ class AsyncClient:
         lease = lease or self._lease
         if lease is None:
             return 0
+        owned = int(await self._value("select pgque.end_lease(%s)", (lease.token,)))
         if lease is self._lease:
             self._lease = None
-        return int(await self._value("select pgque.end_lease(%s)", (lease.token,)))
+        return owned
 
     async def claim_slot(self, queue: str, consumer: str, slot: int) -> bool:
         """Try to own a slot: a non-blocking session advisory lock on this client's

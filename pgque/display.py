@@ -184,6 +184,16 @@ def session_name(pid: int | None, name: str | None, nobody: str) -> Text:
     return Text(escape(name)) if name else Text(f"pid {pid}")
 
 
+def slot_owner(slot: SlotStatus) -> Text:
+    """A slot's owner: its session (see session_name), or by lease the lease's
+    name and id."""
+    if slot.owner_lease is None:
+        return session_name(slot.owner_pid, slot.owner_name, "unowned")
+    if slot.owner_name:
+        return Text(f"{escape(slot.owner_name)} (lease {slot.owner_lease})")
+    return Text(f"lease {slot.owner_lease}")
+
+
 def queues_table(queues: Sequence[QueueInfo], title: str | None = None) -> Table:
     """Queues, as ``queue list`` and ``status`` show them: STALLED when events
     wait for a tick that nobody has made for ``stalled after``; the delayed
@@ -229,7 +239,7 @@ def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
         ["queues", "stalled queues", "consumers", "groups", "slots", "owned slots",
          "stalled slots", "ticker", "generated code"],
         [[len(queues), stalled_queues, len(plain), len(groups), len(slots),
-          sum(s.owner_pid is not None for s in slots), sum(s.stalled for s in slots),
+          sum(s.owned for s in slots), sum(s.stalled for s in slots),
           ticker_cell, _generated_cell(generated)]])
     consumer_table = table(
         "consumers",
@@ -259,7 +269,7 @@ def status_view(ticker: TickerInfo, queues: Sequence[QueueInfo],
         ["queue", "group", "slot", "owner", "epoch", "pending", "oldest unconsumed",
          "ticks behind", "retries", "dead letters", "blocked keys", "state"],
         ([s.queue_name, s.consumer_name, f"{s.slot}/{s.slots}",
-          session_name(s.owner_pid, s.owner_name, "unowned"), s.epoch, s.pending_events,
+          slot_owner(s), s.epoch, s.pending_events,
           s.oldest_unconsumed_age, s.ticks_behind, s.retries_waiting, s.dead_letters,
           s.blocked_keys, state(s.stalled)]
          for s in slots))

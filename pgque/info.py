@@ -107,6 +107,14 @@ class SlotStatus(msgspec.Struct, frozen=True):
     stalled: bool
     blocked_keys: int
     oldest_blocked_age: timedelta | None
+    #: In a group that owns its slots by lease, the lease owning the slot (whose
+    #: name is ``owner_name``; ``owner_pid`` is then None); None otherwise.
+    owner_lease: int | None = None
+
+    @property
+    def owned(self) -> bool:
+        """Whether a session (or, by lease, a live lease) owns the slot."""
+        return self.owner_pid is not None or self.owner_lease is not None
 
 
 class GroupInfo(msgspec.Struct, frozen=True):

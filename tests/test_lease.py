@@ -201,11 +201,17 @@ def test_a_lease_token_is_no_key_for_another_role_or_group(
         lease = clients[billing].take_lease("q", f"g_{billing}", name="b")
         assert clients[billing].claim_slot("q", f"g_{billing}", 0)
         # Shipping, even holding billing's token, may not use billing's group.
-        clients[shipping].use_lease(lease)
+        clients[shipping].lease = lease
         with pytest.raises(pgque.ConsumerAccessDenied):
             clients[shipping].receive_partitioned("q", f"g_{billing}", slot=0, slots=2)
         with pytest.raises(pgque.ConsumerAccessDenied):
             clients[shipping].take_lease("q", f"g_{billing}", name="s")
+        # Nor end or renew billing's lease with it (a trigger of shipping's in
+        # billing's transaction could read the token there).
+        with pytest.raises(pgque.ConsumerAccessDenied):
+            clients[shipping].end_lease(lease)
+        assert clients[shipping].renew_leases([lease]) == set()
+        assert clients[billing].renew_lease() == timedelta(seconds=15)
         # A lease of one group claims nothing of another.
         with pytest.raises(pgque.LeaseExpired, match="not one of group"):
             clients[shipping].claim_slot("q", f"g_{shipping}", 0)
@@ -221,10 +227,10 @@ def test_a_bad_token_or_name_is_refused(client: pgque.Client) -> None:
     lease_group(client)
     with pytest.raises(pgque.InvalidArgument):
         client.take_lease("q", "g", name="")
-    client.use_lease(pgque.Lease(id=0, token="short", lease=timedelta(seconds=1)))
+    client.lease = pgque.Lease(id=0, token="short", lease=timedelta(seconds=1))
     with pytest.raises(pgque.InvalidArgument, match="32 to 64"):
         client.claim_slot("q", "g", 0)
-    client.use_lease(pgque.Lease(id=0, token="x" * 40, lease=timedelta(seconds=1)))
+    client.lease = pgque.Lease(id=0, token="x" * 40, lease=timedelta(seconds=1))
     with pytest.raises(pgque.LeaseExpired):
         client.claim_slot("q", "g", 0)
 
@@ -242,3 +248,71 @@ def test_the_ticker_election_by_lease(client: pgque.Client, dsn: str) -> None:
         assert client.release_ticker_lease(b)
         assert advisory.claim_ticker()
         assert not client.claim_ticker_lease(a, "ticker-a", LEASE)  # the lock holds it
+
+
+def test_a_lease_whose_role_lost_the_group_owns_nothing(
+        pgque_deployment: pgque.testing.Deployment) -> None:
+    """A role granted a group takes a lease and claims a slot; the grant is
+    revoked: its lease no longer keeps the slot from the group's owner, whose
+    claim succeeds at once (as a session of a role that lost the group does not
+    count either), and its calls are refused."""
+    deployment = pgque_deployment
+    with pgque.connect(deployment.dsn(deployment.owner)) as owner:
+        owner.create_queue("q")
+    billing, shipping = deployment.teams
+    with pgque.connect(deployment.dsn(deployment.login(billing))) as bill, \
+            pgque.connect(deployment.dsn(deployment.login(shipping))) as ship:
+        bill.conn.execute(f"set role {billing}")
+        ship.conn.execute(f"set role {shipping}")
+        bill.subscribe_slots("q", "g", slots=2)
+        bill.set_ownership("q", "g", "lease", lease=3600)
+        bill.grant_consumer("q", "g", shipping)
+        ship.take_lease("q", "g", name="ship")
+        assert ship.claim_slot("q", "g", 0)
+        bill.take_lease("q", "g", name="bill")
+        assert not bill.claim_slot("q", "g", 0)
+        bill.revoke_consumer("q", "g", shipping)
+        assert bill.claim_slot("q", "g", 0)
+        with pytest.raises(pgque.ConsumerAccessDenied):
+            ship.receive_partitioned("q", "g", slot=0, slots=2)
+
+
+def test_the_info_views_and_metrics_show_owners_by_lease(client: pgque.Client) -> None:
+    lease_group(client, lease=30)
+    with pgque.connect(client.conn.info.dsn) as owner:
+        lease = owner.take_lease("q", "g", name="billing-1-lane1", member=True)
+        assert owner.claim_slot("q", "g", 0)
+        [mine, free] = client.partition_slot_status("q")
+        assert (mine.owner_lease, mine.owner_name, mine.owner_pid, mine.owned) == \
+            (lease.id, "billing-1-lane1", None, True)
+        assert (free.owner_lease, free.owned) == (None, False)
+        [group] = client.group_info("q")
+        assert (group.members, group.owned_slots) == (1, 1)
+        figures = {(metric, labels): value for metric, labels, value in client.conn.execute(
+            "select metric, labels, value from pgque.metrics()")}
+        assert figures[("pgque_group_members", 'queue="q",group="g"')] == 1
+        assert figures[("pgque_slot_owned", 'queue="q",group="g",slot="0"')] == 1
+        assert figures[("pgque_slot_owned", 'queue="q",group="g",slot="1"')] == 0
+        assert figures[("pgque_slot_owner_info",
+                        'queue="q",group="g",slot="0",owner="billing-1-lane1",pid=""')] == 1
+        owner.end_lease()
+        assert not client.partition_slot_status("q")[0].owned
+
+
+def test_maintenance_deletes_leases_expired_a_while_and_ids_are_bigint(
+        client: pgque.Client) -> None:
+    lease_group(client, lease=30)
+    client.conn.execute("alter table pgque.lease alter column lease_id restart with 3000000000")
+    with pgque.connect(client.conn.info.dsn) as owner:
+        lease = owner.take_lease("q", "g", name="big", member=True)
+        assert lease.id >= 3_000_000_000
+        assert owner.claim_slot("q", "g", 1)
+        assert owner.group_status("q", "g").slots[1].owner_pid == lease.id
+        assert owner.group_status("q", "g").slots[1].mine
+        client.conn.execute("update pgque.lease set lease_until = clock_timestamp() "
+                            "- interval '2 minutes'")
+    assert scalar(client.conn, "select count(*) from pgque.lease") == 1
+    assert ("leases", 1) in [(step, amount) for _, step, amount in client.conn.execute(
+        "select * from pgque.maint()")]
+    assert scalar(client.conn, "select count(*) from pgque.lease") == 0
+    assert owner_of(client, 1) is None

@@ -7,15 +7,15 @@
 -- holders renew. A lease is named by a random token that only its holder
 -- knows; every call of the holder carries it. slot_claim.sc_lease names the
 -- lease that owns the slot (its epoch taken when the lease claimed it); no
--- foreign key: a lease row goes when it has been expired a while, and a claim
--- naming a lease that is gone names nobody.
+-- foreign key: maintenance deletes a lease once it has been expired a minute,
+-- and a claim naming a lease that is gone names nobody.
 
 alter table pgque.consumer_group
     add column if not exists cg_lease interval
         check (cg_lease is null or cg_lease between interval '1 second' and interval '1 hour');
 
 create table if not exists pgque.lease (
-    lease_id      integer generated always as identity primary key,
+    lease_id      bigint generated always as identity primary key,
     lease_token   text not null unique check (length(lease_token) between 32 and 64),
     lease_group   integer not null references pgque.consumer_group on delete cascade,
     lease_role    oid not null,       -- the login role that took it (session_user)
@@ -26,7 +26,7 @@ create table if not exists pgque.lease (
 );
 create index if not exists lease_group_idx on pgque.lease (lease_group);
 
-alter table pgque.slot_claim add column if not exists sc_lease integer;
+alter table pgque.slot_claim add column if not exists sc_lease bigint;
 
 -- The ticker election by lease: the token and expiry of the ticker holding it
 -- (null: none), beside the advisory key of the session-locked election.

@@ -143,18 +143,18 @@ exception when lock_not_available then
 end
 $$;
 
--- pgque._slot_stalled(oldest_unconsumed_age, owner_pid, last_active, after):
+-- pgque._slot_stalled(oldest_unconsumed_age, owned, last_active, after):
 -- whether a slot looks stalled: an event has waited longer than after, and
 -- nobody owns the slot or it has not moved (no receive or ack) for that long.
 -- False when nothing waits.
 create or replace function pgque._slot_stalled(
-    p_oldest interval, p_owner integer, p_last_active timestamptz, p_after interval)
+    p_oldest interval, p_owned boolean, p_last_active timestamptz, p_after interval)
 returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
     select coalesce(p_oldest > p_after
-                    and (p_owner is null or now() - p_last_active > p_after), false)
+                    and (not p_owned or now() - p_last_active > p_after), false)
 $$;
 
 -- pgque._queue_info: one row per queue with its settings, its newest tick,
@@ -261,7 +261,9 @@ $$;
 -- pgque._partition_slot_status: one row per slot of every consumer group:
 -- its owner (the backend holding the slot's advisory lock, and the
 -- application name that session set: pg_stat_activity shows it to every
--- role, unlike the backend's start or its query), the slot's current epoch
+-- role, unlike the backend's start or its query; in a group that owns by
+-- lease, no backend but the live lease named by the slot's claim, owner_lease,
+-- and the name its holder gave it), the slot's current epoch
 -- (slots/fence.sql), how much it has not consumed, its retries and dead letters,
 -- and whether it looks stalled by the queue's own threshold (_slot_stalled).
 create or replace view pgque._partition_slot_status as
@@ -270,7 +272,7 @@ select q.queue_name,
        k.slot,
        g.cg_slots as slots,
        l.pid as owner_pid,
-       l.name as owner_name,
+       coalesce(l.name, ls.lease_name) as owner_name,
        e.sc_epoch as epoch,
        pgque._pending_events(q.queue_id, s.sub_id, t.tick_snapshot, k.slot, g.cg_slots)
            as pending_events,
@@ -283,9 +285,11 @@ select q.queue_name,
        (select count(*) from pgque._retry_waiting r where r.ev_owner = s.sub_id) as retries_waiting,
        (select count(*) from pgque.dead_letter d where d.dl_sub = s.sub_id) as dead_letters,
        pgque._stalled_after(q) as stalled_after,
-       pgque._slot_stalled(o.age, l.pid, c.cur_time, pgque._stalled_after(q)) as stalled,
+       pgque._slot_stalled(o.age, l.pid is not null or ls.lease_id is not null, c.cur_time,
+                           pgque._stalled_after(q)) as stalled,
        b.blocked_keys,
-       b.oldest_blocked_age
+       b.oldest_blocked_age,
+       ls.lease_id as owner_lease
   from pgque.consumer_group g
   join pgque.queue q on q.queue_id = g.cg_queue
   cross join lateral generate_series(0, g.cg_slots - 1) as k(slot)
@@ -305,6 +309,12 @@ select q.queue_name,
                         and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees)
                       limit 1) l on true
   left join pgque.slot_claim e on e.sc_sub = s.sub_id
+  -- By lease: the live lease the claim names, if its role may use the group.
+  left join lateral (select x.lease_id, x.lease_name from pgque.lease x
+                      where g.cg_lease is not null and x.lease_id = e.sc_lease
+                        and x.lease_until > clock_timestamp()
+                        and pgque._may_consume(x.lease_role, q, g.cg_owner, g.cg_grantees)) ls
+    on true
   -- The pause policy's blocked keys (slots/pause.sql) and how long the oldest
   -- has waited for its head.
   cross join lateral (select count(*) as blocked_keys,
@@ -326,20 +336,31 @@ with locks as materialized (
 select q.queue_name,
        g.cg_consumer as consumer_name,
        g.cg_slots as slots,
-       (select count(distinct k.pid) from locks k
-         where k.objsubid = 2 and k.classid = pgque._member_class(g)::oid
-           and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees))::integer as members,
+       ((select count(distinct k.pid) from locks k
+          where k.objsubid = 2 and k.classid = pgque._member_class(g)::oid
+            and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees))
+        -- By lease: the live member leases (slots/lease.sql).
+        + (select count(*) from pgque.lease x
+            where x.lease_group = g.cg_id and x.lease_member
+              and x.lease_until > clock_timestamp()
+              and pgque._may_consume(x.lease_role, q, g.cg_owner, g.cg_grantees)))::integer
+           as members,
        (select count(*)
           from pgque.subscription s
          where s.sub_queue = q.queue_id
            and s.sub_consumer = any (array(
                    select pgque._slot_name(g.cg_consumer, n, g.cg_slots)
                      from generate_series(0, g.cg_slots - 1) n))
-           and exists (select 1 from locks k
-                        where k.objsubid = 1
-                          and k.classid = ((s.sub_lock_key >> 32) & 4294967295)::oid
-                          and k.objid = (s.sub_lock_key & 4294967295)::oid
-                          and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees))
+           and (exists (select 1 from locks k
+                         where k.objsubid = 1
+                           and k.classid = ((s.sub_lock_key >> 32) & 4294967295)::oid
+                           and k.objid = (s.sub_lock_key & 4294967295)::oid
+                           and pgque._may_consume(k.role, q, g.cg_owner, g.cg_grantees))
+                or exists (select 1 from pgque.slot_claim e
+                             join pgque.lease x on x.lease_id = e.sc_lease
+                            where e.sc_sub = s.sub_id and x.lease_until > clock_timestamp()
+                              and pgque._may_consume(x.lease_role, q, g.cg_owner,
+                                                     g.cg_grantees)))
        )::integer as owned_slots,
        (select max(c.sc_epoch)
           from pgque.subscription s
@@ -508,7 +529,9 @@ begin
     loop
         if p_stalled_after is not null then
             r.stalled_after := p_stalled_after;
-            r.stalled := pgque._slot_stalled(r.oldest_unconsumed_age, r.owner_pid,
+            r.stalled := pgque._slot_stalled(r.oldest_unconsumed_age,
+                                             r.owner_pid is not null
+                                             or r.owner_lease is not null,
                                              r.last_active, p_stalled_after);
         end if;
         return next r;

@@ -86,10 +86,12 @@
 --   queue, group, slot, owner, pid
 --     pgque_slot_owner_info             1 per owned slot: the owner's
 --                                       application name (its pid when it set
---                                       none) and backend pid
+--                                       none) and backend pid; by lease, the
+--                                       lease's name and an empty pid
 --   queue, group
 --     pgque_group_slots                 the group's slot count
---     pgque_group_members               its live members (join_group)
+--     pgque_group_members               its live members (join_group; by
+--                                       lease, the live member leases)
 --
 -- Cost. The info views count each slot's pending events in the event tables
 -- (about 0.6 ms a slot), too slow to scrape a hundred queues of sixteen slots
@@ -254,22 +256,39 @@ begin
          where l.locktype = 'advisory' and l.granted and l.mode = 'ExclusiveLock'
            and l.database = (select d.oid from pg_database d where d.datname = current_database())),
     owners as materialized (
-        -- The session holding a slot's key, if its role may use the group.
-        select distinct on (s.sub_id) s.sub_id, k.pid,
-               pgque._label('owner', k.name) || ',pid="' || k.pid::text || '"' as label
-          from subs s
-          join locks k
-            on k.objsubid = 1
-           and k.classid = ((s.sub_lock_key >> 32) & 4294967295)::oid
-           and k.objid = (s.sub_lock_key & 4294967295)::oid
-         where pgque._may_consume(k.role, s.qrow, s.owner, s.grantees)
-         order by s.sub_id, k.pid),
+        -- The session holding a slot's key, if its role may use the group; by
+        -- lease (slots/lease.sql), the live lease the slot's claim names, by
+        -- its name (no pid).
+        select distinct on (o.sub_id) o.sub_id, o.label
+          from (select s.sub_id, k.pid,
+                       pgque._label('owner', k.name) || ',pid="' || k.pid::text || '"' as label
+                  from subs s
+                  join locks k
+                    on k.objsubid = 1
+                   and k.classid = ((s.sub_lock_key >> 32) & 4294967295)::oid
+                   and k.objid = (s.sub_lock_key & 4294967295)::oid
+                 where pgque._may_consume(k.role, s.qrow, s.owner, s.grantees)
+                union all
+                select s.sub_id, null, pgque._label('owner', x.lease_name) || ',pid=""'
+                  from subs s
+                  join pgque.slot_claim e on s.slot is not null and e.sc_sub = s.sub_id
+                  join pgque.lease x on x.lease_id = e.sc_lease
+                 where x.lease_until > clock_timestamp()
+                   and pgque._may_consume(x.lease_role, s.qrow, s.owner, s.grantees)) o
+         order by o.sub_id, o.pid),
     members as materialized (
-        select g.cg_id, count(distinct k.pid) as n
-          from groups g
-          join locks k on k.objsubid = 2 and k.classid = g.member_class
-         where pgque._may_consume(k.role, g.qrow, g.cg_owner, g.cg_grantees)
-         group by g.cg_id),
+        select m.cg_id, count(*) as n
+          from (select distinct g.cg_id, k.pid::bigint as member
+                  from groups g
+                  join locks k on k.objsubid = 2 and k.classid = g.member_class
+                 where pgque._may_consume(k.role, g.qrow, g.cg_owner, g.cg_grantees)
+                union all
+                select g.cg_id, -x.lease_id
+                  from groups g
+                  join pgque.lease x on x.lease_group = g.cg_id and x.lease_member
+                 where x.lease_until > clock_timestamp()
+                   and pgque._may_consume(x.lease_role, g.qrow, g.cg_owner, g.cg_grantees)) m
+         group by m.cg_id),
     retries as materialized (
         select r.ev_owner as sub_id, count(*) as n from pgque._retry_waiting r group by r.ev_owner),
     blocked as materialized (
@@ -289,12 +308,12 @@ begin
                coalesce(r.n, 0)::float8 as retries,
                (select count(*) from pgque.dead_letter d where d.dl_sub = c.sub_id)::float8
                    as dead,
-               o.pid as owner_pid, o.label as owner_label,
+               o.sub_id is not null as owned, o.label as owner_label,
                e.sc_epoch::float8 as epoch,
                coalesce(b.n, 0)::float8 as blocked,
                date_part('epoch', now() - b.since) as blocked_age,
                coalesce(now() - p.next_tick_time > c.stalled_after
-                        and ((c.slot is not null and o.pid is null)
+                        and ((c.slot is not null and o.sub_id is null)
                              or now() - c.last_active > c.stalled_after), false) as stalled
           from cursors c
           left join positions p on p.queue_id = c.queue_id and p.last_tick = c.last_tick
@@ -360,7 +379,7 @@ begin
          ('retries_waiting', f.retries),
          ('dead_letters', f.dead),
          ('stalled', f.stalled::integer::float8),
-         ('owned', case when f.slot is not null then (f.owner_pid is not null)::integer end),
+         ('owned', case when f.slot is not null then f.owned::integer end),
          ('epoch', f.epoch),
          ('blocked_keys', case when f.slot is not null then f.blocked end),
          ('oldest_blocked_age_seconds', f.blocked_age)
@@ -369,6 +388,6 @@ begin
     union all
     select 'pgque_slot_owner_info', f.labels || ',' || f.owner_label, 1
       from figures f
-     where f.owner_pid is not null;
+     where f.owned;
 end
 $$;

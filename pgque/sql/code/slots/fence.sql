@@ -254,7 +254,7 @@ begin
     end if;
     if (v.grp).cg_lease is not null then
         -- By lease: the claim still names a lease that has not expired.
-        if not pgque._lease_alive(v_claim.sc_lease) then
+        if not pgque._lease_alive(v_claim.sc_lease, v.queue, v.grp) then
             raise exception using errcode = 'PQ026',
                 message = format('epoch %s of slot %L is stale: the lease that took it '
                                  'expired or was released', p_epoch, (v.sub).sub_consumer),

@@ -439,7 +439,7 @@ $$;
 -- my_pid is the caller's lease id.
 create or replace function pgque.group_status(
     p_queue text, p_consumer text,
-    out members integer, out my_rank integer, out my_pid integer, out owner_pids integer[])
+    out members integer, out my_rank integer, out my_pid bigint, out owner_pids bigint[])
 language plpgsql volatile
 security definer
 set search_path = pg_catalog, pg_temp
@@ -463,7 +463,7 @@ $$;
 -- owns by advisory lock, from pg_locks.
 create or replace function pgque._advisory_group_status(
     v_queue pgque.queue, v_group pgque.consumer_group,
-    out members integer, out my_rank integer, out my_pid integer, out owner_pids integer[])
+    out members integer, out my_rank integer, out my_pid bigint, out owner_pids bigint[])
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$

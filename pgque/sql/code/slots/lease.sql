@@ -60,13 +60,13 @@ as $$ select nullif(current_setting('pgque.lease', true), '') $$;
 -- null when the call carries none; PQ034 when the lease expired or is unknown.
 -- Expiry is judged by clock_timestamp(), not by the transaction's start.
 create or replace function pgque._lease_id()
-returns integer
+returns bigint
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_token text := pgque._lease_token();
-    v_id integer;
+    v_id bigint;
 begin
     if v_token is null then
         return null;
@@ -83,14 +83,19 @@ begin
 end
 $$;
 
--- pgque._lease_alive(lease_id): whether that lease exists and has not expired.
-create or replace function pgque._lease_alive(p_lease integer)
+-- pgque._lease_alive(lease_id, queue, group): whether that lease exists, has
+-- not expired, and was taken by a login role that may still use the group
+-- (a lease whose role lost the group owns nothing: its slots may be claimed).
+create or replace function pgque._lease_alive(
+    p_lease bigint, p_queue pgque.queue, p_group pgque.consumer_group)
 returns boolean
 language sql volatile
 set search_path = pg_catalog, pg_temp
 as $$
     select p_lease is not null and exists (
-        select 1 from pgque.lease l where l.lease_id = p_lease and l.lease_until > clock_timestamp())
+        select 1 from pgque.lease l
+         where l.lease_id = p_lease and l.lease_until > clock_timestamp()
+           and pgque._may_consume(l.lease_role, p_queue, p_group.cg_owner, p_group.cg_grantees))
 $$;
 
 -- pgque._require_mode(queue, group): PQ035 unless the call's way of owning
@@ -125,7 +130,7 @@ $$;
 -- does.
 create or replace function pgque.take_lease(
     p_queue text, p_consumer text, p_name text, p_member boolean default false,
-    out lease_id integer, out token text, out lease interval)
+    out lease_id bigint, out token text, out lease interval)
 language plpgsql
 security definer
 set search_path = pg_catalog, pg_temp
@@ -207,7 +212,10 @@ $$;
 
 -- pgque.end_lease(token): ends the lease: its slots are released (their
 -- epochs end: check_fence refuses them from now on) and the lease is gone.
--- Returns how many slots it owned; 0 for a token that names no lease.
+-- Returns how many slots it owned; 0 for a token that names no lease. PQ014
+-- unless the caller's login role may use the lease's group: a token alone
+-- is no key (a trigger of another team's could read it in the holder's
+-- transaction).
 create or replace function pgque.end_lease(p_token text)
 returns integer
 language plpgsql
@@ -216,10 +224,20 @@ set search_path = pg_catalog, pg_temp
 set jit = off
 as $$
 declare
-    v_id integer;
+    v_lease pgque.lease;
+    v_group pgque.consumer_group;
+    v_queue pgque.queue;
+    v_id bigint;
     v_count integer;
 begin
-    delete from pgque.lease where lease_token = p_token returning lease_id into v_id;
+    select * into v_lease from pgque.lease where lease_token = p_token;
+    if not found then
+        return 0;
+    end if;
+    select * into v_group from pgque.consumer_group where cg_id = v_lease.lease_group;
+    select * into v_queue from pgque.queue where queue_id = v_group.cg_queue;
+    perform pgque._require_counting_session(v_queue, v_group);
+    delete from pgque.lease where lease_id = v_lease.lease_id returning lease_id into v_id;
     if v_id is null then
         return 0;
     end if;
@@ -243,7 +261,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_claim pgque.slot_claim;
-    p_lease integer := pgque._lease_id();
+    p_lease bigint := pgque._lease_id();
 begin
     if not exists (select 1 from pgque.lease l
                     where l.lease_id = p_lease and l.lease_group = p_group.cg_id) then
@@ -266,7 +284,7 @@ begin
     if v_claim.sc_lease = p_lease then
         return true;
     end if;
-    if pgque._lease_alive(v_claim.sc_lease) then
+    if pgque._lease_alive(v_claim.sc_lease, pgque._queue_of(p_group), p_group) then
         return false;
     end if;
     update pgque.slot_claim
@@ -351,13 +369,13 @@ $$;
 -- lease owning each slot (owner_pids), null where none is live.
 create or replace function pgque._lease_group_status(
     p_queue pgque.queue, p_group pgque.consumer_group,
-    out members integer, out my_rank integer, out my_pid integer, out owner_pids integer[])
+    out members integer, out my_rank integer, out my_pid bigint, out owner_pids bigint[])
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 #variable_conflict use_column
 declare
-    v_me integer;
+    v_me bigint;
 begin
     if pgque._lease_token() is not null then
         v_me := pgque._lease_id();
@@ -379,5 +397,29 @@ begin
               left join live on live.lease_id = c.sc_lease)
       into members, my_rank, my_pid, owner_pids
       from member_ids m;
+end
+$$;
+
+-- pgque._queue_of(group): the group's queue row.
+create or replace function pgque._queue_of(p_group pgque.consumer_group)
+returns pgque.queue
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$ select q from pgque.queue q where q.queue_id = p_group.cg_queue $$;
+
+-- pgque._purge_leases(): deletes the leases expired for more than a minute
+-- (maintenance): a claim naming one names nobody, and a call with its token
+-- fails as with any expired lease (PQ034). Returns how many it deleted.
+create or replace function pgque._purge_leases()
+returns integer
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_count integer;
+begin
+    delete from pgque.lease where lease_until < clock_timestamp() - interval '1 minute';
+    get diagnostics v_count = row_count;
+    return v_count;
 end
 $$;

@@ -254,7 +254,8 @@ $$;
 -- rotate_cursors, rotate_ticks, rotate_nacks, rotate_retries, rotate_held,
 -- rotate_delayed and rotate_idempotency, queue_name null). A pass over all
 -- queues also writes the event writer when it is due (step event_writer,
--- queue_name null). PQ008 outside READ COMMITTED, as for a tick.
+-- queue_name null) and deletes the leases expired for a minute (step
+-- leases). PQ008 outside READ COMMITTED, as for a tick.
 create or replace function pgque.maint(p_queue text default null)
 returns table (queue_name text, step text, amount bigint)
 language plpgsql
@@ -335,6 +336,12 @@ begin
         v_amount := pgque._drop_orphan_readers(false);
         if v_amount > 0 then
             queue_name := null; step := 'batch_reader'; amount := v_amount;
+            return next;
+        end if;
+        -- Leases expired a while ago (slots/lease.sql).
+        v_amount := pgque._purge_leases();
+        if v_amount > 0 then
+            queue_name := null; step := 'leases'; amount := v_amount;
             return next;
         end if;
     end if;
