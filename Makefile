@@ -45,13 +45,15 @@ twins: venv
 # command line and the demo (their SQL is the Client's, which the rest of the
 # suite runs on both), the pytest plugin (it starts servers of its own) and
 # the modules that need no server.
-# (The worker command's and the services' lifecycle tests run on the second server
-# instead, to balance the two.)
+# (The worker command's and the services' lifecycle tests, the Worker's behind a
+# pooler (by lock, refused; by lease) run on the second server instead, to
+# balance the two; the fault suite's scenario by lease runs on the first.)
 SYSTEM_LOG := .pytest-system.log
 SYSTEM_ONLY_ARGS := --ignore=tests/test_faults.py --ignore=tests/test_cli.py \
 	--ignore=tests/test_demo.py --ignore=tests/test_testing.py --ignore=tests/test_twins.py \
 	--ignore=tests/test_acompat.py --ignore=tests/test_bench_report.py
-FIRST_ONLY_ARGS := --ignore=tests/test_cli_worker.py --ignore=tests/test_lifecycle.py
+FIRST_ONLY_ARGS := --ignore=tests/test_cli_worker.py --ignore=tests/test_lifecycle.py \
+	--ignore=tests/test_pooler.py --ignore=tests/test_lease_worker.py
 
 # The suite starts a few hundred Python processes (the CLI, workers, the demo):
 # each would compile pgque from source again where PYTHONDONTWRITEBYTECODE is set.
@@ -86,12 +88,12 @@ endif
 # another major: `make test` runs only its short variants, on the first.
 test-faults: venv
 	@$(PYC)
-	PGQUE_TEST_SERVER=embedded PGQUE_FAULTS_LONG=1 $(BIN)/pytest -q tests/test_faults.py $(PYTEST_ARGS)
+	PGQUE_TEST_SERVER=embedded PGQUE_FAULTS_LONG=1 $(BIN)/pytest -q tests/test_faults.py tests/test_failover.py $(PYTEST_ARGS)
 	@other="$$($(BIN)/python -c '$(OTHER_BINDIR_PY)')"; \
 	if [ -n "$$other" ]; then \
 		echo "== on the machine's PostgreSQL: $$other"; \
 		PGQUE_TEST_SERVER=system PGQUE_TEST_BINDIR="$$other" PGQUE_FAULTS_LONG=1 \
-			$(BIN)/pytest -q -p no:cacheprovider tests/test_faults.py $(PYTEST_ARGS); \
+			$(BIN)/pytest -q -p no:cacheprovider tests/test_faults.py tests/test_failover.py $(PYTEST_ARGS); \
 	fi
 
 # The long variants of tests whose short form `make test` runs (a 30 s idle

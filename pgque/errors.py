@@ -84,6 +84,7 @@ __all__ = [
     "QueueInUse",
     "QueueNotFound",
     "SchemaNotOwned",
+    "ServerReadOnly",
     "SessionUnstable",
     "SlotCountMismatch",
     "SlotNotOwned",
@@ -338,6 +339,19 @@ class OwnershipMismatch(PgqueError, sqlstate="PQ035"):
     without a lease on a group that owns by lease, or a call with a lease on
     one that owns by advisory lock, is refused; so is changing the mode while
     a slot is owned or a member has joined. Not retried by a Worker.
+    """
+
+
+class ServerReadOnly(PgqueError, sqlstate="25006"):
+    """The server accepts no writes (25006): a hot standby, or a primary being
+    demoted.
+
+    The reading calls (status, the info views, metrics, key lag, dead letters,
+    tail) work on a standby; sending, ticking, claiming, receiving and acking
+    need the primary. A Worker, Ticker or producer that gets it reconnects
+    (with backoff), so with a multi-host DSN and
+    ``target_session_attrs=read-write`` it goes on with whichever server
+    accepts writes, and on a standby that is promoted once it is.
     """
 
 

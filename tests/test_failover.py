@@ -30,6 +30,7 @@ from faults import append_report, report_path
 from helpers import wait_for
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from replication import ReplicaPair
+from test_faults import long_variant
 
 import pgque
 from pgque.testing import Deployment, ExternalServer
@@ -95,9 +96,10 @@ class Producer(threading.Thread):
             client.close()
 
 
+@pytest.mark.parametrize("after", [1.0, long_variant(15.0, id="15s-long")])
 def test_a_group_rides_through_a_primary_failover(
         pair: ReplicaPair, tmp_path_factory: pytest.TempPathFactory,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], after: float) -> None:
     # The recommended deployment on the primary; nothing to drop afterwards:
     # the pair goes with its servers (and the primary is dead by then).
     server = ExternalServer(pair.primary.dsn())
@@ -150,7 +152,7 @@ def test_a_group_rides_through_a_primary_failover(
                                    (promoted_at,)).fetchone()
             return row[0] if row else None
         resumed_at = wait_for(resumed, timeout=60, what="handling on the new primary")
-        time.sleep(1.0)  # traffic after the failover, not a synchronisation
+        time.sleep(after)  # traffic after the failover, not a synchronisation
         producer.stop.set()
         producer.join(30)
         confirmed = dict(producer.confirmed)
@@ -196,3 +198,43 @@ def test_a_group_rides_through_a_primary_failover(
         assert events == sorted(events), f"key {key} out of order"
     if pair.sync:
         assert lost == [], f"committed events lost under synchronous replication: {lost}"
+
+
+@pytest.mark.parametrize("pair", ["async"], indirect=True)
+def test_a_hot_standby_reads_refuses_writes_clearly_and_serves_once_promoted(
+        pair: ReplicaPair) -> None:
+    """The reading calls work on a hot standby; a write raises ServerReadOnly
+    (25006); a Worker pointed at the standby alone keeps reconnecting (it is not
+    an error that stops it) and handles events once the standby is promoted."""
+    with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
+        pgque.install(conn)
+        primary = pgque.Client(conn)
+        primary.create_queue(QUEUE, ticker_max_lag=0)
+        primary.subscribe_slots(QUEUE, GROUP, slots=2)
+        sent = primary.send_batch(QUEUE, [("Order", {"n": n}, f"k{n}") for n in range(10)])
+        primary.tick(QUEUE)
+        lsn = conn.execute("select pg_current_wal_lsn()").fetchone()
+    assert pair.standby is not None and lsn is not None
+    standby_dsn = pair.standby.dsn()
+    with pgque.connect(standby_dsn) as standby:
+        wait_for(lambda: standby.conn.execute(
+            "select pg_last_wal_replay_lsn() >= %s::pg_lsn", lsn).fetchone()[0] or None,
+            timeout=30, what="the standby to replay the sends")
+        assert [q.queue_name for q in standby.queue_info()] == [QUEUE]
+        assert [g.consumer_name for g in standby.group_info()] == [GROUP]
+        assert sum(s.pending_events or 0 for s in standby.partition_slot_status()) == len(sent)
+        assert len(standby.key_lag(QUEUE, GROUP)) == len(sent)
+        for write in (lambda: standby.send(QUEUE, "Order", {}, partition_key="x"),
+                      lambda: standby.tick(QUEUE),
+                      lambda: standby.claim_slot(QUEUE, GROUP, 0)):
+            with pytest.raises(pgque.ServerReadOnly):
+                write()
+    handled: list[int] = []
+    with pgque.Worker(standby_dsn, queue=QUEUE, consumer=GROUP, slots=2,
+                      handler=lambda m: handled.append(m.id), ticker=True,
+                      poll_interval=0.05, connect_timeout=5) as worker:
+        time.sleep(1.5)  # time for several reconnects to the standby, not a synchronisation
+        assert worker.alive and worker.error is None and not handled
+        pair.primary.stop("immediate")
+        pair.standby.promote()
+        worker.wait(lambda: sorted(handled) == sent, timeout=30)
