@@ -68,7 +68,9 @@ class Fence(msgspec.Struct, frozen=True):
     writes a handler's effects, raises :class:`~pgque.StaleEpoch` once the
     slot has passed to another owner. Epochs only grow, so ``epoch`` also
     serves as a token for systems outside PostgreSQL (reject a write whose
-    epoch is lower than the highest one seen for the slot)."""
+    epoch is lower than the highest one seen for the slot); an epoch carries
+    its server's timeline (times 2^40), so after a failover the new primary's
+    are above the old one's."""
 
     queue: str
     consumer: str

@@ -136,6 +136,8 @@ def test_a_group_rides_through_a_primary_failover(
         assert ticker.wait_active(30)
         producer.start()
         w1.wait(lambda: w1.handled + w2.handled >= 100, timeout=30)
+        with psycopg.connect(pair.primary.dsn(d.dbname), autocommit=True) as conn:
+            before = conn.execute("select max(sc_epoch) from pgque.slot_claim").fetchone()
         killed_at = datetime.now(timezone.utc)
         killed = time.monotonic()
         pair.fail_over()
@@ -198,6 +200,11 @@ def test_a_group_rides_through_a_primary_failover(
         assert events == sorted(events), f"key {key} out of order"
     if pair.sync:
         assert lost == [], f"committed events lost under synchronous replication: {lost}"
+    # The claims on the new primary took epochs above every one of before.
+    with psycopg.connect(new_primary, autocommit=True) as conn:
+        after = conn.execute("select min(sc_epoch) from pgque.slot_claim "
+                             "where sc_time > %s", (killed_at,)).fetchone()
+    assert before is not None and after is not None and after[0] > before[0]
 
 
 @pytest.mark.parametrize("pair", ["async"], indirect=True)
@@ -205,7 +212,8 @@ def test_a_hot_standby_reads_refuses_writes_clearly_and_serves_once_promoted(
         pair: ReplicaPair) -> None:
     """The reading calls work on a hot standby; a write raises ServerReadOnly
     (25006); a Worker pointed at the standby alone keeps reconnecting (it is not
-    an error that stops it) and handles events once the standby is promoted."""
+    an error that stops it) and handles events once the standby is promoted;
+    the old primary, back as a primary, hands out only lower epochs."""
     with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
         pgque.install(conn)
         primary = pgque.Client(conn)
@@ -238,3 +246,15 @@ def test_a_hot_standby_reads_refuses_writes_clearly_and_serves_once_promoted(
         pair.primary.stop("immediate")
         pair.standby.promote()
         worker.wait(lambda: sorted(handled) == sent, timeout=30)
+    # The old primary started again as a primary (what a failover manager must
+    # prevent: it would run a second copy of the queues): every epoch it hands
+    # out is below every epoch of the new primary's, so a system that keeps the
+    # highest epoch seen per slot refuses its owners' writes.
+    pair.primary.start()
+    with psycopg.connect(pair.primary.dsn(), autocommit=True) as old, \
+            psycopg.connect(standby_dsn, autocommit=True) as new:
+        taken = new.execute("select min(sc_epoch) from pgque.slot_claim").fetchone()
+        assert taken is not None and taken[0] is not None
+        for _ in range(3):
+            zombie_epoch = old.execute("select pgque._new_epoch()").fetchone()
+            assert zombie_epoch is not None and zombie_epoch[0] < taken[0]

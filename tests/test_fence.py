@@ -81,8 +81,9 @@ def test_an_epoch_is_stale_once_its_owners_session_ends(client: pgque.Client, ds
     # having let go of the key by hand) passes for no owner, from any session.
     with pgque.connect(dsn) as other:
         other.check_fence(batch.fence)
-        client.conn.execute("select pg_advisory_unlock(-sc_sub, sc_epoch::int),"
-                            " pg_advisory_unlock(-sc_sub, sc_epoch::int) from pgque.slot_claim")
+        client.conn.execute("select pg_advisory_unlock(-sc_sub, pgque._epoch_number(sc_epoch)),"
+                            " pg_advisory_unlock(-sc_sub, pgque._epoch_number(sc_epoch))"
+                            " from pgque.slot_claim")
         with pytest.raises(pgque.StaleEpoch):
             other.check_fence(batch.fence)
     with pytest.raises(pgque.StaleEpoch):

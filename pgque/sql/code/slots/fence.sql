@@ -31,6 +31,23 @@
 -- pg_read_all_stats, which the database owner who installs pgque usually
 -- lacks: every receive then took a new epoch, and no fence passed.)
 
+-- pgque._new_epoch(): a new epoch: the server's timeline times 2^40, plus the
+-- next value of pgque.epoch_seq. A standby promoted after a failover writes on
+-- a timeline above the old primary's, so every epoch it hands out is above
+-- every epoch of the old one, including those the old one handed out after
+-- its last replicated write, or would hand out if it came back as a primary
+-- (which a failover manager must prevent): a system outside PostgreSQL that
+-- keeps the highest epoch seen per slot refuses the old side's writes. The
+-- low 32 bits, the epoch's key (_epoch_number), are the sequence's.
+create or replace function pgque._new_epoch()
+returns bigint
+language sql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+    select (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint << 40)
+           + nextval('pgque.epoch_seq')
+$$;
+
 -- pgque._epoch_class(sub_id): the first integer of a slot's epoch keys: the
 -- negated subscription id, never a group's member class (slots/groups.sql,
 -- never negative).
@@ -152,7 +169,7 @@ begin
     -- A first row of the slot, or the row locked above. (Two sessions cannot
     -- both get here for one slot: only its owner receives.)
     insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid)
-    values (p_sub.sub_id, nextval('pgque.epoch_seq'), pg_backend_pid())
+    values (p_sub.sub_id, pgque._new_epoch(), pg_backend_pid())
     on conflict (sc_sub) do update
        set sc_epoch = excluded.sc_epoch, sc_pid = excluded.sc_pid, sc_time = now()
     returning sc_epoch into v_claim.sc_epoch;

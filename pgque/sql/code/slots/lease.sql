@@ -277,7 +277,7 @@ begin
             return false;  -- held by a checking transaction
         end if;
         insert into pgque.slot_claim (sc_sub, sc_epoch, sc_pid, sc_lease)
-        values (p_sub.sub_id, nextval('pgque.epoch_seq'), null, p_lease)
+        values (p_sub.sub_id, pgque._new_epoch(), null, p_lease)
         on conflict (sc_sub) do nothing;
         return found;
     end if;
@@ -288,7 +288,7 @@ begin
         return false;
     end if;
     update pgque.slot_claim
-       set sc_epoch = nextval('pgque.epoch_seq'), sc_pid = null, sc_lease = p_lease,
+       set sc_epoch = pgque._new_epoch(), sc_pid = null, sc_lease = p_lease,
            sc_time = now()
      where sc_sub = p_sub.sub_id;
     return true;
