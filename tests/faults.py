@@ -300,7 +300,8 @@ class Monitor:
     # claims that name it. The worker's real sessions (the pooler's, shared by
     # anyone) count for nothing but the election, which stays on a direct one.
     LEASE_QUERY = """
-        select clock_timestamp(), -l.lease_id, l.lease_name, l.lease_created, c.sc_sub
+        select clock_timestamp(), -l.lease_id, l.lease_name, l.lease_created, c.sc_sub,
+               c.sc_time
           from pgque.lease l
           left join pgque.slot_claim c on c.sc_lease = l.lease_id
          where l.lease_until > clock_timestamp()
@@ -330,12 +331,15 @@ class Monitor:
         if self.sub_slots is not None:
             pooled = {pid for (pid,) in db.rows("select pid from pg_stat_activity "
                                                 "where usename = %s", (self.pooled_role,))}
-            for _, lease, name, created, sub in db.rows(self.LEASE_QUERY):
+            for _, lease, name, created, sub, claimed in db.rows(self.LEASE_QUERY):
                 match = WORKER_NAME.match(name)
                 session = sessions.setdefault(lease, Session(
                     lease, name, match.group(1) if match else None, created))
                 if sub in self.sub_slots:
                     session.slots.add(self.sub_slots[sub])
+                    # A lease's "start", for owned_again: its latest claim (a
+                    # worker may claim a slot again on a lane it had already).
+                    session.backend_start = max(session.backend_start, claimed)
         for _, pid, app, backend_start, classid, objid in rows:
             session = sessions.get(pid)
             if session is None:
@@ -370,9 +374,12 @@ class Monitor:
     def owned_again(self, worker: str, old_pids: set[int], after: datetime) -> datetime | None:
         """When the worker owned a slot again after ``after`` on a new session: the
         earliest backend_start of its new sessions seen holding a slot lock (a lower
-        bound of the claim, so the zombie count never counts a legitimate call)."""
+        bound of the claim, so the zombie count never counts a legitimate call).
+        By lease: the earliest claim after ``after`` by a lease of the worker's
+        other than ``old_pids`` (those that held its slots then)."""
         starts = [s.backend_start for sample in list(self.samples) if sample.at > after
-                  for s in sample.of(worker) if s.slots and s.pid not in old_pids]
+                  for s in sample.of(worker) if s.slots and s.pid not in old_pids
+                  and (self.sub_slots is None or s.backend_start > after)]
         return min(starts, default=None)
 
     def stop(self) -> None:
@@ -819,8 +826,9 @@ class FaultRun:
         when given; a ``victim`` has slower handlers."""
         if network is not None and dsn is None:
             dsn = network.dsn(self.worker_dsn)
-        if ticker_dsn is None:
-            ticker_dsn = network.dsn(self.dsn) if network is not None else self.dsn
+        if ticker_dsn is None:  # by lease, the Tickers stay on the admin's direct DSN
+            ticker_dsn = (network.dsn(self.dsn) if network is not None and self.pooler is None
+                          else self.dsn)
         w = self.workload
         index = next(self._names)
         name = f"fw-{index}"
@@ -1038,7 +1046,8 @@ class FaultRun:
         return fault
 
     def network(self, factory: Callable[[str, int], Network] = TcpProxy) -> Network:
-        params = conninfo_to_dict(self.dsn)
+        # By lease, between the workers and their pooler.
+        params = conninfo_to_dict(self.worker_dsn if self.pooler is not None else self.dsn)
         net = factory(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
         self.networks.append(net)
         return net
@@ -1284,8 +1293,19 @@ class FaultRun:
         session_end = min(stopped[0], until) if stopped else at
         for fault in faults:
             fault.at = at
-            fault.session_end = session_end  # no session of before the stop outlives it
             fault.until = until
+            if self.pooler is not None:
+                # By lease, ownership is a row, not a session: a lease outlives a
+                # restart shorter than it, and its holder rightly goes on. The
+                # victim's leases end when its lanes that lost their connections
+                # end them, or when they expire: that is when the bound begins.
+                fault.session_end = self.sessions_gone(fault.session_pids,
+                                                       self.workload.lease + 5)
+                fault.zombie_bound = fault.session_end is not None
+                if fault.session_end is None:
+                    fault.notes.append("a lease of before the restart lives on: no bound")
+                continue
+            fault.session_end = session_end  # no session of before the stop outlives it
             fault.zombie_bound = True
             if not stopped:
                 fault.notes.append("the end of the sessions was not observed: counted from "
@@ -1619,7 +1639,9 @@ class FaultRun:
         zombies: list[tuple[Any, ...]] = []
         owned_again = None
         if fault.session_end is not None:
-            owned_again = self.monitor.owned_again(fault.victim, fault.all_pids, fault.at)
+            owned_again = self.monitor.owned_again(
+                fault.victim, fault.all_pids if self.pooler is None else fault.session_pids,
+                fault.at)
             zombies = [c for c in calls if c[6] == fault.victim_pid and c[8] > fault.session_end
                        and (owned_again is None or c[8] < owned_again)]
         if fault.zombie_bound and len(zombies) > len(fault.slots):

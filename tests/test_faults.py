@@ -451,3 +451,43 @@ def test_by_lease_through_a_server_restart_behind_a_pooler(
     run.wait_spread()
     cool_down(run)
     conclude(run)
+
+
+@pytest.mark.usefixtures("pooler")
+@pytest.mark.parametrize("cuts", [long_variant(2, id="2-long")])
+def test_proxy_cut_by_lease_behind_a_pooler(scenario: Scenario,
+                                            conclude: Callable[[FaultRun], None],
+                                            cuts: int) -> None:
+    """By lease, a worker's connections to the pooler (all through a proxy) are
+    closed on both sides mid-handler: its lanes end, and its control, on a new
+    connection, ends their leases (it does not wait for them to expire); the
+    zombie bound counts from their end."""
+    run = scenario(Workload(ownership="lease", lease=2.0))
+    net = run.network()
+    run.start(each=lambda i: {"network": net, "victim": True} if i == 1 else {})
+    for _ in range(cuts):
+        run.cut(run.workers[1], net)
+        run.wait_spread()
+    cool_down(run)
+    conclude(run)
+
+
+@pytest.mark.usefixtures("pooler")
+@pytest.mark.parametrize("lease", [long_variant(15.0, id="default-lease-long")])
+def test_sigkill_by_lease_takes_over_within_the_default_lease(
+        scenario: Scenario, conclude: Callable[[FaultRun], None], lease: float) -> None:
+    """By lease with the default lease time (15 s), transactional handlers: a
+    worker is SIGKILLed mid-handler; its slots move within the lease time."""
+    run = scenario(Workload(ownership="lease", lease=lease, transactional=True))
+    run.start(each=lambda i: {"victim": True})
+    run.sigkill(run.live_workers()[-1])
+    run.spawn(victim=True)
+    run.wait_spread(timeout=lease + 30)
+    cool_down(run)
+
+    def check(report: dict[str, Any]) -> list[str]:
+        return [f"{f['victim']}'s slots moved after {f['moved_s']} (lease {lease}s)"
+                for f in report["faults"]
+                if any(v is None or v > lease + MOVE_MARGIN for v in f["moved_s"].values())]
+
+    conclude(run, check)
