@@ -491,3 +491,23 @@ def test_sigkill_by_lease_takes_over_within_the_default_lease(
                 if any(v is None or v > lease + MOVE_MARGIN for v in f["moved_s"].values())]
 
     conclude(run, check)
+
+
+@pytest.mark.usefixtures("pooler")
+@pytest.mark.parametrize(("end", "seconds"), [long_variant("heal", 5, id="heal-5-long"),
+                                              long_variant("close", 4, id="close-4-long")])
+def test_blackhole_by_lease_behind_a_pooler(scenario: Scenario,
+                                            conclude: Callable[[FaultRun], None], end: str,
+                                            seconds: float) -> None:
+    """By lease (2 s), a worker's traffic to the pooler stops in both directions
+    (sockets kept open), then flows again (heal) or its connections are closed
+    (close). Its leases are not renewed: they expire and its slots move; its
+    lanes see their leases lapse and start no further event (the zombie bound,
+    from the expiry); after the heal it takes new leases and works again."""
+    run = scenario(Workload(ownership="lease", lease=2.0))
+    net = network_factories()["proxy"](run, None)
+    run.start(each=lambda i: {"network": net, "victim": True} if i == 1 else {})
+    run.blackhole(run.workers[1], net, seconds, end=end)
+    run.wait_spread()
+    cool_down(run)
+    conclude(run)
