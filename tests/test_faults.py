@@ -186,7 +186,7 @@ def test_proxy_cut(scenario: Scenario, conclude: Callable[[FaultRun], None],
 
 
 @pytest.mark.parametrize(("end", "seconds"), [
-    ("heal", 5), ("close", 3),
+    ("heal", 5), long_variant("close", 3, id="close-3-long"),
     long_variant("heal", 30, id="heal-30-long"), long_variant("close", 30, id="close-30-long")])
 def test_blackhole_proxy(scenario: Scenario, conclude: Callable[[FaultRun], None], end: str,
                          seconds: float) -> None:
@@ -313,7 +313,8 @@ def test_server_restart(scenario: Scenario, conclude: Callable[[FaultRun], None]
 # -- 5b. transactional handlers ----------------------------------------------------------
 
 
-@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
+@pytest.mark.parametrize("worker_flavour", ["sync", long_variant("async", id="async-long")],
+                         indirect=True)
 def test_transactional_effects_exactly_once(scenario: Scenario,
                                             conclude: Callable[[FaultRun], None],
                                             restartable_server: pgtest.PgServer) -> None:

@@ -24,13 +24,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import scalar, wait_for
+from helpers import long_variant, scalar, wait_for
 from psycopg.conninfo import conninfo_to_dict
 from test_pooler import Recorder, churn
 
 import pgque
-
-pytestmark = pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 
 EVENTS = 300
 KEYS = 41
@@ -69,6 +67,7 @@ def in_key_order(handled: list[int], ids: list[int]) -> None:
         assert events == sorted(events), f"a key's events out of order: {events}"
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 def test_two_workers_by_lease_behind_a_transaction_pooler(
         client: pgque.Client, dsn: str, pgbouncer: Any) -> None:
     ids = make_group(client)
@@ -94,6 +93,7 @@ def test_two_workers_by_lease_behind_a_transaction_pooler(
     assert client.group_status("q", "g").members == 0
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 def test_transactional_effects_exactly_once_by_lease(
         client: pgque.Client, dsn: str, pgbouncer: Any) -> None:
     ids = make_group(client)
@@ -129,6 +129,8 @@ def spawn_lease_worker(pooled: str, name: str, tmp_path: Path) -> subprocess.Pop
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
 
 
+@pytest.mark.parametrize("worker_flavour", ["sync", long_variant("async", id="async-long")],
+                         indirect=True)
 def test_a_killed_workers_slots_move_within_the_lease_and_a_frozen_one_is_fenced_out(
         client: pgque.Client, dsn: str, pgbouncer: Any, tmp_path: Path) -> None:
     """Two worker processes by lease; one is killed (SIGKILL): its slots move
@@ -211,6 +213,7 @@ def shares(client: pgque.Client) -> dict[str, int]:
     return dict(rows)
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 def test_the_modes_do_not_mix_in_a_group(client: pgque.Client, dsn: str,
                                          pgbouncer: Any) -> None:
     make_group(client)
@@ -244,6 +247,7 @@ def test_listen_needs_advisory_ownership() -> None:
         pgque.Ticker("dbname=x", ownership="lease", lease=0.5)
 
 
+@pytest.mark.both_workers  # with the Worker and the AsyncWorker (conftest.py)
 def test_a_cut_connection_does_not_keep_the_slots_for_the_lease_time(
         client: pgque.Client, dsn: str, pgbouncer: Any) -> None:
     """The worker's connections to the pooler are cut (a pooler restart, a
