@@ -128,7 +128,7 @@ as $$
 declare
     v_epoch bigint;
 begin
-    if pgque._lease_token() is not null then  -- by lease: the claim took it
+    if current_setting('pgque.lease', true) <> '' then  -- by lease: the claim took it
         return (select c.sc_epoch from pgque.slot_claim c
                  where c.sc_sub = p_sub.sub_id and c.sc_lease = pgque._lease_id());
     end if;
@@ -155,7 +155,7 @@ declare
     v_claim pgque.slot_claim;
 begin
     v_claim.sc_epoch := pgque._held_epoch(p_sub);
-    if v_claim.sc_epoch is not null or pgque._lease_token() is not null then
+    if v_claim.sc_epoch is not null or current_setting('pgque.lease', true) <> '' then
         return v_claim.sc_epoch;  -- the usual case: one look; by lease, the claim's
     end if;
     select * into v_claim from pgque.slot_claim where sc_sub = p_sub.sub_id;
@@ -193,7 +193,7 @@ as $$
 declare
     v_epochs bigint[];
 begin
-    if pgque._lease_token() is not null then
+    if current_setting('pgque.lease', true) <> '' then  -- by lease (_lease_token)
         return array(select pgque._held_epoch(p_subs[i]) from generate_subscripts(p_subs, 1) i
                       order by i);
     end if;

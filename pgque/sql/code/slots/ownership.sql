@@ -51,7 +51,7 @@ language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if pgque._lease_token() is not null then  -- by lease (lease.sql): PQ034 once expired
+    if current_setting('pgque.lease', true) <> '' then  -- by lease (lease.sql): PQ034 once expired
         return exists (select 1 from pgque.slot_claim c
                         where c.sc_sub = p_sub.sub_id and c.sc_lease = pgque._lease_id());
     end if;
