@@ -28,6 +28,7 @@ from typing import Any, TypeVar, overload
 import msgspec
 import psycopg
 from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row, namedtuple_row, tuple_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -127,8 +128,9 @@ async def open_connection_async(dsn: str, *, timeout: float = 30.0,
     deadline = time.monotonic() + timeout
     delay = 0.05
     kwargs.setdefault("autocommit", True)
-    kwargs.setdefault("connect_timeout", max(2, min(int(timeout), 10)))
     check_dsn(dsn, kwargs)
+    if "connect_timeout" not in conninfo_to_dict(dsn):  # the DSN's own wins (multi-host)
+        kwargs.setdefault("connect_timeout", max(2, min(int(timeout), 10)))
     while True:
         error: ConnectError | None = None
         left = 0.0

@@ -83,6 +83,7 @@ from pgque.errors import (
     InvalidSlotCount,
     OwnershipMismatch,
     QueueNotFound,
+    ServerReadOnly,
     SessionUnstable,
     SlotCountMismatch,
 )
@@ -297,8 +298,13 @@ class Service:
             pause(min(left, STOP_LATENCY), self._stop)
         return True
 
-    def connect(self, dsn: str, **kwargs: Any) -> Conn:
+    def connect(self, dsn: str, *, writable: bool = False, **kwargs: Any) -> Conn:
         """Open an autocommit connection, giving up within STOP_LATENCY of a stop.
+
+        ``writable``: the service needs a server that accepts writes. A hot
+        standby (``pg_is_in_recovery()``) is then refused with ServerReadOnly,
+        before the backoff is reset: the retries slow down as for a server that
+        is down, rather than reconnecting to the standby ten times a second.
 
         Retries while the server starts or cannot be reached (up to
         ``connect_timeout``); raises :class:`Stopped` when a stop comes first,
@@ -314,6 +320,18 @@ class Service:
             poll=STOP_LATENCY, name=f"{self.name}-connect")
         if conn is None:
             raise Stopped()
+        if writable:
+            try:
+                cur = conn.execute("select pg_is_in_recovery()")
+                row = cur.fetchone()
+            except BaseException:
+                conn.close()
+                raise
+            if row is not None and row[0]:
+                conn.close()
+                raise ServerReadOnly("the server is a hot standby (in recovery): it accepts no "
+                                     "writes; connect to the primary (a multi-host DSN with "
+                                     "target_session_attrs=read-write finds it)")
         self._backoff = 0.1  # connected: the next loss starts from a short backoff
         self._ever_connected = True
         return conn

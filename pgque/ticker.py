@@ -150,7 +150,7 @@ class Ticker(Service):
         options: dict[str, Any] = dict(client_keepalives(self.network_timeout))
         if self._lease_token is not None:
             options["prepare_threshold"] = None  # see Worker.connect_options
-        conn = self.connect(self.dsn, **options)
+        conn = self.connect(self.dsn, writable=True, **options)
         watch = self.watch(conn, self.network_timeout / 2)  # see Worker.serve
         try:
             # Never idle for long (standby_interval, idle_interval), so a long

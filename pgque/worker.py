@@ -456,7 +456,7 @@ class Worker(Service, Generic[T]):
         return options
 
     def serve(self) -> None:
-        conn = self.connect(self.dsn, **self.connect_options())
+        conn = self.connect(self.dsn, writable=True, **self.connect_options())
         if self._served and self.metrics is not None:
             self.metrics.reconnected()
         self._served = True
@@ -827,7 +827,8 @@ class _Lane(Generic[T]):
         error: BaseException | None = None
         session: _Session | None = None
         try:
-            conn = worker.connect(worker.dsn, application_name=self.name[:63],
+            conn = worker.connect(worker.dsn, writable=True,
+                                  application_name=self.name[:63],
                                   **worker.connect_options())
             session = _Session(Client(conn),
                                worker.watch(conn, worker.network_timeout / 2))

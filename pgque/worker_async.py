@@ -458,7 +458,7 @@ class AsyncWorker(AsyncService, Generic[T]):
         return options
 
     async def serve(self) -> None:
-        conn = await self.connect(self.dsn, **self.connect_options())
+        conn = await self.connect(self.dsn, writable=True, **self.connect_options())
         if self._served and self.metrics is not None:
             self.metrics.reconnected()
         self._served = True
@@ -829,7 +829,8 @@ class _Lane(Generic[T]):
         error: BaseException | None = None
         session: _Session | None = None
         try:
-            conn = await worker.connect(worker.dsn, application_name=self.name[:63],
+            conn = await worker.connect(worker.dsn, writable=True,
+                                        application_name=self.name[:63],
                                         **worker.connect_options())
             session = _Session(AsyncClient(conn),
                                worker.watch(conn, worker.network_timeout / 2))

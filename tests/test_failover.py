@@ -16,6 +16,7 @@ them to the fault report (tests/faults.py: ``fault_report.json``).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -209,7 +210,7 @@ def test_a_group_rides_through_a_primary_failover(
 
 @pytest.mark.parametrize("pair", ["async"], indirect=True)
 def test_a_hot_standby_reads_refuses_writes_clearly_and_serves_once_promoted(
-        pair: ReplicaPair) -> None:
+        pair: ReplicaPair, caplog: pytest.LogCaptureFixture) -> None:
     """The reading calls work on a hot standby; a write raises ServerReadOnly
     (25006); a Worker pointed at the standby alone keeps reconnecting (it is not
     an error that stops it) and handles events once the standby is promoted;
@@ -241,7 +242,16 @@ def test_a_hot_standby_reads_refuses_writes_clearly_and_serves_once_promoted(
     with pgque.Worker(standby_dsn, queue=QUEUE, consumer=GROUP, slots=2,
                       handler=lambda m: handled.append(m.id), ticker=True,
                       poll_interval=0.05, connect_timeout=5) as worker:
-        time.sleep(1.5)  # time for several reconnects to the standby, not a synchronisation
+        # It refuses the standby as it connects, and backs off as from a server
+        # that is down (it reconnected ten times a second: the connection reset
+        # the backoff).
+        def delays() -> list[float]:
+            return [float(m) for r in caplog.records if r.name == "pgque.worker"
+                    for m in re.findall(r"standby.*reconnecting in ([0-9.]+)s",
+                                        r.getMessage())]
+        wait_for(lambda: len(delays()) >= 4 or None, timeout=30,
+                 what="the worker to try the standby four times")
+        assert delays()[3] > delays()[0], delays()
         assert worker.alive and worker.error is None and not handled
         pair.primary.stop("immediate")
         pair.standby.promote()

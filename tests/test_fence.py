@@ -260,3 +260,29 @@ def test_epochs_taken_in_rolled_back_transactions_leave_no_lock_behind(
     batch = client.receive_partitioned("q", "g", slot=0, slots=1)
     assert batch is not None and batch.fence is not None
     client.check_fence(batch.fence)
+
+
+def test_epochs_keep_growing_on_a_server_that_starts_again_on_timeline_1(
+        client: pgque.Client) -> None:
+    """An epoch is its generation (the highest timeline the database took one on)
+    times 2^40 plus the sequence. A pg_upgrade or a restore of a database that
+    failed over starts the server on timeline 1 again (here: a generation of 5
+    stored, as after failovers): its epochs still grow, they never fall back to
+    timeline 1's."""
+    client.create_queue("q")
+    client.subscribe_slots("q", "g", slots=2)
+    client.set_ownership("q", "g", "lease", lease=30)
+    client.take_lease("q", "g", name="w")
+
+    def epoch(slot: int) -> int:
+        assert client.claim_slot("q", "g", slot)
+        return int(client.conn.execute(
+            "select c.sc_epoch from pgque.slot_claim c join pgque.subscription s "
+            "on s.sub_id = c.sc_sub where s.sub_consumer = pgque._slot_name('g', %s, 2)",
+            (slot,)).fetchone()[0])  # type: ignore[index]
+
+    before = epoch(0)
+    assert before >> 40 == 1  # this server's timeline
+    client.conn.execute("update pgque.epoch_generation set eg_generation = 5")
+    after = epoch(1)
+    assert after >> 40 == 5 and after > before

@@ -1,6 +1,7 @@
 -- Migration 13 (pgque 0.14.0): slot ownership by lease, for clients behind a
--- transaction-mode pooler (code/slots/lease.sql), and the ticker election by
--- lease (code/ticker/election.sql).
+-- transaction-mode pooler (code/slots/lease.sql), the ticker election by
+-- lease (code/ticker/election.sql), and the generation of fencing epochs
+-- (code/slots/fence.sql).
 --
 -- A group owns its slots by session advisory locks (cg_lease null, the
 -- default) or by leases of cg_lease each: rows with an expiry that their
@@ -34,3 +35,14 @@ alter table pgque.ticker_election
     add column if not exists te_lease_token text,
     add column if not exists te_lease_name text,
     add column if not exists te_lease_until timestamptz;
+
+-- The generation of the fencing epochs (slots/fence.sql, _new_epoch): the
+-- highest server timeline an epoch of this database was taken on. An epoch is
+-- the generation times 2^40 plus the epoch sequence's value; the generation
+-- follows the timeline up after a failover, and stays when a pg_upgrade or a
+-- restore starts the server on timeline 1 again.
+create table if not exists pgque.epoch_generation (
+    eg_single     boolean primary key default true check (eg_single),
+    eg_generation bigint not null
+);
+insert into pgque.epoch_generation (eg_generation) values (0) on conflict do nothing;

@@ -31,21 +31,36 @@
 -- pg_read_all_stats, which the database owner who installs pgque usually
 -- lacks: every receive then took a new epoch, and no fence passed.)
 
--- pgque._new_epoch(): a new epoch: the server's timeline times 2^40, plus the
--- next value of pgque.epoch_seq. A standby promoted after a failover writes on
--- a timeline above the old primary's, so every epoch it hands out is above
--- every epoch of the old one, including those the old one handed out after
--- its last replicated write, or would hand out if it came back as a primary
--- (which a failover manager must prevent): a system outside PostgreSQL that
--- keeps the highest epoch seen per slot refuses the old side's writes. The
--- low 32 bits, the epoch's key (_epoch_number), are the sequence's.
+-- pgque._new_epoch(): a new epoch: the epochs' generation times 2^40, plus
+-- the next value of pgque.epoch_seq. The generation (pgque.epoch_generation)
+-- is the highest timeline the server has written on when it took an epoch:
+-- a standby promoted after a failover writes on a timeline above the old
+-- primary's, so every epoch it hands out is above every epoch of the old one,
+-- including those the old one handed out after its last replicated write, or
+-- would hand out if it came back as a primary (which a failover manager must
+-- prevent): a system outside PostgreSQL that keeps the highest epoch seen per
+-- slot refuses the old side's writes. A pg_upgrade or a restore starts on
+-- timeline 1 again; the stored generation keeps the epochs growing. The low
+-- 32 bits, the epoch's key (_epoch_number), are the sequence's.
 create or replace function pgque._new_epoch()
 returns bigint
-language sql volatile
+language plpgsql volatile
 set search_path = pg_catalog, pg_temp
 as $$
-    select (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint << 40)
-           + nextval('pgque.epoch_seq')
+declare
+    v_timeline bigint := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint;
+    v_generation bigint;
+begin
+    select eg_generation into v_generation from pgque.epoch_generation;
+    if v_generation is null or v_timeline > v_generation then
+        -- Once per timeline: the first epoch after a failover (or the install).
+        insert into pgque.epoch_generation (eg_generation) values (v_timeline)
+        on conflict (eg_single) do update set eg_generation = greatest(
+            pgque.epoch_generation.eg_generation, excluded.eg_generation)
+        returning eg_generation into v_generation;
+    end if;
+    return (v_generation << 40) + nextval('pgque.epoch_seq');
+end
 $$;
 
 -- pgque._epoch_class(sub_id): the first integer of a slot's epoch keys: the
