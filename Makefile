@@ -46,8 +46,9 @@ twins: venv
 # suite runs on both), the pytest plugin (it starts servers of its own) and
 # the modules that need no server.
 # (The worker command's and the services' lifecycle tests, the Worker's behind a
-# pooler (by lock, refused; by lease) and the failover of a replication pair
-# run on the second server instead, to balance the two; the fault suite's
+# pooler (by lock, refused; by lease), the failover of a replication pair and
+# the ordering property tests run on the second server instead, to balance the
+# two; the fault suite's
 # scenario by lease runs on the first; `make test-faults` runs the failover on
 # both.)
 SYSTEM_LOG := .pytest-system.log
@@ -56,7 +57,7 @@ SYSTEM_ONLY_ARGS := --ignore=tests/test_faults.py --ignore=tests/test_cli.py \
 	--ignore=tests/test_acompat.py --ignore=tests/test_bench_report.py
 FIRST_ONLY_ARGS := --ignore=tests/test_cli_worker.py --ignore=tests/test_lifecycle.py \
 	--ignore=tests/test_pooler.py --ignore=tests/test_lease_worker.py \
-	--ignore=tests/test_failover.py
+	--ignore=tests/test_failover.py --ignore=tests/test_ordering.py
 
 # The suite starts a few hundred Python processes (the CLI, workers, the demo):
 # each would compile pgque from source again where PYTHONDONTWRITEBYTECODE is set.

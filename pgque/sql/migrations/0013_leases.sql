@@ -45,4 +45,9 @@ create table if not exists pgque.epoch_generation (
     eg_single     boolean primary key default true check (eg_single),
     eg_generation bigint not null
 );
-insert into pgque.epoch_generation (eg_generation) values (0) on conflict do nothing;
+-- The timeline of the server it is installed on (a primary): so the first
+-- epochs write nothing here (the workers' hot path updates no row).
+insert into pgque.epoch_generation (eg_generation)
+values (('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))
+        ::bit(32)::bigint)
+on conflict do nothing;
