@@ -631,23 +631,22 @@ class Worker(Service, Generic[T]):
         own = control.client.lease
         assert own is not None
         with self._lock:
-            lanes = [lane for lane in self._lanes
-                     if lane.lease is not None and lane.session is not None and not lane.lost]
+            held = [(lane, lane.lease, lane.session) for lane in self._lanes if not lane.lost]
+        lanes = [(lane, lease, session) for lane, lease, session in held
+                 if lease is not None and session is not None]
         sent = time.monotonic()
         with control.call() as client:
-            renewed = client.renew_leases([own, *(lane.lease for lane in lanes
-                                                          if lane.lease is not None)])
+            renewed = client.renew_leases([own, *(lease for _, lease, _ in lanes)])
         if own.id not in renewed:
             raise LeaseExpired(f"the lease of worker {self.name} expired before its renewal")
         deadline = sent + lease_seconds(own) * LEASE_SAFE_SHARE
         control.lease_deadline = deadline
-        for lane in lanes:
-            assert lane.lease is not None and lane.session is not None
-            if lane.lease.id in renewed:
-                lane.session.lease_deadline = max(lane.session.lease_deadline or 0, deadline)
+        for lane, lease, session in lanes:
+            if lease.id in renewed:
+                session.lease_deadline = max(session.lease_deadline or 0, deadline)
             else:
                 self.log.warning("%s: the lease of %s expired", self.name, lane.name)
-                lane.session.lease_deadline = sent
+                session.lease_deadline = sent
 
     def _rebalance(self, control: _Session) -> None:
         """Claim free slots up to the fair share; release the surplus. Claims and

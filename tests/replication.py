@@ -17,6 +17,7 @@ not crash here, only the postmaster, so what is written survives.
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 import time
@@ -57,8 +58,6 @@ class Standby(LocalPostgres):
             self._user = self.primary._user
             shutil.chown(root, self._user.pw_uid, self._user.pw_gid)
         self._root = root
-        import atexit
-
         atexit.register(self._close_at_exit)
         rc, out = self._run(["pg_basebackup", "-h", "127.0.0.1", "-p", str(self.primary.port),
                              "-U", "postgres", "-D", str(self.datadir), "-R", "-X", "stream",

@@ -41,8 +41,8 @@ def pooled(dsn: str, pgbouncer: Any) -> Iterator[str]:
 
 
 def pooled_client(url: str) -> pgque.Client:
-    return pgque.Client(psycopg.connect(url, autocommit=True, prepare_threshold=None),
-                        owns_connection=True)
+    """A client through the pooler (prepared statements off: PgBouncer 1.18)."""
+    return pgque.connect(url, prepare_threshold=None, pool_size=0)
 
 
 def lease_group(client: pgque.Client, *, slots: int = 2, lease: float = LEASE) -> list[int]:
@@ -316,3 +316,54 @@ def test_maintenance_deletes_leases_expired_a_while_and_ids_are_bigint(
         "select * from pgque.maint()")]
     assert scalar(client.conn, "select count(*) from pgque.lease") == 0
     assert owner_of(client, 1) is None
+
+
+def test_a_lock_taken_by_hand_owns_nothing_in_a_group_that_owns_by_lease(
+        client: pgque.Client, dsn: str) -> None:
+    """A session that read a slot's lock key while the group owned by lock, and
+    takes that lock by hand once it owns by lease, must not pass for an owner
+    beside the lease that holds the slot (one owner per slot); nor may the key
+    be read any more."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=2)
+    key = client.slot_lock_key("q", "g", 0)
+    assert client.set_ownership("q", "g", "lease", lease=30)
+    client.send_batch("q", [("e", {"n": n}, "k") for n in range(3)])
+    client.tick("q")
+    with pgque.connect(dsn) as owner, pgque.connect(dsn) as by_hand:
+        owner.take_lease("q", "g", name="owner")
+        slot = scalar(client.conn, "select pgque.slot_of('k', 2)")
+        assert owner.claim_slot("q", "g", slot)
+        for k in (key, client.conn.execute(
+                "select s.sub_lock_key from pgque.subscription s "
+                "where s.sub_consumer = pgque._slot_name('g', %s, 2)", (slot,)).fetchone()[0]):
+            by_hand.conn.execute("select pg_advisory_lock(%s), pg_advisory_lock(%s)", (k, k))
+        with pytest.raises(pgque.SlotNotOwned):
+            by_hand.receive_partitioned("q", "g", slot=slot, slots=2)
+        with pytest.raises(pgque.OwnershipMismatch):
+            by_hand.slot_lock_key("q", "g", slot)
+        assert owner.receive_partitioned("q", "g", slot=slot, slots=2) is not None
+
+
+def test_the_pause_verbs_see_a_head_handed_out_by_lease(client: pgque.Client, dsn: str) -> None:
+    """skip_head refuses (HeadInFlight) while a lease owner has the blocked key's
+    head in hand, as it does while a lock owner has (it looked at the lock
+    only, found nobody, and voided the owner's piece)."""
+    client.create_queue("q", ticker_max_lag=0)
+    client.subscribe_slots("q", "g", slots=1)
+    client.set_failure_policy("q", "g", "pause")
+    client.set_ownership("q", "g", "lease", lease=30)
+    with pgque.connect(dsn) as owner:
+        owner.take_lease("q", "g", name="owner")
+        assert owner.claim_slot("q", "g", 0)
+        client.send_batch("q", [("e", {"n": n}, "a") for n in range(2)])
+        client.tick("q")
+        batch = owner.receive_partitioned("q", "g", slot=0, slots=1)
+        assert batch is not None
+        owner.ack(batch, nack=[batch.messages[0].id], retry_after=3600)
+        client.retry_head("q", "g", "a")
+        held = owner.receive_partitioned("q", "g", slot=0, slots=1)
+        assert held is not None and held.messages[0].id == batch.messages[0].id
+        with pytest.raises(pgque.HeadInFlight):
+            client.skip_head("q", "g", "a")
+        owner.ack(held)

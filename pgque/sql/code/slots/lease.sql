@@ -226,7 +226,6 @@ as $$
 declare
     v_lease pgque.lease;
     v_group pgque.consumer_group;
-    v_queue pgque.queue;
     v_id bigint;
     v_count integer;
 begin
@@ -235,8 +234,7 @@ begin
         return 0;
     end if;
     select * into v_group from pgque.consumer_group where cg_id = v_lease.lease_group;
-    select * into v_queue from pgque.queue where queue_id = v_group.cg_queue;
-    perform pgque._require_counting_session(v_queue, v_group);
+    perform pgque._require_counting_session(pgque._queue_of(v_group), v_group);
     delete from pgque.lease where lease_id = v_lease.lease_id returning lease_id into v_id;
     if v_id is null then
         return 0;
@@ -247,14 +245,14 @@ begin
 end
 $$;
 
--- pgque._claim_by_lease(sub, group): claim_slot for a group that owns by
+-- pgque._claim_by_lease(sub, queue, group): claim_slot for a group that owns by
 -- lease, for the caller's lease (PQ034 when it expired or is another
 -- group's): true when the slot's claim names the lease now (a new epoch when
 -- it did not before), false when another live lease holds it or a
 -- transaction that checked the slot's epoch still runs (see fence.sql; no
 -- wait).
 create or replace function pgque._claim_by_lease(
-    p_sub pgque.subscription, p_group pgque.consumer_group)
+    p_sub pgque.subscription, p_queue pgque.queue, p_group pgque.consumer_group)
 returns boolean
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -284,7 +282,7 @@ begin
     if v_claim.sc_lease = p_lease then
         return true;
     end if;
-    if pgque._lease_alive(v_claim.sc_lease, pgque._queue_of(p_group), p_group) then
+    if pgque._lease_alive(v_claim.sc_lease, p_queue, p_group) then
         return false;
     end if;
     update pgque.slot_claim
@@ -354,6 +352,11 @@ begin
             hint = 'Stop the group''s workers first.';
     end if;
     update pgque.consumer_group set cg_lease = v_lease where cg_id = v_group.cg_id;
+    -- By lease the slots have no lock key (a lock taken by hand on a key read
+    -- before owns nothing: _holds_slot); by lock, fresh ones.
+    update pgque.subscription
+       set sub_lock_key = case when v_lease is null then pgque._random_key() end
+     where sub_id in (select s.sub_id from pgque._group_subs(v_group) s);
     -- The old mode's claims name nobody now; the next owner takes a new epoch.
     update pgque.slot_claim set sc_pid = null, sc_lease = null, sc_time = now()
      where sc_sub in (select s.sub_id from pgque._group_subs(v_group) s)

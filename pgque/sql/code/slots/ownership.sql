@@ -3,7 +3,7 @@
 -- pgque.slot_lock_key(queue, consumer, slot): the bigint key of the session
 -- advisory lock that owns the slot now (random per slot; claim_slot may
 -- renew it, so do not keep it). Refused (PQ014) to roles that may not use
--- the group.
+-- the group; PQ035 for a group that owns by lease (its slots have no key).
 create or replace function pgque.slot_lock_key(p_queue text, p_consumer text, p_slot integer)
 returns bigint
 language plpgsql stable
@@ -15,6 +15,11 @@ declare
     v record;
 begin
     select * into v from pgque._slot_sub(p_queue, p_consumer, p_slot, null, false);
+    if (v.grp).cg_lease is not null then
+        raise exception using errcode = 'PQ035',
+            message = format('consumer group %L of queue %L owns its slots by lease: they have '
+                             'no lock key', p_consumer, (v.queue).queue_name);
+    end if;
     return (v.sub).sub_lock_key;
 end
 $$;
@@ -55,7 +60,31 @@ begin
         return exists (select 1 from pgque.slot_claim c
                         where c.sc_sub = p_sub.sub_id and c.sc_lease = pgque._lease_id());
     end if;
-    return pgque._holds_key(p_sub.sub_lock_key);
+    -- A slot of a group that owns by lease has no key (set_ownership): no lock
+    -- taken by hand on an old one owns it.
+    return p_sub.sub_lock_key is not null and pgque._holds_key(p_sub.sub_lock_key);
+end
+$$;
+
+-- pgque._slot_owned(queue, group, sub): whether anyone owns the slot now: a
+-- session of a role that may use the group holding its lock, or, for a group
+-- that owns by lease, a live lease its claim names. Any session may ask.
+create or replace function pgque._slot_owned(
+    p_queue pgque.queue, p_group pgque.consumer_group, p_sub pgque.subscription)
+returns boolean
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if p_group.cg_lease is not null then
+        return exists (select 1 from pgque.slot_claim c
+                        where c.sc_sub = p_sub.sub_id
+                          and pgque._lease_alive(c.sc_lease, p_queue, p_group));
+    end if;
+    return exists (select 1 from pgque._key_sessions(p_sub.sub_lock_key) k
+                    where k.granted and k.mode = 'ExclusiveLock'
+                      and pgque._may_consume(k.role, p_queue, p_group.cg_owner,
+                                             p_group.cg_grantees));
 end
 $$;
 
@@ -102,7 +131,7 @@ begin
     select * into v_group from pgque.consumer_group where cg_id = (v.grp).cg_id for key share;
     perform pgque._require_mode(v.queue, v_group);
     if v_group.cg_lease is not null then
-        return pgque._claim_by_lease(v.sub, v_group);
+        return pgque._claim_by_lease(v.sub, v.queue, v_group);
     end if;
     return pgque._holds_slot(v.sub)
         or pgque._take_key('slot', (v.sub).sub_id, v.queue, v_group);

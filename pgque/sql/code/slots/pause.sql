@@ -866,9 +866,7 @@ begin
                              pgque._name_for_message(p_consumer), queue.queue_name);
     end if;
     if marker.bk_batch is not null then
-        if exists (select from pgque._key_sessions(sub.sub_lock_key) k
-                    where k.granted and k.mode = 'ExclusiveLock'
-                      and pgque._may_consume(k.role, queue, grp.cg_owner, grp.cg_grantees)) then
+        if pgque._slot_owned(queue, grp, sub) then
             raise exception using errcode = 'PQ028',
                 message = format('cannot %s: the head of key %L is handed out now (batch %s); '
                                  'try again once it is acked', p_action,
